@@ -1,0 +1,1 @@
+"""Reproducible benchmarks; each writes JSON results (and PNG plots where useful)."""

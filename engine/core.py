@@ -1,0 +1,167 @@
+"""EngineCore: the schedule -> execute -> update loop of one node, without I/O."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError, InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_arch import ModelArch
+from engine.model_files import resolve_model
+from engine.model_runner import ModelRunner, kv_bytes_per_block
+from engine.outputs import EngineCoreOutput, EngineStats
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def eos_token_ids(model_dir: str | Path, arch: ModelArch) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (arch.eos_token_id, _generation_eos(model_dir)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return frozenset(ids)
+
+
+def _generation_eos(model_dir: str | Path):
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get("eos_token_id")
+
+
+class EngineCore:
+    """One model, one KV pool, one scheduler. Not thread-safe: drive it from one thread.
+
+    `add_request` validates and queues; `step` runs one batch and returns what each
+    request produced; `abort_requests` ends requests and frees their blocks at once.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.set_num_threads(config.threads)
+        self.model_dir = resolve_model(config.model.model)
+        self.arch = arch = ModelArch.from_dir(self.model_dir)
+        cc = config.cache
+        per_block = kv_bytes_per_block(arch, cc.block_size, config.model.torch_dtype)
+        num_blocks = cc.num_blocks or cc.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                "cache.kv_cache_bytes", f"{cc.kv_cache_bytes} bytes hold no block of {per_block}"
+            )
+        model_max = config.model.max_model_len or arch.max_position_embeddings
+        if model_max > arch.max_position_embeddings:
+            raise ConfigError(
+                "model.max_model_len",
+                f"{model_max} exceeds the model's context {arch.max_position_embeddings}",
+            )
+        # A sequence can never grow beyond what the whole pool holds.
+        self.max_model_len = min(model_max, num_blocks * cc.block_size)
+        self.vocab_size = arch.vocab_size
+        self.eos_token_ids = eos_token_ids(self.model_dir, arch)
+        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(config, arch, str(self.model_dir), num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.generated_tokens = 0
+
+    # -- requests --------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} (the prompt must leave room for one new token)",
+                "prompt",
+            )
+        bad = [t for t in prompt_token_ids if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
+        self.validate(prompt_token_ids, params)
+        req = Request(
+            request_id, prompt_token_ids, params, self.config.cache.block_size, self.eos_token_ids
+        )
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        outs = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            outs.append(self._output(req, [], None))
+        return outs
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the loop --------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        block_ids = {
+            s.request.request_id: self.kv.get_block_ids(s.request.request_id)
+            for s in sched.scheduled
+        }
+        sampled = self.runner.execute(sched, block_ids)
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        outs = []
+        for rid, (tok, lp) in sampled.items():
+            req = self.requests[rid]
+            self.generated_tokens += 1
+            outs.append(self._output(req, [tok], None if lp is None else [lp]))
+            if rid in finished:
+                del self.requests[rid]
+        return outs
+
+    def _output(
+        self, req: Request, tokens: list[int], logprobs: list[float] | None
+    ) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finish_reason=req.status.value if req.is_finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # -- introspection ---------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_cached=pool.num_cached_blocks,
+            prefix_query_tokens=self.kv.prefix_queries,
+            prefix_hit_tokens=self.kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            generated_tokens=self.generated_tokens,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,116 @@
+"""Per-request view of the block pool: prefix lookup, slot allocation for a step, free."""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+
+class KVCacheManager:
+    """Owns which blocks each request holds.
+
+    Contract: `get_computed_blocks` is a pure lookup (takes no references);
+    `allocate_slots` either takes every block the step needs or nothing (returns None);
+    `free` releases everything a request holds. A request's blocks cover its first
+    `num_computed_tokens + num_new_tokens` tokens after a successful allocation.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks already registered in cache
+        self.prefix_queries = 0  # tokens looked up
+        self.prefix_hits = 0  # tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request's tokens: (blocks, number of tokens).
+
+        At least one token is always left to compute, so the last position's logits exist.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        hits: list[KVBlock] = []
+        for i, h in enumerate(request.block_hashes[:max_blocks]):
+            block = self.pool.get_cached_block(h, request.all_token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    def blocks_needed(
+        self, request: Request, num_new_tokens: int, num_computed_blocks: int = 0
+    ) -> int:
+        total = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        held = len(self.req_blocks.get(request.request_id, ())) + num_computed_blocks
+        return max(0, total - held)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVBlock] | None = None,
+    ) -> list[KVBlock] | None:
+        """Blocks for the next `num_new_tokens` tokens, or None if the pool cannot hold them.
+
+        `computed_blocks` (from `get_computed_blocks`, first scheduling only) are taken
+        as the request's leading blocks; `request.num_computed_tokens` must already count them.
+        """
+        computed_blocks = computed_blocks or []
+        need = self.blocks_needed(request, num_new_tokens, len(computed_blocks))
+        # Free cached blocks we are about to reuse do not count as allocatable.
+        reusable_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks - reusable_free:
+            return None
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            self._num_cached[request.request_id] = len(computed_blocks)
+        new_blocks = self.pool.get_new_blocks(need)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once `num_tokens` are computed."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        blocks = self.req_blocks[rid]
+        start = self._num_cached.get(rid, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
+        bs = self.block_size
+        for i in range(start, end):
+            tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+            self.pool.cache_full_block(blocks[i], request.block_hashes[i], tokens)
+        self._num_cached[rid] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self._num_cached.pop(request.request_id, None)
+        self.pool.free_blocks(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held = sum(len(v) for v in self.req_blocks.values())
+        refs = sum(b.ref_cnt for b in self.pool.blocks)
+        if held != refs:
+            from engine.block_pool import BlockPoolError
+
+            raise BlockPoolError(f"requests hold {held} block refs, pool counts {refs}")

@@ -1,0 +1,131 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.core import EngineCore
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import apply_chat_template, load_tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Runs an EngineCore in this process until every submitted prompt is done."""
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m-instruct",
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        kernel_backend: str | None = None,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        kv_cache_bytes: int = 1 << 30,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 64,
+        num_threads: int | None = None,
+        seed: int = 0,
+    ):
+        config = EngineConfig(
+            model=ModelConfig(model, dtype, device, kernel_backend, max_model_len, seed),
+            cache=CacheConfig(block_size, kv_cache_bytes, num_blocks, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+            num_threads=num_threads,
+        )
+        self.engine = EngineCore(config)
+        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[int] | list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_lists = [self._encode(p) for p in prompts]
+        return self._run(token_lists, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [apply_chat_template(self.tokenizer, c) for c in conversations]  # type: ignore[arg-type]
+        return self._run(token_lists, params, use_tqdm)
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids", "prompt")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def _run(self, token_lists, params, use_tqdm: bool) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(token_lists)
+        if len(plist) != len(token_lists):
+            raise InvalidRequestError("need one SamplingParams per prompt", "params")
+        for ids, p in zip(token_lists, plist):
+            self.engine.validate(ids, p)
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for ids, p in zip(token_lists, plist):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, p)
+            results[rid] = RequestOutput(rid, ids, logprobs=[] if p.logprobs else None)
+            order.append((rid, p))
+        pending = set(results)
+        stops = {rid: p.stop for rid, p in order if p.stop}
+        with tqdm(total=len(order), desc="generating", disable=not use_tqdm) as bar:
+            while pending:
+                for out in self.engine.step():
+                    res = results[out.request_id]
+                    res.token_ids.extend(out.new_token_ids)
+                    if out.new_logprobs and res.logprobs is not None:
+                        res.logprobs.extend(out.new_logprobs)
+                    res.num_cached_tokens = out.num_cached_tokens
+                    if out.finished:
+                        res.finish_reason = out.finish_reason
+                    elif out.request_id in stops and self._hit_stop(res, stops[out.request_id]):
+                        self.engine.abort_requests([out.request_id])
+                        res.finish_reason = "stop"
+                    if res.finish_reason is not None:
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        for rid, p in order:
+            res = results[rid]
+            if self.tokenizer is not None:
+                res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+                for s in p.stop:
+                    if s in res.text:
+                        res.text = res.text[: res.text.index(s)]
+        return [results[rid] for rid, _ in order]
+
+    def _hit_stop(self, res: RequestOutput, stop: list[str]) -> bool:
+        if self.tokenizer is None:
+            return False
+        text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        return any(s in text for s in stop)

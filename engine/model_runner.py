@@ -1,0 +1,132 @@
+"""Executes one scheduled step: builds the flattened batch, runs the model, samples.
+
+The KV cache is one preallocated tensor `[num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim]`, sized from the configured byte budget; KV connectors register
+it whole. Logits are computed only for rows that sample (the last token of a sequence
+whose known tokens are all computed after this step).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.model_arch import ModelArch
+from engine.models import get_model_class
+from engine.models.rope import build_cos_sin_cache
+from engine.sampler import sample
+from engine.scheduler import SchedulerOutput
+from engine.weights import load_model_weights
+from kernels.ops import default_backend, get_ops
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, arch: ModelArch, model_dir: str, num_blocks: int):
+        mc = config.model
+        self.device = torch.device(mc.device)
+        self.dtype = mc.torch_dtype
+        self.block_size = config.cache.block_size
+        self.kernel_backend = mc.kernel_backend or default_backend(mc.device)
+        ops = get_ops(self.kernel_backend)
+        torch.manual_seed(mc.seed)
+        with torch.device("meta"):
+            model = get_model_class(arch.architectures)(arch, ops)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        load_model_weights(model, model_dir)
+        attn = model.model.layers[0].self_attn
+        model.cos_sin = build_cos_sin_cache(arch).to(self.device)  # fp32
+        self.model = model.eval()
+        self.kv_cache = torch.zeros(
+            (
+                arch.num_hidden_layers,
+                2,
+                num_blocks,
+                self.block_size,
+                attn.num_kv_heads,
+                attn.head_dim,
+            ),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %.1f MiB, kernels=%s",
+            num_blocks,
+            self.block_size,
+            self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.kernel_backend,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, out: SchedulerOutput, block_ids: dict[str, list[int]]
+    ) -> dict[str, tuple[int, float | None]]:
+        """Run one step; return {request_id: (sampled token, logprob)} for rows that sample."""
+        rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        if not rows:
+            return {}
+        bs = self.block_size
+        q_lens = np.array([s.num_new_tokens for s in rows], dtype=np.int64)
+        starts = np.array([s.request.num_computed_tokens for s in rows], dtype=np.int64)
+        seq_lens = starts + q_lens
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        total = int(cu[-1])
+        # positions: for each row, start .. start + q_len - 1
+        row_of_tok = np.repeat(np.arange(len(rows)), q_lens)
+        positions = np.arange(total, dtype=np.int64) - cu[:-1][row_of_tok] + starts[row_of_tok]
+        input_ids = np.empty(total, dtype=np.int64)
+        for i, s in enumerate(rows):
+            r = s.request
+            input_ids[cu[i] : cu[i + 1]] = r.all_token_ids[
+                r.num_computed_tokens : r.num_computed_tokens + s.num_new_tokens
+            ]
+        tables = [block_ids[s.request.request_id] for s in rows]
+        width = max(len(t) for t in tables)
+        block_table = np.zeros((len(rows), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_table[i, : len(t)] = t
+        slots = block_table[row_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
+
+        nd = int((q_lens == 1).sum())
+        dev = self.device
+        bt = torch.from_numpy(block_table).to(dev)
+        seq_t = torch.from_numpy(seq_lens.astype(np.int32)).to(dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            num_decode_tokens=nd,
+            decode_block_tables=bt[:nd],
+            decode_context_lens=seq_t[:nd],
+            prefill_block_tables=bt[nd:],
+            prefill_query_start_loc=torch.from_numpy((cu[nd:] - cu[nd]).astype(np.int32)).to(dev),
+            prefill_seq_lens=seq_t[nd:],
+        )
+        hidden = self.model(
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+            self.kv_cache,
+            meta,
+        )
+        sampling = [i for i, s in enumerate(rows) if s.samples]
+        if not sampling:
+            return {}
+        last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=dev)
+        logits = self.model.compute_logits(hidden[last_rows])
+        reqs = [rows[i].request for i in sampling]
+        tokens, logprobs = sample(
+            logits, [r.sampling_params for r in reqs], [r.generator for r in reqs]
+        )
+        return {
+            r.request_id: (tok, logprobs[j] if logprobs is not None else None)
+            for j, (r, tok) in enumerate(zip(reqs, tokens))
+        }

@@ -1,0 +1,180 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Merged projections: q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`. Qwen2 adds a bias
+to qkv. Every op goes through the kernel backend (`kernels.reference` or Triton), so the
+model code is the same on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, PagedAttention
+from engine.model_arch import ModelArch
+from engine.models.rope import build_cos_sin_cache
+
+_STACKED = {  # HF name fragment -> (merged name, shard index)
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelArch, ops: ModuleType):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.attn = PagedAttention(ops, self.num_heads, self.num_kv_heads, self.head_dim)
+        self.ops = ops
+
+    def forward(self, positions, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.shape[0]
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        self.ops.rotary_embedding(positions, q, k, cos_sin)
+        o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelArch, ops: ModuleType):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x):
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, ops: ModuleType):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArch, ops: ModuleType):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, ops)
+        self.mlp = LlamaMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(self, positions, x, residual, cos_sin, k_cache, v_cache, meta):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, cos_sin, k_cache, v_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArch, ops: ModuleType):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, ops) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArch, ops: ModuleType):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, ops)
+        self.tie_word_embeddings = cfg.tie_word_embeddings
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("cos_sin", build_cos_sin_cache(cfg), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor,  # [L, 2, N, bs, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(
+                positions, x, residual, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], meta
+            )
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> [S, vocab] fp32 logits, only for the rows that sample."""
+        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, merging q/k/v and gate/up; raise on anything unknown."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            merged = next((frag for frag in _STACKED if f".{frag}." in name), None)
+            if merged is None:
+                if name not in params:
+                    raise KeyError(f"unexpected weight {name!r} in checkpoint")
+                params[name].copy_(tensor)
+                loaded.add(name)
+                continue
+            target_name, shard = _STACKED[merged]
+            pname = name.replace(merged, target_name)
+            param = params[pname]
+            sizes = _shard_sizes(self.model.layers[0], target_name, param.shape[0])
+            offset = sum(sizes[:shard])
+            param[offset : offset + sizes[shard]].copy_(tensor)
+            loaded.add(f"{pname}#{shard}")
+        expected = set()
+        for pname in params:
+            if "qkv_proj" in pname:
+                expected |= {f"{pname}#{i}" for i in range(3)}
+            elif "gate_up_proj" in pname:
+                expected |= {f"{pname}#{i}" for i in range(2)}
+            else:
+                expected.add(pname)
+        missing = expected - loaded
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+
+def _shard_sizes(layer: LlamaDecoderLayer, target: str, total: int) -> list[int]:
+    if target == "qkv_proj":
+        a = layer.self_attn
+        return [a.q_size, a.kv_size, a.kv_size]
+    return [total // 2, total // 2]

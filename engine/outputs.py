@@ -1,0 +1,33 @@
+"""Typed results crossing the engine boundary (msgspec structs: they travel over ZMQ)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineCoreOutput(msgspec.Struct, kw_only=True):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    generated_tokens: int

@@ -1,0 +1,109 @@
+"""A request as the engine core tracks it: tokens, progress, status and block hashes."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.block_hash import hash_block_tokens
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+class Request:
+    """One sequence. `num_computed_tokens` catches up with `num_tokens` step by step.
+
+    Invariant: `block_hashes[i]` is the chained hash of tokens `[i*bs, (i+1)*bs)` of
+    `all_token_ids`, for every block that is full.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[bytes] = []
+        self._update_block_hashes()
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int, logprob: float | None = None) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        self._update_block_hashes()
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the newest token implies, or None to keep going."""
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if last in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _update_block_hashes(self) -> None:
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(
+                hash_block_tokens(parent, self.all_token_ids[i * bs : (i + 1) * bs])
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, status={self.status.value})"
+        )

