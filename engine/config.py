@@ -59,6 +59,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
+    # PD (decode role): a request whose uncached prompt suffix is at most this many tokens
+    # is prefilled here instead of on its prefill node (conditional disaggregation).
+    local_prefill_max_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -68,6 +71,11 @@ class SchedulerConfig:
             )
         if self.max_num_seqs < 1:
             raise ConfigError("scheduler.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.local_prefill_max_tokens < 0:
+            raise ConfigError(
+                "scheduler.local_prefill_max_tokens",
+                f"must be >= 0, got {self.local_prefill_max_tokens}",
+            )
 
 
 @dataclass(frozen=True)

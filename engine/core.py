@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_role import KVRole
 from engine.model_arch import ModelArch
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -46,8 +47,9 @@ class EngineCore:
     request produced; `abort_requests` ends requests and frees their blocks at once.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, kv_role: KVRole | None = None):
         self.config = config
+        self.kv_role = kv_role
         torch.set_num_threads(config.threads)
         self.model_dir = resolve_model(config.model.model)
         self.arch = arch = ModelArch.from_dir(self.model_dir)
@@ -73,6 +75,7 @@ class EngineCore:
         self.runner = ModelRunner(config, arch, str(self.model_dir), num_blocks)
         self.requests: dict[str, Request] = {}
         self.generated_tokens = 0
+        self.last_step_idle = True
 
     # -- requests --------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -91,16 +94,31 @@ class EngineCore:
             )
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        remote_prefill: str | None = None,
+    ) -> Request:
+        """Queue a request. `remote_prefill` names the prefill node (decode role only)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already running", "request_id")
         self.validate(prompt_token_ids, params)
+        if remote_prefill is not None and not (
+            self.kv_role is not None and self.kv_role.accepts_remote_prefill
+        ):
+            raise InvalidRequestError("this node cannot take remote-prefill requests", "kv_transfer_params")
         req = Request(
-            request_id, prompt_token_ids, params, self.config.cache.block_size, self.eos_token_ids
+            request_id,
+            prompt_token_ids,
+            params,
+            self.config.cache.block_size,
+            self.eos_token_ids,
+            remote_prefill=remote_prefill,
         )
         self.requests[request_id] = req
         self.scheduler.add_request(req)
+        return req
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []
@@ -108,36 +126,49 @@ class EngineCore:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
-            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            outs.append(self._output(req, [], None))
+            hold_key = self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            if self.kv_role is not None:
+                self.kv_role.on_abort(self, req, hold_key)
+            elif hold_key is not None:
+                self.kv.release(hold_key)
+            outs.append(self.make_output(req, []))
         return outs
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or (
+            self.kv_role is not None and self.kv_role.has_pending()
+        )
 
     # -- the loop --------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        """One iteration: role polling, schedule, execute, update. Never waits for work."""
+        role = self.kv_role
+        outs = role.before_step(self) if role is not None else []
         sched = self.scheduler.schedule()
-        if not sched.scheduled:
-            return []
-        block_ids = {
-            s.request.request_id: self.kv.get_block_ids(s.request.request_id)
-            for s in sched.scheduled
-        }
-        sampled = self.runner.execute(sched, block_ids)
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
-        outs = []
-        for rid, (tok, lp) in sampled.items():
-            req = self.requests[rid]
-            self.generated_tokens += 1
-            outs.append(self._output(req, [tok], None if lp is None else [lp]))
-            if rid in finished:
-                del self.requests[rid]
+        if role is not None:
+            role.after_schedule(self, sched)
+        finished: list[Request] = []
+        if sched.scheduled:
+            block_ids = {
+                s.request.request_id: self.kv.get_block_ids(s.request.request_id)
+                for s in sched.scheduled
+            }
+            sampled = self.runner.execute(sched, block_ids)
+            finished = self.scheduler.update_from_output(sched, sampled)
+            for rid, (tok, lp) in sampled.items():
+                self.generated_tokens += 1
+                lps = None if lp is None else [lp]
+                outs.append(self.make_output(self.requests[rid], [tok], lps))
+        if role is not None:
+            outs.extend(role.after_step(self, sched, finished))
+        for req in finished:
+            self.requests.pop(req.request_id, None)
+        self.last_step_idle = not sched.scheduled and not outs
         return outs
 
-    def _output(
-        self, req: Request, tokens: list[int], logprobs: list[float] | None
+    def make_output(
+        self, req: Request, tokens: list[int], logprobs: list[float] | None = None
     ) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=req.request_id,
@@ -146,6 +177,7 @@ class EngineCore:
             finish_reason=req.status.value if req.is_finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            error=req.error,
         )
 
     # -- introspection ---------------------------------------------------------------
@@ -165,3 +197,5 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+        if self.kv_role is not None:
+            self.kv_role.check_integrity()

@@ -62,11 +62,14 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[KVBlock] | None = None,
+        cache: bool = True,
     ) -> list[KVBlock] | None:
         """Blocks for the next `num_new_tokens` tokens, or None if the pool cannot hold them.
 
         `computed_blocks` (from `get_computed_blocks`, first scheduling only) are taken
         as the request's leading blocks; `request.num_computed_tokens` must already count them.
+        `cache=False` keeps the new blocks out of the prefix cache (their KV comes from
+        elsewhere later: call `cache_blocks` once it has landed).
         """
         computed_blocks = computed_blocks or []
         need = self.blocks_needed(request, num_new_tokens, len(computed_blocks))
@@ -81,10 +84,11 @@ class KVCacheManager:
             self._num_cached[request.request_id] = len(computed_blocks)
         new_blocks = self.pool.get_new_blocks(need)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        if cache:
+            self.cache_blocks(request, request.num_computed_tokens + num_new_tokens)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's blocks that are full once `num_tokens` are computed."""
         if not self.enable_caching:
             return
@@ -99,9 +103,28 @@ class KVCacheManager:
         self._num_cached[rid] = max(start, end)
 
     def free(self, request: Request) -> None:
-        blocks = self.req_blocks.pop(request.request_id, [])
+        self.release(request.request_id)
+
+    def hold(self, request: Request) -> str:
+        """Detach a request's blocks under a new owner key, kept until `release(key)`.
+
+        For blocks that a transfer may still read (export) or write (a late import):
+        they stay out of circulation while the request itself is gone.
+        """
+        key = f"{request.request_id}#held"
+        self.req_blocks[key] = self.req_blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
+        return key
+
+    def release(self, owner: str) -> None:
+        """Free every block `owner` (a request id or a `hold` key) holds."""
+        blocks = self.req_blocks.pop(owner, [])
+        self._num_cached.pop(owner, None)
         self.pool.free_blocks(list(reversed(blocks)))
+
+    @property
+    def held_owners(self) -> list[str]:
+        return [k for k in self.req_blocks if k.endswith("#held")]
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -13,15 +13,17 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks held, a prefill node fills them
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 class Request:
@@ -39,6 +41,7 @@ class Request:
         block_size: int,
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
+        remote_prefill: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -52,6 +55,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.status = RequestStatus.WAITING
+        # PD: the prefill node to compute this prompt's KV (None: compute it here).
+        self.remote_prefill = remote_prefill
+        # PD: keep the blocks after finishing, until a KV export of them has ended.
+        self.hold_blocks_on_finish = False
+        self.error: str | None = None
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
         self.generator: torch.Generator | None = None

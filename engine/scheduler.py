@@ -8,6 +8,13 @@ chunked prefill needs the rest of its prompt), then waiting requests in arrival 
 whose prompts may be cut into chunks. When the pool cannot hold a running request's next
 tokens, the most recently admitted running request is preempted: its blocks are freed and
 it goes back to the front of the waiting queue, to be recomputed (prefix cache permitting).
+
+PD (decode role): a waiting request with `remote_prefill` set is admitted only when the
+pool can hold its whole prompt; it gets blocks for the part its own prefix cache lacks and
+waits in `remote_waiting` (status WAITING_FOR_REMOTE_KV) while a prefill node fills them.
+`remote_kv_ready` then makes it a running request with its first token, or
+`remote_kv_failed` ends it or sends it back to be prefilled here. A short uncached suffix
+(`local_prefill_max_tokens`) is prefilled here directly.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    remote_prefills: list[Request] = field(default_factory=list)  # newly waiting for remote KV
 
     @property
     def num_tokens(self) -> int:
@@ -49,6 +57,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.remote_waiting: dict[str, Request] = {}
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -56,7 +65,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.remote_waiting)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -84,11 +93,18 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt.
         while self.waiting and not out.preempted and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) + len(self.remote_waiting) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
             computed, num_computed = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_computed
+            if req.remote_prefill is not None:
+                if num_new > self.config.local_prefill_max_tokens:
+                    if not self._admit_remote(req, computed, num_computed):
+                        break
+                    out.remote_prefills.append(req)
+                    continue
+                req.remote_prefill = None  # short suffix: prefill it here
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
@@ -105,6 +121,50 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return out
+
+    def _admit_remote(self, req: Request, computed, num_computed: int) -> bool:
+        """Hold blocks for the whole prompt (none cached until the KV lands)."""
+        req.num_computed_tokens = num_computed
+        if self.kv.allocate_slots(req, req.num_tokens - num_computed, computed, cache=False) is None:
+            req.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        req.num_cached_tokens = num_computed
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote_waiting[req.request_id] = req
+        return True
+
+    def remote_kv_ready(self, request_id: str, first_token: int, logprob: float | None) -> Request:
+        """Every prompt block arrived: cache them, append the first token, start decoding."""
+        req = self.remote_waiting.pop(request_id)
+        req.num_computed_tokens = req.num_tokens
+        self.kv.cache_blocks(req, req.num_tokens)
+        req.append_output_token(first_token, logprob)
+        status = req.check_stop(self.max_model_len)
+        if status is not None:
+            req.status = status
+            self.kv.free(req)
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return req
+
+    def remote_kv_failed(self, request_id: str, prefill_locally: bool, reason: str) -> str:
+        """The remote prefill failed or timed out. Its blocks may still receive a late write,
+        so they are held (not freed) under the returned key until the caller releases them.
+        The request is then prefilled here (at the front of the queue) or ends with an error.
+        """
+        req = self.remote_waiting.pop(request_id)
+        key = self.kv.hold(req)
+        req.num_computed_tokens = 0
+        req.remote_prefill = None
+        if prefill_locally:
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        else:
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = reason
+        return key
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -131,11 +191,19 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request (stop, length or abort) and free its blocks."""
-        req.status = status
+    def finish(self, req: Request, status: RequestStatus) -> str | None:
+        """End a request (stop, length, abort, error) and free its blocks.
+
+        Blocks that a transfer may still touch are held instead (a remote prefill still
+        writing, an export still reading); the hold key is returned for the caller to release.
+        """
+        prev, req.status = req.status, status
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.remote_waiting.pop(req.request_id, None)
+        if prev == RequestStatus.WAITING_FOR_REMOTE_KV or req.hold_blocks_on_finish:
+            return self.kv.hold(req)
         self.kv.free(req)
+        return None

@@ -1,0 +1,47 @@
+"""The hooks through which a PD role drives KV transfers from the engine loop.
+
+A colocated node has no role. A decode node's role imports KV (orders prefills, polls for
+arrivals, enforces deadlines); a prefill node's role exports it (takes orders, pushes
+blocks as chunks finish, reports completion). Every hook runs on the engine thread,
+between steps, so a role never races the scheduler; none may block for long.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
+    from engine.outputs import EngineCoreOutput
+    from engine.request import Request
+    from engine.scheduler import SchedulerOutput
+
+
+class KVRole(Protocol):
+    accepts_remote_prefill: bool  # decode role: requests may name a prefill node
+
+    def before_step(self, core: EngineCore) -> list[EngineCoreOutput]:
+        """Poll transfers and control messages; apply arrivals, failures, new orders."""
+        ...
+
+    def after_schedule(self, core: EngineCore, sched: SchedulerOutput) -> None:
+        """React to this step's schedule (e.g. send prefill orders for newly admitted ones)."""
+        ...
+
+    def after_step(
+        self, core: EngineCore, sched: SchedulerOutput, finished: list[Request]
+    ) -> list[EngineCoreOutput]:
+        """After the model ran: push newly computed blocks, settle finished requests."""
+        ...
+
+    def on_abort(self, core: EngineCore, req: Request, hold_key: str | None) -> None:
+        """A request was aborted; `hold_key` names blocks kept until transfers settle."""
+        ...
+
+    def has_pending(self) -> bool:
+        """True while transfers or held blocks need polling even with no request to run."""
+        ...
+
+    def check_integrity(self) -> None: ...
+
+    def shutdown(self) -> None: ...

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Sets everything up (scripts/setup.sh) and runs the whole test suite.
+# Extra arguments go to pytest, e.g. scripts/test.sh -k engine -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export PYTHONHASHSEED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python -m pytest -q -ra --durations=15 "$@"
