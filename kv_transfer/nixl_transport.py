@@ -1,0 +1,374 @@
+"""Low-level NIXL transport: WRITE paged KV blocks from this node's KV tensor into a peer's.
+
+Contract
+--------
+* One `NixlTransport` per node process owns one NIXL agent and registers the node's whole
+  KV tensor (`kv_transfer.kv_layout` describes its shape) once: DRAM for a CPU tensor,
+  VRAM for a CUDA tensor. The tensor must outlive the transport and must not be resized.
+* Peers are introduced out of band: `local_metadata()` gives msgpack bytes (NIXL agent
+  metadata + `KVLayout`, no pickle) that the other side passes to `add_peer()`. Only the
+  side that *initiates* WRITEs needs the other's metadata; the target needs nothing, and
+  receives notifications from any initiator that knows it.
+* `write_blocks(peer, src, dst, notif)` WRITEs local block `src[i]` into the peer's block
+  `dst[i]` for every layer in `layers` (default all) and both K and V. Pairs consecutive
+  on both sides are merged, so each (layer, kv, run) is at most ONE NIXL descriptor: a
+  contiguous request costs `2 * len(layers)` descriptors whatever its length (fewer when
+  runs span whole planes and so also touch across planes on both sides).
+* Posting may do the copy: between processes on one host UCX WRITEs through CMA
+  (process_vm_writev), which completes inside `write_blocks` (the handle is DONE on
+  return). Across hosts (TCP, RDMA) the data moves after `write_blocks` returns. Callers
+  that must not block (the engine loop) post from a worker thread or in per-layer pieces.
+* Progress: with `progress_thread=True` (default) NIXL progresses UCX in its own thread,
+  which busy-polls about one core per agent. With False, incoming connections and
+  notifications are only handled while the owner calls `poll`/`wait`/`get_notifs`, so a
+  target must call `get_notifs()` regularly (an engine loop does, once per step). It returns at once with a
+  `TransferHandle`; the data moves in the background.
+* `notif`, if given, is delivered to the peer (`get_notifs()` there, keyed by our agent
+  name) only after all of this transfer's data has landed in the peer's memory: NIXL sends
+  it on the same endpoint after the transfer's puts complete. A notif is therefore the
+  target's signal that the blocks are readable. `send_notif` sends one with no data.
+* `poll(h)` / `wait(h, timeout_s)` report `PENDING`, `DONE` or `FAILED`. `wait` returns
+  `PENDING` when the timeout expires; it never hangs. Every handle must be `release()`d
+  exactly once; `check_integrity()` raises if a handle was dropped without release.
+* Not thread-safe: one thread drives a transport.
+
+Failure modes
+-------------
+* Caller bugs raise `ValueError` before anything is posted: unknown peer, src/dst length
+  mismatch, empty or duplicate dst ids, ids outside either side's `num_blocks`, layers out
+  of range, a peer whose layout differs in shape or dtype (raised by `add_peer`).
+* Peer death (process killed, node lost) never raises from `write_blocks`, `poll` or `wait`:
+  the handle ends `FAILED` once UCX notices (a killed local peer: milliseconds; a silent
+  network peer: UCX keepalive time). Callers bound the wait with `wait(..., timeout_s)`
+  and treat `PENDING` at the deadline as failure. Data in the destination blocks of a
+  FAILED or released-while-PENDING transfer is undefined.
+* `release()` of a PENDING handle asks NIXL to cancel; if NIXL refuses, the request is
+  parked and released again on `close()`.
+* `send_notif` to a dead peer raises `RuntimeError` if NIXL reports it, else is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+from nixl import _bindings as nixl_bindings
+from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+
+from kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs
+from kv_transfer.transfer_types import (
+    PeerMetadata,
+    TransferHandle,
+    TransferState,
+    TransferStats,
+    TransportStats,
+)
+
+logger = logging.getLogger(__name__)
+
+_NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
+    getattr(nixl_bindings, n)
+    for n in dir(nixl_bindings)
+    if n.startswith("nixl") and n.endswith("Error")
+)
+
+
+@dataclass
+class _InFlight:
+    xfer: nixl_xfer_handle | None  # None once finished with an error or cancelled
+    ref: weakref.ref[TransferHandle]
+    peer: str
+    t0: float
+
+
+class NixlTransport:
+    """A NIXL agent with this node's KV tensor registered; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str,
+        kv_cache: torch.Tensor,
+        backends: tuple[str, ...] = ("UCX",),
+        backend_params: dict[str, str] | None = None,
+        progress_thread: bool = True,
+    ) -> None:
+        """`backend_params` go to every backend, e.g. {"ucx_error_handling_mode": "peer"}.
+
+        `progress_thread=True` lets NIXL progress UCX in its own thread, which busy-polls
+        (about one core per agent). With False, nothing moves on this side unless the owner
+        calls `poll`/`wait`/`get_notifs` regularly (the engine loop does, once per step).
+        """
+        self.name = name
+        self.layout = KVLayout.from_tensor(kv_cache)
+        self._kv_cache = kv_cache  # keep the registered memory alive
+        self._agent = nixl_agent(
+            name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        )
+        for backend in backends:
+            self._agent.create_backend(backend, dict(backend_params or {}))
+        self._reg = self._agent.register_memory(kv_cache)
+        self._codec = msgspec.msgpack.Encoder()
+        self._peers: dict[str, PeerMetadata] = {}
+        self._inflight: dict[int, _InFlight] = {}
+        self._parked: list[nixl_xfer_handle] = []  # releases NIXL refused; retried on close
+        self._next_id = 0
+        self._released = 0
+        self._totals = TransportStats()
+        self._closed = False
+        logger.info(
+            "nixl transport %s: %s %.1f MiB registered (%d blocks x %d B per layer-kv)",
+            name,
+            self.layout.mem_type,
+            self.layout.total_bytes / 2**20,
+            self.layout.num_blocks,
+            self.layout.block_bytes,
+        )
+
+    # ---- peers -------------------------------------------------------------------------
+
+    def local_metadata(self) -> bytes:
+        self._check_open()
+        md = PeerMetadata(self.name, self._agent.get_agent_metadata(), self.layout)
+        return self._codec.encode(md)
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's `local_metadata()`; returns its name. Same bytes twice: no-op."""
+        self._check_open()
+        md = msgspec.msgpack.decode(metadata, type=PeerMetadata)
+        if md.agent_name == self.name:
+            raise ValueError(f"peer has our own agent name {self.name!r}")
+        self.layout.check_compatible(md.layout)
+        known = self._peers.get(md.agent_name)
+        if known == md:
+            return md.agent_name
+        if known is not None:  # the peer restarted under the same name
+            self.remove_peer(md.agent_name)
+        name = self._agent.add_remote_agent(md.agent_metadata)
+        if isinstance(name, bytes):
+            name = name.decode()
+        if name != md.agent_name:
+            raise ValueError(f"metadata names agent {name!r}, envelope says {md.agent_name!r}")
+        self._peers[name] = md
+        logger.info("nixl transport %s: added peer %s", self.name, name)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget `peer`; its PENDING transfers are cancelled and end FAILED."""
+        self._check_open()
+        if peer not in self._peers:
+            return
+        for rec in self._inflight.values():
+            handle = rec.ref()
+            if rec.peer == peer and handle is not None and handle.state is TransferState.PENDING:
+                self._finish(handle, rec, TransferState.FAILED)
+        del self._peers[peer]
+        try:
+            self._agent.remove_remote_agent(peer)
+        except _NIXL_ERRORS as e:
+            logger.warning("nixl transport %s: removing peer %s: %s", self.name, peer, e)
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    # ---- transfers ---------------------------------------------------------------------
+
+    def write_blocks(
+        self,
+        peer: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        notif: bytes | None = None,
+        layers: range | None = None,
+    ) -> TransferHandle:
+        """WRITE local blocks `src[i]` into the peer's blocks `dst[i]`; see module docstring."""
+        self._check_open()
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}")
+        remote = self._peers[peer].layout
+        src = np.asarray(src_block_ids, dtype=np.int64).reshape(-1)
+        dst = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
+        if src.size != dst.size:
+            raise ValueError(f"{src.size} src block ids but {dst.size} dst block ids")
+        if src.size == 0:
+            raise ValueError("no blocks to write")
+        if np.unique(dst).size != dst.size:
+            raise ValueError("duplicate dst block ids")
+        self.layout.check_block_ids(src, "src")
+        remote.check_block_ids(dst, "dst")
+        layers = range(self.layout.num_layers) if layers is None else layers
+        self.layout.check_layers(layers)
+
+        runs = merge_runs(src, dst)
+        local_descs = block_descs(self.layout, layers, runs.src_starts, runs.lengths)
+        remote_descs = block_descs(remote, layers, runs.dst_starts, runs.lengths)
+        local_descs, remote_descs = coalesce(local_descs, remote_descs)
+        stats = TransferStats(
+            bytes=int(local_descs[:, 1].sum()), descriptors=int(local_descs.shape[0])
+        )
+        handle = TransferHandle(self._next_id, peer, stats)
+        self._next_id += 1
+        rec = _InFlight(None, weakref.ref(handle), peer, time.perf_counter())
+        self._inflight[handle.id] = rec
+        try:
+            rec.xfer = self._agent.initialize_xfer(
+                "WRITE",
+                self._agent.get_xfer_descs(local_descs, self.layout.mem_type),
+                self._agent.get_xfer_descs(remote_descs, remote.mem_type),
+                peer,
+                notif or b"",
+            )
+            status = self._agent.transfer(rec.xfer)
+        except _NIXL_ERRORS as e:
+            logger.warning("nixl transport %s: write to %s failed to post: %s", self.name, peer, e)
+            status = "ERR"
+        if status == "DONE":
+            self._finish(handle, rec, TransferState.DONE)
+        elif status == "ERR":
+            self._finish(handle, rec, TransferState.FAILED)
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        """Current state of `handle`; a dead peer shows as FAILED, never as an exception."""
+        if handle.state is not TransferState.PENDING:
+            return handle.state
+        rec = self._record(handle)
+        try:
+            status = self._agent.check_xfer_state(rec.xfer)
+        except _NIXL_ERRORS as e:
+            logger.warning("nixl transport %s: transfer %d: %s", self.name, handle.id, e)
+            status = "ERR"
+        if status == "DONE":
+            self._finish(handle, rec, TransferState.DONE)
+        elif status == "ERR":
+            self._finish(handle, rec, TransferState.FAILED)
+        return handle.state
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> TransferState:
+        """Poll until DONE/FAILED or `timeout_s` passes (then PENDING). Never hangs."""
+        deadline = time.perf_counter() + timeout_s
+        delay = 1e-5
+        while (state := self.poll(handle)) is TransferState.PENDING:
+            if time.perf_counter() >= deadline:
+                return state
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+        return state
+
+    def release(self, handle: TransferHandle) -> None:
+        """Free the handle's NIXL request; a PENDING transfer is cancelled (ends FAILED)."""
+        rec = self._record(handle)
+        if handle.state is TransferState.PENDING:
+            self._finish(handle, rec, TransferState.FAILED)
+        elif rec.xfer is not None:
+            rec.xfer.release()
+        del self._inflight[handle.id]
+        handle.released = True
+        self._released += 1
+
+    # ---- notifications -----------------------------------------------------------------
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, keyed by the sender's agent name."""
+        self._check_open()
+        return dict(self._agent.get_new_notifs())
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        """Send `msg` to `peer` with no data; ordered after our completed transfers to it."""
+        self._check_open()
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}")
+        try:
+            self._agent.send_notif(peer, msg)
+        except _NIXL_ERRORS as e:
+            raise RuntimeError(f"notification to {peer!r} failed: {e}") from e
+
+    # ---- bookkeeping -------------------------------------------------------------------
+
+    @property
+    def stats(self) -> TransportStats:
+        return msgspec.structs.replace(self._totals)
+
+    @property
+    def num_inflight(self) -> int:
+        """Handles posted and not yet released (any state)."""
+        return len(self._inflight)
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if a handle leaked (dropped unreleased) or counts disagree."""
+        leaked = [i for i, rec in self._inflight.items() if rec.ref() is None]
+        if leaked:
+            raise RuntimeError(f"transfer handles dropped without release: {leaked}")
+        if self._next_id != self._released + len(self._inflight):
+            raise RuntimeError(
+                f"{self._next_id} posted != {self._released} released + "
+                f"{len(self._inflight)} in flight"
+            )
+        t = self._totals
+        if t.done + t.failed > self._next_id:
+            raise RuntimeError(f"{t.done} done + {t.failed} failed > {self._next_id} posted")
+
+    def close(self) -> None:
+        """Cancel what is in flight, drop peers, deregister memory. Idempotent."""
+        if self._closed:
+            return
+        for rec in self._inflight.values():
+            handle = rec.ref()
+            if handle is not None and handle.state is TransferState.PENDING:
+                self._finish(handle, rec, TransferState.FAILED)
+            elif rec.xfer is not None:
+                self._release_xfer(rec.xfer)
+            rec.xfer = None
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        for xfer in self._parked:
+            self._release_xfer(xfer)
+        self._parked.clear()
+        self._agent.deregister_memory(self._reg)
+        self._closed = True
+        logger.info("nixl transport %s closed: %s", self.name, self._totals)
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"nixl transport {self.name} is closed")
+
+    def _record(self, handle: TransferHandle) -> _InFlight:
+        rec = self._inflight.get(handle.id)
+        if rec is None or rec.ref() is not handle:
+            raise ValueError(f"{handle!r} is released or not from this transport")
+        return rec
+
+    def _finish(self, handle: TransferHandle, rec: _InFlight, state: TransferState) -> None:
+        handle.state = state
+        if state is TransferState.DONE:
+            handle.stats.seconds = time.perf_counter() - rec.t0
+            self._totals.done += 1
+            self._totals.bytes += handle.stats.bytes
+            self._totals.descriptors += handle.stats.descriptors
+            self._totals.seconds += handle.stats.seconds
+            return
+        self._totals.failed += 1
+        if rec.xfer is not None:  # cancel (if still running) and free the request
+            self._release_xfer(rec.xfer)
+            rec.xfer = None
+
+    def _release_xfer(self, xfer: nixl_xfer_handle) -> None:
+        try:
+            xfer.release()
+        except _NIXL_ERRORS as e:
+            logger.warning("nixl transport %s: NIXL kept a request (%s); parked", self.name, e)
+            if xfer not in self._parked:
+                self._parked.append(xfer)

@@ -1,0 +1,61 @@
+"""Plain data the NIXL transport hands out: states, per-transfer stats, peer metadata, handles.
+
+`PeerMetadata` is the only one that crosses a process boundary (msgpack, via
+`NixlTransport.local_metadata`); the rest live in the process that posted the transfer.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from kv_transfer.kv_layout import KVLayout
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferStats(msgspec.Struct):
+    """What one transfer moved; `seconds` (post to observed completion) is set when DONE."""
+
+    bytes: int
+    descriptors: int
+    seconds: float | None = None
+
+
+class TransportStats(msgspec.Struct):
+    """Totals over finished transfers of one transport."""
+
+    done: int = 0
+    failed: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    seconds: float = 0.0
+
+
+class PeerMetadata(msgspec.Struct, frozen=True):
+    """What `local_metadata()` encodes: enough for a peer to WRITE into our blocks."""
+
+    agent_name: str
+    agent_metadata: bytes
+    layout: KVLayout
+
+
+class TransferHandle:
+    """One posted WRITE. Read `state` and `stats`; pass it back to poll/wait/release."""
+
+    __slots__ = ("id", "peer", "state", "stats", "released", "__weakref__")
+
+    def __init__(self, id: int, peer: str, stats: TransferStats) -> None:
+        self.id = id
+        self.peer = peer
+        self.state = TransferState.PENDING
+        self.stats = stats
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"TransferHandle(id={self.id}, peer={self.peer!r}, state={self.state.name})"
