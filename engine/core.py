@@ -76,6 +76,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.generated_tokens = 0
         self.last_step_idle = True
+        if kv_role is not None:
+            kv_role.attach(self)
 
     # -- requests --------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -107,7 +109,9 @@ class EngineCore:
         if remote_prefill is not None and not (
             self.kv_role is not None and self.kv_role.accepts_remote_prefill
         ):
-            raise InvalidRequestError("this node cannot take remote-prefill requests", "kv_transfer_params")
+            raise InvalidRequestError(
+                "this node cannot take remote-prefill requests", "kv_transfer_params"
+            )
         req = Request(
             request_id,
             prompt_token_ids,
@@ -129,6 +133,8 @@ class EngineCore:
             hold_key = self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             if self.kv_role is not None:
                 self.kv_role.on_abort(self, req, hold_key)
+            if req.kv_export:
+                continue
             elif hold_key is not None:
                 self.kv.release(hold_key)
             outs.append(self.make_output(req, []))
@@ -157,9 +163,11 @@ class EngineCore:
             sampled = self.runner.execute(sched, block_ids)
             finished = self.scheduler.update_from_output(sched, sampled)
             for rid, (tok, lp) in sampled.items():
+                req = self.requests[rid]
+                if req.kv_export:
+                    continue  # a prefill order: its token goes to the decode node, not here
                 self.generated_tokens += 1
-                lps = None if lp is None else [lp]
-                outs.append(self.make_output(self.requests[rid], [tok], lps))
+                outs.append(self.make_output(req, [tok], None if lp is None else [lp]))
         if role is not None:
             outs.extend(role.after_step(self, sched, finished))
         for req in finished:

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 class KVRole(Protocol):
     accepts_remote_prefill: bool  # decode role: requests may name a prefill node
 
+    def attach(self, core: EngineCore) -> None:
+        """Called once the engine exists: register its KV cache with the connector."""
+        ...
+
     def before_step(self, core: EngineCore) -> list[EngineCoreOutput]:
         """Poll transfers and control messages; apply arrivals, failures, new orders."""
         ...

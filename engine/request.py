@@ -57,8 +57,9 @@ class Request:
         self.status = RequestStatus.WAITING
         # PD: the prefill node to compute this prompt's KV (None: compute it here).
         self.remote_prefill = remote_prefill
-        # PD: keep the blocks after finishing, until a KV export of them has ended.
-        self.hold_blocks_on_finish = False
+        # PD: a prefill order from another node. It yields no output for this node's
+        # clients, and its blocks are held after it finishes until the export has ended.
+        self.kv_export = False
         self.error: str | None = None
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()

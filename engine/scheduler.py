@@ -125,7 +125,10 @@ class Scheduler:
     def _admit_remote(self, req: Request, computed, num_computed: int) -> bool:
         """Hold blocks for the whole prompt (none cached until the KV lands)."""
         req.num_computed_tokens = num_computed
-        if self.kv.allocate_slots(req, req.num_tokens - num_computed, computed, cache=False) is None:
+        if (
+            self.kv.allocate_slots(req, req.num_tokens - num_computed, computed, cache=False)
+            is None
+        ):
             req.num_computed_tokens = 0
             return False
         self.waiting.popleft()
@@ -203,7 +206,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.remote_waiting.pop(req.request_id, None)
-        if prev == RequestStatus.WAITING_FOR_REMOTE_KV or req.hold_blocks_on_finish:
+        if prev == RequestStatus.WAITING_FOR_REMOTE_KV or req.kv_export:
             return self.kv.hold(req)
         self.kv.free(req)
         return None

@@ -1,0 +1,164 @@
+"""PD roles over real NIXL, two engines driven from one test process (fast, debuggable).
+
+The cross-process, HTTP-level PD tests live in test_pd_serving.py; here the same roles and
+connector run with both engine loops stepped alternately, so every state can be asserted.
+"""
+
+import random
+import time
+
+import pytest
+
+from decode.role import DecodeRole
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from kv_transfer.nixl_connector import NixlConnector
+from prefill.role import PrefillRole
+from tests.hf_reference import hf_greedy, load_hf
+
+pytest.importorskip("nixl")
+
+
+def make_config(tiny_llama_dir, *, num_blocks=256, budget=32, local_max=4):
+    return EngineConfig(
+        model=ModelConfig(tiny_llama_dir),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=budget, local_prefill_max_tokens=local_max
+        ),
+        num_threads=1,
+    )
+
+
+class Pair:
+    def __init__(self, tiny_llama_dir, timeout_s=10.0, prefill_locally=True, **kw):
+        self.pconn = NixlConnector(node_id="p", role="prefill", control_address="tcp://127.0.0.1:*")
+        self.prefill = EngineCore(make_config(tiny_llama_dir, **kw), PrefillRole(self.pconn))
+        self.dconn = NixlConnector(node_id="d", role="decode")
+        self.drole = DecodeRole(
+            self.dconn, transfer_timeout_s=timeout_s, prefill_locally_on_failure=prefill_locally
+        )
+        self.decode = EngineCore(make_config(tiny_llama_dir, **kw), self.drole)
+        self.addr = self.pconn.control_address
+
+    def run(self, prompts, params, max_s=60.0, step_prefill=True):
+        outs = {}
+        for i, p in enumerate(prompts):
+            self.decode.add_request(f"r{i}", p, params, remote_prefill=self.addr)
+        deadline = time.monotonic() + max_s
+        while self.decode.has_unfinished or (step_prefill and self.prefill.has_unfinished):
+            assert time.monotonic() < deadline, "PD pair did not finish"
+            for o in self.decode.step():
+                outs.setdefault(o.request_id, []).append(o)
+            if step_prefill:
+                assert self.prefill.step() == []  # prefill orders never output locally
+        return [outs[f"r{i}"] for i in range(len(prompts))]
+
+    def close(self):
+        self.drole.shutdown()
+        self.prefill.kv_role.shutdown()
+
+
+def tokens(outs):
+    return [t for o in outs for t in o.new_token_ids]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    return load_hf(tiny_llama_dir)
+
+
+def prompts_of(lengths, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1024) for _ in range(n)] for n in lengths]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def test_pd_greedy_equals_hf(tiny_llama_dir, hf_model):
+    pair = Pair(tiny_llama_dir)
+    try:
+        prompts = prompts_of([9, 40, 77, 16, 4, 130], seed=1)
+        results = pair.run(prompts, GREEDY)
+        for p, outs in zip(prompts, results):
+            assert tokens(outs) == hf_greedy(hf_model, p, 8)
+            assert outs[-1].finish_reason == "length"
+        assert pair.drole.num_remote_prefills == 5  # the 4-token prompt was prefilled locally
+        for core in (pair.decode, pair.prefill):
+            core.check_integrity()
+            assert core.kv.pool.num_used_blocks == 0
+    finally:
+        pair.close()
+
+
+def test_only_uncached_blocks_cross(tiny_llama_dir, hf_model):
+    pair = Pair(tiny_llama_dir)
+    try:
+        shared = prompts_of([40], seed=2)[0]
+        pair.run([shared + [7, 8, 9, 10, 11, 12]], GREEDY)
+        sent_before = pair.prefill.kv_role.bytes_sent
+        p2 = shared + prompts_of([20], seed=3)[0]
+        (outs,) = pair.run([p2], GREEDY)
+        assert tokens(outs) == hf_greedy(hf_model, p2, 8)
+        layout = pair.dconn.transport.layout
+        # decode had 40 tokens = 10 blocks cached; 60-token prompt = 15 blocks: 5 cross
+        assert (
+            pair.prefill.kv_role.bytes_sent - sent_before
+            == 5 * layout.block_bytes * 2 * layout.num_layers
+        )
+        assert outs[0].num_cached_tokens == 40
+    finally:
+        pair.close()
+
+
+def test_prefill_never_answers_times_out_then_local(tiny_llama_dir, hf_model):
+    pair = Pair(tiny_llama_dir, timeout_s=0.5)
+    try:
+        p = prompts_of([30], seed=4)[0]
+        (outs,) = pair.run([p], GREEDY, step_prefill=False)  # prefill node never steps
+        assert tokens(outs) == hf_greedy(hf_model, p, 8)  # prefilled locally after the deadline
+        assert pair.drole.num_failures == 1
+        pair.decode.check_integrity()
+        assert pair.decode.kv.pool.num_used_blocks == 0  # held blocks released after grace
+    finally:
+        pair.close()
+
+
+def test_prefill_failure_ends_with_error(tiny_llama_dir):
+    pair = Pair(tiny_llama_dir, timeout_s=0.3, prefill_locally=False)
+    try:
+        (outs,) = pair.run([prompts_of([30], seed=5)[0]], GREEDY, step_prefill=False)
+        assert outs[-1].finish_reason == "error" and "within" in outs[-1].error
+        pair.decode.check_integrity()
+        assert pair.decode.kv.pool.num_used_blocks == 0
+    finally:
+        pair.close()
+
+
+def test_abort_on_decode_frees_prefill(tiny_llama_dir):
+    pair = Pair(tiny_llama_dir, budget=4)  # 4-token chunks: the prefill takes many steps
+    try:
+        p = prompts_of([120], seed=6)[0]
+        pair.decode.add_request("a", p, GREEDY, remote_prefill=pair.addr)
+        deadline = time.monotonic() + 10
+        while not (
+            "a" in pair.prefill.requests and pair.prefill.requests["a"].num_computed_tokens >= 8
+        ):
+            assert time.monotonic() < deadline
+            pair.decode.step()
+            pair.prefill.step()
+        assert pair.prefill.requests["a"].num_computed_tokens < 120  # prefill is mid-way
+        pair.decode.abort_requests(["a"])
+        deadline = time.monotonic() + 10
+        while pair.decode.has_unfinished or pair.prefill.has_unfinished:
+            assert time.monotonic() < deadline
+            pair.decode.step()
+            pair.prefill.step()
+        for core in (pair.decode, pair.prefill):
+            core.check_integrity()
+            assert core.kv.pool.num_used_blocks == 0
+        assert "a" not in pair.prefill.requests
+    finally:
+        pair.close()
