@@ -78,11 +78,58 @@ class SchedulerConfig:
             )
 
 
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Which PD role this node plays and how its KV moves (see kv_transfer/ and docs/)."""
+
+    role: str = "colocated"
+    connector: str = "nixl"
+    node_id: str = "node"
+    # prefill: the ZMQ address its control channel binds (decode nodes connect to it)
+    control_address: str | None = None
+    # decode: control addresses of the prefill nodes requests are sent to by default
+    prefill_nodes: tuple[str, ...] = ()
+    transfer_timeout_s: float = 60.0  # deadline for a prompt's KV to arrive
+    abort_grace_s: float = 2.0  # after a deadline or abort, before blocks are reused
+    on_prefill_failure: str = "local"  # "local": prefill on decode; "error": fail the request
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError("kv_transfer.role", f"must be one of {ROLES}, got {self.role!r}")
+        if self.role == "prefill" and not self.control_address:
+            raise ConfigError("kv_transfer.control_address", "a prefill node needs one")
+        for addr in ((self.control_address,) if self.control_address else ()) + self.prefill_nodes:
+            if not addr.startswith(("tcp://", "ipc://")):
+                raise ConfigError(
+                    "kv_transfer.prefill_nodes"
+                    if addr in self.prefill_nodes
+                    else "kv_transfer.control_address",
+                    f"{addr!r} must start with tcp:// or ipc://",
+                )
+        if self.transfer_timeout_s <= 0:
+            raise ConfigError(
+                "kv_transfer.transfer_timeout_s", f"must be > 0, got {self.transfer_timeout_s}"
+            )
+        if self.abort_grace_s < 0:
+            raise ConfigError(
+                "kv_transfer.abort_grace_s", f"must be >= 0, got {self.abort_grace_s}"
+            )
+        if self.on_prefill_failure not in ("local", "error"):
+            raise ConfigError(
+                "kv_transfer.on_prefill_failure",
+                f"must be 'local' or 'error', got {self.on_prefill_failure!r}",
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     num_threads: int | None = None  # torch threads; None: one per core
 
     def __post_init__(self) -> None:

@@ -1,0 +1,101 @@
+"""The `pdserve` command. `pdserve serve --model NAME --port P` runs one colocated node."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import tempfile
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.messages import EngineAddresses
+from engine.serving.api_server import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger("engine.cli")
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    model, cache, sched = ModelConfig(), CacheConfig(), SchedulerConfig()
+    p.add_argument("--model", default=model.model, help="built-in name, HF directory or .gguf")
+    p.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--dtype", default=model.dtype, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=model.device)
+    p.add_argument("--block-size", type=int, default=cache.block_size)
+    p.add_argument("--kv-cache-bytes", type=int, default=cache.kv_cache_bytes)
+    p.add_argument("--num-blocks", type=int, default=None, help="overrides --kv-cache-bytes")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="engine torch threads")
+    p.add_argument(
+        "--engine-address",
+        default=None,
+        help="base ZMQ address of the engine channels, ipc:///path/name or tcp://host:port "
+        "(uses port and port+1); default: IPC sockets in a fresh temporary directory",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(
+            model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_bytes=args.kv_cache_bytes,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+        ),
+        num_threads=args.num_threads,
+    )
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from engine.serving.api_server import build_app
+
+    config = engine_config_from_args(args)
+    tmpdir = None
+    if args.engine_address:
+        addresses = EngineAddresses.from_base(args.engine_address)
+    else:
+        tmpdir = tempfile.mkdtemp(prefix="pdserve-")
+        addresses = EngineAddresses.from_base(f"ipc://{tmpdir}/engine")
+    try:
+        app = build_app(config, addresses, args.served_model_name, args.max_body_bytes)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+            access_log=False,
+        )
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve_args(sub.add_parser("serve", help="serve one model over HTTP (colocated node)"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "serve":
+        serve(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The EngineCore process: a busy loop `process inputs -> step -> send outputs`.
+
+Three threads, so that the main one only schedules and executes:
+- the input thread reads ZMQ frames, decodes them and puts them on `inputs`;
+- the main thread drains `inputs` between steps (blocking on it only when the engine has
+  no unfinished request), runs `EngineCore.step()` and puts an `OutputBatch` on `outputs`;
+- the output thread encodes and sends what lands on `outputs`.
+Aborts are therefore honoured between two steps, never in the middle of one.
+
+The process is started with the 'spawn' context and receives only plain data (the frozen
+`EngineConfig`, the addresses, a log level and the parent pid). It dies with its parent:
+`PR_SET_PDEATHSIG` where Linux offers it, and a watchdog thread polling the parent pid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.errors import InvalidRequestError
+from engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CheckIntegrity,
+    EngineAddresses,
+    EngineDead,
+    EngineInput,
+    EngineOutput,
+    GetStats,
+    InputCodec,
+    OutputBatch,
+    OutputCodec,
+    Ready,
+    Shutdown,
+    UtilityResult,
+)
+from engine.outputs import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def run_engine_core(
+    config: EngineConfig, addresses: EngineAddresses, log_level: int, parent_pid: int
+) -> None:
+    """Process entry point (target of a spawned `multiprocessing.Process`)."""
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    _die_with_parent(parent_pid)
+    proc = EngineCoreProc(config, addresses)
+    proc.run()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        logger.debug("prctl unavailable; relying on the parent watchdog")
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, addresses: EngineAddresses):
+        self.addresses = addresses
+        self.inputs: queue.Queue[EngineInput] = queue.Queue()
+        self.outputs: queue.Queue[EngineOutput | None] = queue.Queue()
+        self.ctx = zmq.Context()
+        # Start the output thread first so a load failure can still be reported.
+        self._out_thread = threading.Thread(target=self._send_outputs, name="engine-output")
+        self._out_thread.start()
+        try:
+            t = time.perf_counter()
+            self.core = EngineCore(config)
+            logger.info("engine loaded %s in %.1f s", self.core.model_dir, time.perf_counter() - t)
+        except BaseException as e:
+            self._die(f"engine failed to start: {e!r}")
+            raise
+        threading.Thread(target=self._recv_inputs, name="engine-input", daemon=True).start()
+        self.running = True
+
+    # -- main thread ---------------------------------------------------------------------
+    def run(self) -> None:
+        core = self.core
+        self.outputs.put(
+            Ready(
+                model_dir=str(core.model_dir),
+                max_model_len=core.max_model_len,
+                vocab_size=core.vocab_size,
+                eos_token_ids=sorted(core.eos_token_ids),
+                block_size=core.config.cache.block_size,
+                num_blocks=core.kv.pool.num_blocks,
+            )
+        )
+        try:
+            while self.running:
+                self._process_inputs()
+                if self.running and core.has_unfinished:
+                    outs = core.step()
+                    if outs:
+                        self.outputs.put(OutputBatch(outputs=outs, stats=core.stats()))
+        except Exception:
+            logger.exception("engine loop crashed")
+            self._die(traceback.format_exc(limit=5))
+            raise
+        self.outputs.put(None)
+        self._out_thread.join(timeout=5)
+        self.ctx.destroy(linger=0)
+        logger.info("engine stopped")
+
+    def _process_inputs(self) -> None:
+        if not self.core.has_unfinished:
+            self._handle(self.inputs.get())  # idle: sleep until something arrives
+        elif self.core.last_step_idle:  # only waiting on something outside (e.g. KV arrival)
+            try:
+                self._handle(self.inputs.get(timeout=0.001))
+            except queue.Empty:
+                return
+        while self.running:
+            try:
+                msg = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(msg)
+
+    def _handle(self, msg: EngineInput) -> None:
+        core = self.core
+        if isinstance(msg, AddRequest):
+            try:
+                core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+            except InvalidRequestError as e:
+                logger.warning("request %s rejected: %s", msg.request_id, e)
+                err = EngineCoreOutput(
+                    request_id=msg.request_id, new_token_ids=[], finish_reason="error", error=str(e)
+                )
+                self.outputs.put(OutputBatch(outputs=[err], stats=core.stats()))
+        elif isinstance(msg, AbortRequests):
+            outs = core.abort_requests(msg.request_ids)
+            if outs:
+                logger.info("aborted %s", ", ".join(o.request_id for o in outs))
+                self.outputs.put(OutputBatch(outputs=outs, stats=core.stats()))
+        elif isinstance(msg, GetStats):
+            self.outputs.put(UtilityResult(call_id=msg.call_id, stats=core.stats()))
+        elif isinstance(msg, CheckIntegrity):
+            error = None
+            try:
+                core.check_integrity()
+            except Exception as e:  # BlockPoolError, or a KV role's own invariant
+                error = f"{type(e).__name__}: {e}"
+            self.outputs.put(UtilityResult(call_id=msg.call_id, stats=core.stats(), error=error))
+        elif isinstance(msg, Shutdown):
+            logger.info("shutdown requested")
+            self.running = False
+
+    def _die(self, error: str) -> None:
+        self.outputs.put(EngineDead(error=error))
+        self.outputs.put(None)
+        self._out_thread.join(timeout=5)
+
+    # -- I/O threads ---------------------------------------------------------------------
+    def _recv_inputs(self) -> None:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(self.addresses.input)
+        codec = InputCodec()
+        try:
+            while True:
+                frame = sock.recv(copy=False)
+                try:
+                    self.inputs.put(codec.decode(frame.buffer))
+                except Exception:
+                    logger.exception("dropping an undecodable input frame")
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(linger=0)
+
+    def _send_outputs(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.connect(self.addresses.output)
+        codec = OutputCodec()
+        try:
+            while (msg := self.outputs.get()) is not None:
+                sock.send(codec.encode(msg), copy=False)
+        finally:
+            sock.close(linger=1000)
