@@ -32,9 +32,20 @@ class DecodeRole:
         self._held: dict[str, str] = {}  # request id -> hold key, until Released
         self.num_remote_prefills = 0
         self.num_failures = 0
+        self.bytes_received = 0
+        self._block_bytes = 0  # one block, every layer, K and V
 
     def attach(self, core: EngineCore) -> None:
-        self.connector.register_kv_cache(core.runner.kv_cache)
+        kv = core.runner.kv_cache
+        self._block_bytes = kv[:, :, 0].numel() * kv.element_size()
+        self.connector.register_kv_cache(kv)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "pd_remote_prefills": self.num_remote_prefills,
+            "pd_failures": self.num_failures,
+            "kv_bytes_received": self.bytes_received,
+        }
 
     def before_step(self, core: EngineCore) -> list[EngineCoreOutput]:
         outs: list[EngineCoreOutput] = []
@@ -49,6 +60,7 @@ class DecodeRole:
             if rid not in sched.remote_waiting:
                 continue  # aborted meanwhile: its blocks are held until Released
             if isinstance(ev, RecvDone):
+                self.bytes_received += ev.num_blocks * self._block_bytes
                 req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob)
                 outs.append(
                     core.make_output(

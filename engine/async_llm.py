@@ -88,13 +88,19 @@ class AsyncLLM:
             )
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        remote_prefill: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Stream the request's deltas; the last one has `finish_reason` set.
 
+        `remote_prefill` (decode role) names the prefill node that computes the prompt's KV.
         Raises `RequestFailedError` if the engine fails the request.
         """
-        queue = self.client.add_request(request_id, prompt_token_ids, params)
+        queue = self.client.add_request(request_id, prompt_token_ids, params, remote_prefill)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
         num_output = 0
         last_token_time: float | None = None

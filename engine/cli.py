@@ -1,4 +1,9 @@
-"""The `pdserve` command. `pdserve serve --model NAME --port P` runs one colocated node."""
+"""The `pdserve` command.
+
+`pdserve serve --model NAME --port P` runs one node: colocated by default;
+`--role prefill --kv-control tcp://HOST:PORT` or `--role decode --prefill-node tcp://HOST:PORT`
+for prefill/decode disaggregation.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,14 @@ import logging
 import shutil
 import tempfile
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from engine.errors import ConfigError
 from engine.messages import EngineAddresses
 from engine.serving.api_server import DEFAULT_MAX_BODY_BYTES
 
@@ -37,6 +49,36 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "(uses port and port+1); default: IPC sockets in a fresh temporary directory",
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    kv = KVTransferConfig()
+    g = p.add_argument_group("prefill/decode disaggregation")
+    g.add_argument("--role", default=kv.role, choices=["colocated", "prefill", "decode"])
+    g.add_argument("--node-id", default=None, help="name of this node (default: role-port)")
+    g.add_argument(
+        "--kv-control",
+        default=None,
+        help="prefill role: ZMQ address its control channel binds, e.g. tcp://127.0.0.1:7100",
+    )
+    g.add_argument(
+        "--prefill-node",
+        action="append",
+        default=[],
+        help="decode role: control address of a prefill node (repeatable; round-robin)",
+    )
+    g.add_argument("--kv-connector", default=kv.connector, choices=["nixl"])
+    g.add_argument("--kv-transfer-timeout", type=float, default=kv.transfer_timeout_s)
+    g.add_argument("--kv-abort-grace", type=float, default=kv.abort_grace_s)
+    g.add_argument(
+        "--on-prefill-failure",
+        default=kv.on_prefill_failure,
+        choices=["local", "error"],
+        help="decode role: prefill locally, or end the request with an error",
+    )
+    g.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=SchedulerConfig().local_prefill_max_tokens,
+        help="decode role: prefill an uncached suffix this short here instead",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -52,7 +94,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=not args.no_prefix_caching,
         ),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            local_prefill_max_tokens=args.local_prefill_max_tokens,
+        ),
+        kv_transfer=KVTransferConfig(
+            role=args.role,
+            connector=args.kv_connector,
+            node_id=args.node_id or f"{args.role}-{args.port}",
+            control_address=args.kv_control,
+            prefill_nodes=tuple(args.prefill_node),
+            transfer_timeout_s=args.kv_transfer_timeout,
+            abort_grace_s=args.kv_abort_grace,
+            on_prefill_failure=args.on_prefill_failure,
         ),
         num_threads=args.num_threads,
     )
@@ -88,13 +142,20 @@ def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve_args(sub.add_parser("serve", help="serve one model over HTTP (colocated node)"))
+    _add_serve_args(
+        sub.add_parser(
+            "serve", help="serve one model over HTTP (colocated, prefill or decode node)"
+        )
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.command == "serve":
-        serve(args)
+        try:
+            serve(args)
+        except ConfigError as e:
+            parser.error(f"configuration error: {e}")
 
 
 if __name__ == "__main__":

@@ -201,6 +201,9 @@ class EngineCore:
             prefix_hit_tokens=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             generated_tokens=self.generated_tokens,
+            num_waiting_for_kv=len(self.scheduler.remote_waiting),
+            kv_blocks_held=sum(len(self.kv.req_blocks[k]) for k in self.kv.held_owners),
+            **(self.kv_role.stats() if self.kv_role is not None else {}),
         )
 
     def check_integrity(self) -> None:

@@ -129,14 +129,23 @@ class EngineCoreClient:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        remote_prefill: str | None = None,
     ) -> asyncio.Queue[TimedOutput]:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         q: asyncio.Queue[TimedOutput] = asyncio.Queue()
         self._queues[request_id] = q
         self._send(
-            AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params)
+            AddRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                remote_prefill=remote_prefill,
+            )
         )
         return q
 

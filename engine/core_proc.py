@@ -45,6 +45,7 @@ from engine.messages import (
     UtilityResult,
 )
 from engine.outputs import EngineCoreOutput
+from kv_transfer.roles import build_kv_role
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class EngineCoreProc:
         self._out_thread.start()
         try:
             t = time.perf_counter()
-            self.core = EngineCore(config)
+            self.core = EngineCore(config, build_kv_role(config.kv_transfer))
             logger.info("engine loaded %s in %.1f s", self.core.model_dir, time.perf_counter() - t)
         except BaseException as e:
             self._die(f"engine failed to start: {e!r}")
@@ -116,7 +117,7 @@ class EngineCoreProc:
         try:
             while self.running:
                 self._process_inputs()
-                if self.running and core.has_unfinished:
+                if self.running and (core.has_unfinished or core.kv_role is not None):
                     outs = core.step()
                     if outs:
                         self.outputs.put(OutputBatch(outputs=outs, stats=core.stats()))
@@ -124,6 +125,8 @@ class EngineCoreProc:
             logger.exception("engine loop crashed")
             self._die(traceback.format_exc(limit=5))
             raise
+        if core.kv_role is not None:
+            core.kv_role.shutdown()
         self.outputs.put(None)
         self._out_thread.join(timeout=5)
         self.ctx.destroy(linger=0)
@@ -131,7 +134,13 @@ class EngineCoreProc:
 
     def _process_inputs(self) -> None:
         if not self.core.has_unfinished:
-            self._handle(self.inputs.get())  # idle: sleep until something arrives
+            if self.core.kv_role is None:
+                self._handle(self.inputs.get())  # idle: sleep until something arrives
+            else:  # a PD role also polls its peers (orders, notifications) while idle
+                try:
+                    self._handle(self.inputs.get(timeout=0.002))
+                except queue.Empty:
+                    pass
         elif self.core.last_step_idle:  # only waiting on something outside (e.g. KV arrival)
             try:
                 self._handle(self.inputs.get(timeout=0.001))
@@ -148,7 +157,9 @@ class EngineCoreProc:
         core = self.core
         if isinstance(msg, AddRequest):
             try:
-                core.add_request(msg.request_id, msg.prompt_token_ids, msg.params)
+                core.add_request(
+                    msg.request_id, msg.prompt_token_ids, msg.params, msg.remote_prefill
+                )
             except InvalidRequestError as e:
                 logger.warning("request %s rejected: %s", msg.request_id, e)
                 err = EngineCoreOutput(

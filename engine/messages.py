@@ -25,6 +25,7 @@ class AddRequest(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    remote_prefill: str | None = None  # decode role: the prefill node's control address
 
 
 class AbortRequests(msgspec.Struct, tag=True, kw_only=True):

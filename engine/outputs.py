@@ -31,3 +31,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_hit_tokens: int
     num_preemptions: int
     generated_tokens: int
+    # PD roles (0 on a colocated node)
+    num_waiting_for_kv: int = 0  # decode: admitted, blocks held, KV not yet arrived
+    kv_blocks_held: int = 0  # blocks kept out of circulation until transfers settle
+    pd_remote_prefills: int = 0  # decode: prefills ordered from prefill nodes
+    pd_failures: int = 0  # decode: remote prefills that failed or timed out
+    kv_bytes_received: int = 0  # decode
+    pd_orders: int = 0  # prefill: orders taken
+    kv_bytes_sent: int = 0  # prefill

@@ -35,6 +35,9 @@ class PrefillRole:
     def attach(self, core: EngineCore) -> None:
         self.connector.register_kv_cache(core.runner.kv_cache)
 
+    def stats(self) -> dict[str, int]:
+        return {"pd_orders": self.num_orders, "kv_bytes_sent": self.bytes_sent}
+
     def before_step(self, core: EngineCore) -> list[EngineCoreOutput]:
         for ev in self.connector.poll():
             if isinstance(ev, NewOrder):

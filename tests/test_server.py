@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
+from tests.servers import (
+    alive,
+    descendants,
+    engine_state,
+    kill_server,
+    start_server,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,71 +34,16 @@ MAX_BODY = 1 << 20
 # One torch thread on each side: the server's engine and this process's offline engine never
 # oversubscribe a 2-core CI box, and both compute with the same kernels (same floats).
 THREADS = 1
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> set[int]:
-    """All live processes below `pid` (from /proc, so no extra dependency)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.add(c)
-            todo.append(c)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "engine.cli", "serve", "--model", MODEL, "--port", str(port),
-        "--kv-cache-bytes", str(KV_BYTES), "--max-body-bytes", str(MAX_BODY),
-        "--num-threads", str(THREADS), "--log-level", "warning",
-    ]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        assert proc.poll() is None, f"server exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "server not healthy in 300 s"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    url, proc = start_server(
+        ["--model", MODEL, "--kv-cache-bytes", str(KV_BYTES), "--max-body-bytes", str(MAX_BODY),
+         "--num-threads", str(THREADS), "--log-level", "warning"]
+    )  # fmt: skip
     yield url, proc
-    if proc.poll() is None:
-        kids = descendants(proc.pid)
-        proc.kill()
-        proc.wait(30)
-        for pid in kids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    kill_server(proc)
 
 
 @pytest.fixture(scope="module")
@@ -113,22 +61,6 @@ def offline():
 @pytest.fixture(scope="module")
 def client(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def engine_state(url: str) -> dict:
-    body = httpx.get(f"{url}/debug/engine", timeout=30).json()
-    assert body["integrity"] == {"ok": True, "error": None}
-    return body["stats"]
-
-
-def wait_idle(url: str, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = engine_state(url)
-        if stats["num_running"] == stats["num_waiting"] == stats["kv_blocks_used"] == 0:
-            return stats
-        assert time.monotonic() < deadline, f"engine still busy: {stats}"
-        time.sleep(0.2)
 
 
 # -- the openai client, text equality ------------------------------------------------------

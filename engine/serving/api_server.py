@@ -153,7 +153,7 @@ def build_app(
         llm.client.on_batch = lambda batch: metrics.update_engine(batch.stats)
         app.state.llm = llm
         app.state.metrics = metrics
-        app.state.serving = OpenAIServing(llm, metrics, model_name)
+        app.state.serving = OpenAIServing(llm, metrics, model_name, config.kv_transfer)
         try:
             await llm.start()
             logger.info("serving %s (max_model_len=%d)", model_name, llm.max_model_len)

@@ -8,6 +8,7 @@ Streamed and collected text come from the same incremental detokenizer, so they 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engine.async_llm import AsyncLLM, RequestDelta, RequestFailedError
+from engine.config import KVTransferConfig
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.serving.metrics import NodeMetrics
@@ -85,13 +87,24 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival: float
+    remote_prefill: str | None = None  # PD: the prefill node's control address
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, metrics: NodeMetrics, model_name: str):
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        metrics: NodeMetrics,
+        model_name: str,
+        pd: KVTransferConfig | None = None,
+    ):
         self.llm = llm
         self.metrics = metrics
         self.model_name = model_name
+        self.pd = pd or KVTransferConfig()
+        self._next_prefill = (
+            itertools.cycle(self.pd.prefill_nodes) if self.pd.prefill_nodes else None
+        )
 
     # -- request preparation ------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -137,21 +150,42 @@ class OpenAIServing:
         self.llm.validate_prompt(ids, max_tokens)
         params = req.to_sampling_params(default_max_tokens=self.llm.max_model_len - len(ids))
         rid = f"{kind}-{uuid.uuid4().hex}"
+        prefill_node = self._prefill_node(req)
         logger.info(
-            "request %s: %d prompt tokens, max_tokens=%d, temperature=%s, stream=%s",
+            "request %s: %d prompt tokens, max_tokens=%d, temperature=%s, stream=%s%s",
             rid,
             len(ids),
             params.max_tokens,
             params.temperature,
             req.stream,
+            f", prefill on {prefill_node}" if prefill_node else "",
         )
-        return Prepared(rid, ids, params, arrival)
+        return Prepared(rid, ids, params, arrival, prefill_node)
+
+    def _prefill_node(self, req) -> str | None:
+        """The prefill node for a PD request: the router's choice, else round-robin."""
+        asked = req.kv_transfer_params.prefill_node if req.kv_transfer_params else None
+        if asked is not None:
+            if self.pd.role != "decode":
+                raise InvalidRequestError(
+                    f"this node's role is {self.pd.role}: it takes no prefill_node",
+                    "kv_transfer_params.prefill_node",
+                )
+            if not asked.startswith(("tcp://", "ipc://")):
+                raise InvalidRequestError(
+                    f"prefill_node {asked!r} must be a tcp:// or ipc:// control address",
+                    "kv_transfer_params.prefill_node",
+                )
+            return asked
+        return next(self._next_prefill) if self._next_prefill is not None else None
 
     # -- generation ---------------------------------------------------------------------
     async def _deltas(self, p: Prepared) -> AsyncIterator[RequestDelta]:
         """The request's deltas, with metrics observed along the way."""
         async with aclosing(
-            self.llm.generate(p.request_id, p.prompt_token_ids, p.params, p.arrival)
+            self.llm.generate(
+                p.request_id, p.prompt_token_ids, p.params, p.arrival, p.remote_prefill
+            )
         ) as gen:
             async for delta in gen:
                 self.metrics.observe_tokens(delta.ttft_s, delta.itl_s)

@@ -25,8 +25,15 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class KVTransferParams(_Request):
+    """Extension (PD): which prefill node computes this prompt's KV (a control address)."""
+
+    prefill_node: str | None = None
+
+
 class _SamplingRequest(_Request):
     model: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
     temperature: float | None = None  # None (or absent): 1.0
     top_p: float | None = None
     top_k: int | None = None

@@ -1,0 +1,104 @@
+"""Start and inspect live `pdserve serve` processes for the HTTP-level tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """All live processes below `pid` (from /proc, so no extra dependency)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.add(c)
+            todo.append(c)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def launch_server(args: list[str], port: int) -> tuple[str, subprocess.Popen]:
+    """Start `pdserve serve ARGS --port PORT` (no wait)."""
+    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *args]
+    return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, cwd=ROOT)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"server {url} exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"server {url} not healthy in {timeout_s} s"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def start_server(args: list[str]) -> tuple[str, subprocess.Popen]:
+    url, proc = launch_server(args, free_port())
+    wait_healthy(url, proc)
+    return url, proc
+
+
+def kill_server(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and everything below it."""
+    if proc.poll() is None:
+        kids = descendants(proc.pid)
+        proc.kill()
+        proc.wait(30)
+        for pid in kids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def engine_state(url: str) -> dict:
+    """The node's engine stats; asserts that its block pool invariants hold."""
+    body = httpx.get(f"{url}/debug/engine", timeout=30).json()
+    assert body["integrity"] == {"ok": True, "error": None}
+    return body["stats"]
+
+
+def wait_idle(url: str, timeout_s: float = 30) -> dict:
+    """Wait until the node runs nothing and holds no block; returns its stats."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine_state(url)
+        busy = stats["num_running"] + stats["num_waiting"] + stats["kv_blocks_used"]
+        if busy == 0 and stats.get("num_waiting_for_kv", 0) == 0:
+            return stats
+        assert time.monotonic() < deadline, f"engine still busy: {stats}"
+        time.sleep(0.2)

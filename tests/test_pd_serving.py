@@ -1,0 +1,261 @@
+"""The PD path across processes: a prefill node and a decode node (real SmolLM2, real NIXL
+agents, real HTTP), checked against the offline colocated engine and Hugging Face.
+
+Nodes: one prefill node (`--role prefill`), one decode node serving the OpenAI API with
+that prefill node configured, so every request takes the PD path; the failure test starts
+its own short-lived prefill node and kills it mid-prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from engine.sampling_params import SamplingParams
+from tests.hf_reference import hf_greedy, load_hf
+from tests.servers import (
+    engine_state,
+    free_port,
+    kill_server,
+    launch_server,
+    start_server,
+    wait_healthy,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("nixl")
+
+MODEL = "smollm2-135m-instruct"
+KV_BYTES = 128 << 20
+COMMON = [
+    "--model",
+    MODEL,
+    "--kv-cache-bytes",
+    str(KV_BYTES),
+    "--num-threads",
+    "1",
+    "--log-level",
+    "warning",
+]
+# Prefill in 64-token chunks, so long prompts push blocks while later chunks compute.
+PREFILL_ARGS = [*COMMON, "--max-num-batched-tokens", "64"]
+
+
+def control_address() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def prefill_node():
+    ctl = control_address()
+    url, proc = start_server([*PREFILL_ARGS, "--role", "prefill", "--kv-control", ctl])
+    yield url, ctl
+    kill_server(proc)
+
+
+@pytest.fixture(scope="module")
+def decode_url(prefill_node):
+    _, ctl = prefill_node
+    url, proc = start_server(
+        [*COMMON, "--role", "decode", "--prefill-node", ctl, "--kv-transfer-timeout", "120"]
+    )
+    yield url
+    kill_server(proc)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from engine import LLM
+
+    return LLM(MODEL, kv_cache_bytes=KV_BYTES, num_threads=1)
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 16, **extra) -> dict:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text_prompt(offline, text: str) -> list[int]:
+    return offline.tokenizer.encode(text, add_special_tokens=False)
+
+
+LONG_TEXT = " ".join(
+    f"Item {i}: the {c} box on shelf {i % 7} holds {i * 3} marbles." for i, c in
+    zip(range(40), ["red", "blue", "green", "white", "black"] * 8)
+)  # fmt: skip
+
+
+def test_pd_equals_colocated_and_hf(decode_url, offline):
+    prompts = [
+        offline.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France?"}],
+            add_generation_prompt=True,
+            tokenize=False,
+        ),
+        LONG_TEXT,  # ~600 tokens: many 64-token chunks and 16-token blocks
+    ]
+    ids = [text_prompt(offline, p) for p in prompts]
+    assert len(ids[1]) > 500
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    refs = [o.token_ids for o in offline.generate(ids, params)]
+    hf = load_hf(offline.engine.model_dir)
+    for p, ref in zip(ids, refs):
+        assert hf_greedy(hf, p, 16) == ref
+    for p, ref in zip(ids, refs):
+        out = complete(decode_url, p, logprobs=0)
+        got = offline.tokenizer.encode(out["choices"][0]["text"], add_special_tokens=False)
+        assert out["choices"][0]["text"] == offline.tokenizer.decode(ref, skip_special_tokens=True)
+        assert len(out["choices"][0]["logprobs"]["token_logprobs"]) == 16, got
+    stats = wait_idle(decode_url)
+    assert stats["pd_remote_prefills"] >= 2 and stats["pd_failures"] == 0
+
+
+def test_chat_through_pd(decode_url):
+    r = httpx.post(
+        f"{decode_url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+            "max_tokens": 20,
+        },
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
+def test_16_concurrent_requests(decode_url, prefill_node, offline):
+    words = ["apple", "river", "mountain", "violin", "planet", "garden", "bridge", "winter"]
+    prompts = [
+        text_prompt(
+            offline, f"Write a short story about a {words[i % 8]} and number {i}. " * (1 + i % 5)
+        )
+        for i in range(16)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    refs = [
+        offline.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        for o in offline.generate(prompts, params)
+    ]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+
+            async def one(p):
+                body = {"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+                r = await c.post(f"{decode_url}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(run()) == refs
+    wait_idle(decode_url)
+    wait_idle(prefill_node[0])  # the prefill node keeps nothing but prefix cache
+
+
+def test_only_uncached_blocks_cross(decode_url, offline):
+    base = text_prompt(offline, LONG_TEXT)[:320]  # 20 full blocks
+    complete(decode_url, base + text_prompt(offline, " The first shelf"), max_tokens=4)
+    before = engine_state(decode_url)["kv_bytes_received"]
+    tail = text_prompt(
+        offline, " Now count every marble on shelves two and five, one by one, and then tell me"
+        " which colour of box holds the most marbles of all, and why that might be."
+    )
+    assert len(tail) > 16  # longer than local_prefill_max_tokens: prefilled remotely
+    prompt = base + tail
+    out = complete(decode_url, prompt, max_tokens=4)
+    after = wait_idle(decode_url)
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 320
+    block_bytes = 30 * 2 * 16 * 3 * 64 * 4  # layers x (K,V) x block x kv heads x head dim x fp32
+    uncached_blocks = -(-len(prompt) // 16) - 20
+    assert after["kv_bytes_received"] - before == uncached_blocks * block_bytes
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[
+        0
+    ]
+    assert out["choices"][0]["text"] == ref.text
+
+
+def test_client_abort_frees_both_nodes(decode_url, prefill_node, offline):
+    prefill_url, _ = prefill_node
+    prompt = text_prompt(offline, LONG_TEXT)  # long enough that prefill takes a while
+
+    async def start_then_disconnect():
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"prompt": prompt + [13], "max_tokens": 50, "temperature": 0, "stream": True}
+            async with c.stream("POST", f"{decode_url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                await asyncio.sleep(0.3)  # the prefill node is now computing chunks
+            # leaving the block closes the connection: the decode node aborts
+
+    asyncio.run(start_then_disconnect())
+    wait_idle(decode_url, timeout_s=60)
+    stats = wait_idle(prefill_url, timeout_s=60)
+    assert stats["kv_blocks_held"] == 0
+
+
+def test_prefill_node_killed_mid_prefill(offline):
+    """The prefill process dies mid-prefill: decode prefills locally after its deadline."""
+    ctl = control_address()
+    purl, pproc = launch_server(
+        [*PREFILL_ARGS, "--max-num-batched-tokens", "16", "--role", "prefill", "--kv-control", ctl],
+        free_port(),
+    )
+    durl, dproc = launch_server(
+        [
+            *COMMON,
+            "--role",
+            "decode",
+            "--prefill-node",
+            ctl,
+            "--kv-transfer-timeout",
+            "8",
+            "--kv-abort-grace",
+            "1",
+        ],
+        free_port(),
+    )
+    try:
+        wait_healthy(purl, pproc)
+        wait_healthy(durl, dproc)
+        prompt = text_prompt(offline, LONG_TEXT)
+        ref = offline.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        )[0]
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as c:
+                body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+                task = asyncio.create_task(c.post(f"{durl}/v1/completions", json=body))
+                deadline = time.monotonic() + 30
+                while engine_state(purl)["num_running"] == 0:  # wait until prefill is computing
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                os.kill(pproc.pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                r = await task
+                return r, time.monotonic() - t0
+
+        r, waited = asyncio.run(run())
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == ref.text  # prefilled locally, same tokens
+        assert waited < 8 + 60  # ended within its deadline (plus the local prefill)
+        stats = wait_idle(durl, timeout_s=30)
+        assert stats["pd_failures"] == 1 and stats["kv_blocks_held"] == 0
+    finally:
+        kill_server(pproc)
+        kill_server(dproc)
