@@ -112,7 +112,7 @@ class KVCacheManager:
         they stay out of circulation while the request itself is gone.
         """
         key = f"{request.request_id}#held"
-        self.req_blocks[key] = self.req_blocks.pop(request.request_id, [])
+        self.req_blocks.setdefault(key, []).extend(self.req_blocks.pop(request.request_id, []))
         self._num_cached.pop(request.request_id, None)
         return key
 

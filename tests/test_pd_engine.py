@@ -162,3 +162,28 @@ def test_abort_on_decode_frees_prefill(tiny_llama_dir):
         assert "a" not in pair.prefill.requests
     finally:
         pair.close()
+
+
+def test_admission_needs_room_for_the_whole_prompt(tiny_llama_dir, hf_model):
+    # 20 blocks of 4 tokens; each 50-token prompt needs 13 blocks: only one fits at a time.
+    pair = Pair(tiny_llama_dir, num_blocks=20)
+    try:
+        prompts = prompts_of([50, 50], seed=7)
+        for i, p in enumerate(prompts):
+            pair.decode.add_request(f"r{i}", p, GREEDY, remote_prefill=pair.addr)
+        pair.decode.step()
+        sched = pair.decode.scheduler
+        assert list(sched.remote_waiting) == ["r0"] and [r.request_id for r in sched.waiting] == ["r1"]
+        assert pair.decode.kv.pool.num_used_blocks == 13  # the whole prompt, nothing more
+        outs = {}
+        deadline = time.monotonic() + 60
+        while pair.decode.has_unfinished or pair.prefill.has_unfinished:
+            assert time.monotonic() < deadline
+            for o in pair.decode.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            pair.prefill.step()
+        for i, p in enumerate(prompts):
+            assert outs[f"r{i}"] == hf_greedy(hf_model, p, 8)
+        pair.decode.check_integrity()
+    finally:
+        pair.close()

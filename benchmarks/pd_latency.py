@@ -1,0 +1,176 @@
+"""TTFT and TPOT of one request at a time: a PD pair (prefill + decode node) vs one
+colocated node, same model, same prompts, measured over HTTP streaming.
+
+    python benchmarks/pd_latency.py --out results/pd_latency.json
+
+Each setup runs alone (the other is stopped first), so they never share the CPU. Prompts
+are seeded random token ids of --prompt-len tokens, each different (no prefix-cache hits);
+TTFT is request sent -> first streamed token; TPOT is (last - first token) / (tokens - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str]) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "engine.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *args,
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {' '.join(cmd)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError("server did not become healthy")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return url, proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def one_request(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    times = []
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if json.loads(line[6:])["choices"][0].get("text") is not None:
+                    times.append(time.perf_counter())
+    ttft = times[0] - t0
+    tpot = (times[-1] - times[0]) / max(1, len(times) - 1)
+    return ttft, tpot
+
+
+def measure(url: str, prompts: list[list[int]], max_tokens: int, label: str) -> dict:
+    one_request(url, prompts[0][:64], 4)  # warm-up
+    ttfts, tpots = [], []
+    for p in tqdm(prompts, desc=label):
+        ttft, tpot = one_request(url, p, max_tokens)
+        ttfts.append(ttft)
+        tpots.append(tpot)
+    return {
+        "ttft_s_median": statistics.median(ttfts),
+        "tpot_s_median": statistics.median(tpots),
+        "ttft_s": ttfts,
+        "tpot_s": tpots,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of every node")
+    ap.add_argument("--out", default="results/pd_latency.json")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(100, 49000) for _ in range(args.prompt_len)] for _ in range(args.requests)
+    ]
+    common = [
+        "--model",
+        args.model,
+        "--num-threads",
+        str(args.threads),
+        "--kv-cache-bytes",
+        str(512 << 20),
+        "--no-prefix-caching",
+    ]
+    results: dict = {"config": vars(args)}
+
+    url, proc = start(common)
+    try:
+        results["colocated"] = measure(url, prompts, args.max_tokens, "colocated")
+    finally:
+        stop([proc])
+
+    ctl = f"tcp://127.0.0.1:{free_port()}"
+    purl, pproc = start([*common, "--role", "prefill", "--kv-control", ctl])
+    try:
+        durl, dproc = start(
+            [*common, "--role", "decode", "--prefill-node", ctl, "--local-prefill-max-tokens", "0"]
+        )
+        try:
+            results["pd"] = measure(durl, prompts, args.max_tokens, "pd")
+        finally:
+            stop([dproc])
+    finally:
+        stop([pproc])
+
+    c, p = results["colocated"], results["pd"]
+    results["ttft_pd_over_colocated"] = p["ttft_s_median"] / c["ttft_s_median"]
+    results["tpot_pd_over_colocated"] = p["tpot_s_median"] / c["tpot_s_median"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(
+        json.dumps(
+            {
+                "ttft_colocated_s": round(c["ttft_s_median"], 4),
+                "ttft_pd_s": round(p["ttft_s_median"], 4),
+                "ttft_ratio": round(results["ttft_pd_over_colocated"], 3),
+                "tpot_colocated_s": round(c["tpot_s_median"], 4),
+                "tpot_pd_s": round(p["tpot_s_median"], 4),
+                "tpot_ratio": round(results["tpot_pd_over_colocated"], 3),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
