@@ -173,7 +173,9 @@ def test_admission_needs_room_for_the_whole_prompt(tiny_llama_dir, hf_model):
             pair.decode.add_request(f"r{i}", p, GREEDY, remote_prefill=pair.addr)
         pair.decode.step()
         sched = pair.decode.scheduler
-        assert list(sched.remote_waiting) == ["r0"] and [r.request_id for r in sched.waiting] == ["r1"]
+        assert list(sched.remote_waiting) == ["r0"] and [r.request_id for r in sched.waiting] == [
+            "r1"
+        ]
         assert pair.decode.kv.pool.num_used_blocks == 13  # the whole prompt, nothing more
         outs = {}
         deadline = time.monotonic() + 60

@@ -173,8 +173,9 @@ def test_only_uncached_blocks_cross(decode_url, offline):
     complete(decode_url, base + text_prompt(offline, " The first shelf"), max_tokens=4)
     before = engine_state(decode_url)["kv_bytes_received"]
     tail = text_prompt(
-        offline, " Now count every marble on shelves two and five, one by one, and then tell me"
-        " which colour of box holds the most marbles of all, and why that might be."
+        offline,
+        " Now count every marble on shelves two and five, one by one, and then tell me"
+        " which colour of box holds the most marbles of all, and why that might be.",
     )
     assert len(tail) > 16  # longer than local_prefill_max_tokens: prefilled remotely
     prompt = base + tail
