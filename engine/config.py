@@ -18,6 +18,9 @@ class ModelConfig:
     kernel_backend: str | None = None  # "torch" | "triton"; None picks by device
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
+    cpu_onednn: bool = (
+        True  # CPU fp32: wide projections through oneDNN (engine/models/cpu_linear.py)
+    )
 
     @property
     def torch_dtype(self):

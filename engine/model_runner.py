@@ -17,6 +17,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.model_arch import ModelArch
 from engine.models import get_model_class
+from engine.models.cpu_linear import onednn_available
 from engine.models.rope import build_cos_sin_cache
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
@@ -46,6 +47,8 @@ class ModelRunner:
         load_model_weights(model, model_dir)
         attn = model.model.layers[0].self_attn
         model.cos_sin = build_cos_sin_cache(arch).to(self.device)  # fp32
+        if mc.cpu_onednn and onednn_available(self.device, self.dtype):
+            logger.info("oneDNN GEMMs for %d wide projections", model.use_onednn())
         self.model = model.eval()
         self.kv_cache = torch.zeros(
             (

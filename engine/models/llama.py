@@ -15,6 +15,11 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.model_arch import ModelArch
+from engine.models.cpu_linear import (
+    MIN_OUT_FEATURES,
+    OneDNNLinear,
+    use_onednn_for_wide_linears,
+)
 from engine.models.rope import build_cos_sin_cache
 
 _STACKED = {  # HF name fragment -> (merged name, shard index)
@@ -111,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("cos_sin", build_cos_sin_cache(cfg), persistent=False)
+        self.lm_head_onednn: OneDNNLinear | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -134,7 +140,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] fp32 logits, only for the rows that sample."""
+        if self.lm_head_onednn is not None:
+            return self.lm_head_onednn(hidden)
         return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+
+    def use_onednn(self) -> int:
+        """CPU fp32: run the wide projections (gate_up, lm_head) through oneDNN."""
+        n = use_onednn_for_wide_linears(self.model)
+        if self.lm_head_weight.shape[0] >= MIN_OUT_FEATURES:
+            self.lm_head_onednn = OneDNNLinear(self.lm_head_weight)
+            n += 1
+        return n
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
