@@ -111,6 +111,9 @@ class DecodeRole:
         self.connector.cancel(req.request_id)
         self._held[req.request_id] = hold_key
 
+    def wait_sockets(self) -> list:
+        return self.connector.wait_sockets()
+
     def has_pending(self) -> bool:
         return bool(self._held) or self.connector.has_pending()
 

@@ -50,6 +50,9 @@ from kv_transfer.roles import build_kv_role
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+_WAKE_ADDRESS = "inproc://engine-wake"
+_IDLE_SAFETY_POLL_MS = 200  # an idle PD node still steps its role this often
+_MAX_BACKOFF_MS = 8  # longest wait between polls while a transfer is pending
 
 
 def run_engine_core(
@@ -88,6 +91,10 @@ class EngineCoreProc:
         self.inputs: queue.Queue[EngineInput] = queue.Queue()
         self.outputs: queue.Queue[EngineOutput | None] = queue.Queue()
         self.ctx = zmq.Context()
+        # The input thread pings this after queueing an input (wakes an idle PD loop).
+        self._wake = self.ctx.socket(zmq.PULL)
+        self._wake.bind(_WAKE_ADDRESS)
+        self._backoff_ms = 1
         # Start the output thread first so a load failure can still be reported.
         self._out_thread = threading.Thread(target=self._send_outputs, name="engine-output")
         self._out_thread.start()
@@ -129,29 +136,50 @@ class EngineCoreProc:
             core.kv_role.shutdown()
         self.outputs.put(None)
         self._out_thread.join(timeout=5)
+        self._wake.close(linger=0)
         self.ctx.destroy(linger=0)
         logger.info("engine stopped")
 
     def _process_inputs(self) -> None:
+        role = self.core.kv_role
         if not self.core.has_unfinished:
-            if self.core.kv_role is None:
+            if role is None:
                 self._handle(self.inputs.get())  # idle: sleep until something arrives
-            else:  # a PD role also polls its peers (orders, notifications) while idle
-                try:
-                    self._handle(self.inputs.get(timeout=0.002))
-                except queue.Empty:
-                    pass
+            else:  # idle PD node: sleep until an input or a peer's control message arrives
+                self._wait_for_work(role, timeout_ms=_IDLE_SAFETY_POLL_MS)
         elif self.core.last_step_idle:  # only waiting on something outside (e.g. KV arrival)
-            try:
-                self._handle(self.inputs.get(timeout=0.001))
-            except queue.Empty:
-                return
+            if role is None:
+                try:
+                    self._handle(self.inputs.get(timeout=0.001))
+                except queue.Empty:
+                    return
+            else:
+                # Transfers show up only by polling: back off 1 -> 8 ms while nothing
+                # happens, so a waiting node leaves the CPU to a busy one beside it.
+                self._wait_for_work(role, timeout_ms=self._backoff_ms)
+                self._backoff_ms = min(self._backoff_ms * 2, _MAX_BACKOFF_MS)
+        else:
+            self._backoff_ms = 1
         while self.running:
             try:
                 msg = self.inputs.get_nowait()
             except queue.Empty:
                 return
             self._handle(msg)
+
+    def _wait_for_work(self, role, timeout_ms: int) -> None:
+        """Block until an input is queued, a role socket is readable, or the timeout passes.
+
+        Event-driven rather than a tight poll, so an idle PD node costs no CPU that a busy
+        node beside it on the same cores could use.
+        """
+        poller = zmq.Poller()
+        poller.register(self._wake, zmq.POLLIN)
+        for sock in role.wait_sockets():
+            poller.register(sock, zmq.POLLIN)
+        poller.poll(timeout_ms)
+        while self._wake.poll(0):
+            self._wake.recv()
 
     def _handle(self, msg: EngineInput) -> None:
         core = self.core
@@ -193,6 +221,9 @@ class EngineCoreProc:
     def _recv_inputs(self) -> None:
         sock = self.ctx.socket(zmq.PULL)
         sock.connect(self.addresses.input)
+        wake = self.ctx.socket(zmq.PUSH)
+        wake.setsockopt(zmq.SNDHWM, 1)  # one pending ping is enough
+        wake.connect(_WAKE_ADDRESS)
         codec = InputCodec()
         try:
             while True:
@@ -201,10 +232,16 @@ class EngineCoreProc:
                     self.inputs.put(codec.decode(frame.buffer))
                 except Exception:
                     logger.exception("dropping an undecodable input frame")
+                    continue
+                try:
+                    wake.send(b"", zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # a ping is already pending
         except zmq.ContextTerminated:
             pass
         finally:
             sock.close(linger=0)
+            wake.close(linger=0)
 
     def _send_outputs(self) -> None:
         sock = self.ctx.socket(zmq.PUSH)

@@ -42,6 +42,10 @@ class KVRole(Protocol):
         """A request was aborted; `hold_key` names blocks kept until transfers settle."""
         ...
 
+    def wait_sockets(self) -> list:
+        """ZMQ sockets whose readability means this role has work (the idle loop waits on them)."""
+        ...
+
     def has_pending(self) -> bool:
         """True while transfers or held blocks need polling even with no request to run."""
         ...

@@ -114,6 +114,10 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def has_pending(self) -> bool: ...
 
+    def wait_sockets(self) -> list:
+        """ZMQ sockets that become readable when poll() has something new (may be empty)."""
+        return []
+
     @abc.abstractmethod
     def check_integrity(self) -> None: ...
 

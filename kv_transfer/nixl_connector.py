@@ -361,6 +361,11 @@ class NixlConnector(KVConnector):
             raise RuntimeError("register_kv_cache() must be called first")
         return self.transport
 
+    def wait_sockets(self) -> list[zmq.Socket]:
+        if self._router is not None:
+            return [self._router]
+        return list(self._dealers.values())
+
     def has_pending(self) -> bool:
         return bool(self._recv or self._cancelled or self._sends or self._events)
 

@@ -109,6 +109,9 @@ class PrefillRole:
             self._held[req.request_id] = hold_key
             self.connector.settle_abort(req.request_id)
 
+    def wait_sockets(self) -> list:
+        return self.connector.wait_sockets()
+
     def has_pending(self) -> bool:
         return bool(self._held) or self.connector.has_pending()
 
