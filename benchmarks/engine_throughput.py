@@ -110,7 +110,8 @@ def main() -> None:
         if not args.no_hf:
             from transformers import AutoModelForCausalLM
 
-            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype]).eval()
+            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
+            hf.train(False)
         vocab = llm.engine.vocab_size
         for w in args.workloads.split(","):
             n, plen, new = WORKLOADS[w]

@@ -93,7 +93,7 @@ class DecodeRole:
                 request_id=req.request_id,
                 prompt_token_ids=req.prompt_token_ids,
                 params=_first_token_params(req),
-                decode_agent=self.connector.transport.name,
+                decode_agent=self.connector.local_name,
                 first_block=first_block,
                 dst_block_ids=block_ids[first_block:],
                 expires_in_s=self.transfer_timeout_s,

@@ -49,7 +49,7 @@ class ModelRunner:
         model.cos_sin = build_cos_sin_cache(arch).to(self.device)  # fp32
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):
             logger.info("oneDNN GEMMs for %d wide projections", model.use_onednn())
-        self.model = model.eval()
+        self.model = model.train(False)  # inference only (no dropout in these models anyway)
         self.kv_cache = torch.zeros(
             (
                 arch.num_hidden_layers,

@@ -114,6 +114,11 @@ class KVConnector(abc.ABC):
     @abc.abstractmethod
     def has_pending(self) -> bool: ...
 
+    @property
+    @abc.abstractmethod
+    def local_name(self) -> str:
+        """This node's name on the data channel (what a peer addresses its writes to)."""
+
     def wait_sockets(self) -> list:
         """ZMQ sockets that become readable when poll() has something new (may be empty)."""
         return []

@@ -361,6 +361,10 @@ class NixlConnector(KVConnector):
             raise RuntimeError("register_kv_cache() must be called first")
         return self.transport
 
+    @property
+    def local_name(self) -> str:
+        return self._transport.name
+
     def wait_sockets(self) -> list[zmq.Socket]:
         if self._router is not None:
             return [self._router]
