@@ -7,6 +7,7 @@ import logging
 import msgspec
 
 from engine.core import EngineCore
+from engine.model_runner import kv_bytes_per_block
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -36,9 +37,11 @@ class DecodeRole:
         self._block_bytes = 0  # one block, every layer, K and V
 
     def attach(self, core: EngineCore) -> None:
-        kv = core.runner.kv_cache
-        self._block_bytes = kv[:, :, 0].numel() * kv.element_size()
-        self.connector.register_kv_cache(kv)
+        cfg = core.config
+        self._block_bytes = kv_bytes_per_block(
+            core.arch, cfg.cache.block_size, cfg.model.torch_dtype
+        )
+        self.connector.register_kv_cache(core.runner.kv_cache)
 
     def stats(self) -> dict[str, int]:
         return {

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, KVBlock
+from engine.block_pool import BlockPool, BlockPoolError, KVBlock
 from engine.request import Request
+
+_HELD = "#held"
 
 
 class KVCacheManager:
@@ -111,7 +113,7 @@ class KVCacheManager:
         For blocks that a transfer may still read (export) or write (a late import):
         they stay out of circulation while the request itself is gone.
         """
-        key = f"{request.request_id}#held"
+        key = self.hold_key(request.request_id)
         self.req_blocks.setdefault(key, []).extend(self.req_blocks.pop(request.request_id, []))
         self._num_cached.pop(request.request_id, None)
         return key
@@ -124,7 +126,12 @@ class KVCacheManager:
 
     @property
     def held_owners(self) -> list[str]:
-        return [k for k in self.req_blocks if k.endswith("#held")]
+        return [k for k in self.req_blocks if k.endswith(_HELD)]
+
+    @staticmethod
+    def hold_key(request_id: str) -> str:
+        """The owner key under which `hold` keeps a request's blocks."""
+        return request_id + _HELD
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
@@ -134,6 +141,4 @@ class KVCacheManager:
         held = sum(len(v) for v in self.req_blocks.values())
         refs = sum(b.ref_cnt for b in self.pool.blocks)
         if held != refs:
-            from engine.block_pool import BlockPoolError
-
             raise BlockPoolError(f"requests hold {held} block refs, pool counts {refs}")

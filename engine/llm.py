@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.core import EngineCore
+from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, load_tokenizer
@@ -98,34 +99,27 @@ class LLM:
             results[rid] = RequestOutput(rid, ids, logprobs=[] if p.logprobs else None)
             order.append((rid, p))
         pending = set(results)
-        stops = {rid: p.stop for rid, p in order if p.stop}
+        detoks = {
+            rid: IncrementalDetokenizer(self.tokenizer, p.stop) if self.tokenizer else None
+            for rid, p in order
+        }
         with tqdm(total=len(order), desc="generating", disable=not use_tqdm) as bar:
             while pending:
                 for out in self.engine.step():
-                    res = results[out.request_id]
+                    rid = out.request_id
+                    res = results[rid]
                     res.token_ids.extend(out.new_token_ids)
                     if out.new_logprobs and res.logprobs is not None:
                         res.logprobs.extend(out.new_logprobs)
                     res.num_cached_tokens = out.num_cached_tokens
-                    if out.finished:
-                        res.finish_reason = out.finish_reason
-                    elif out.request_id in stops and self._hit_stop(res, stops[out.request_id]):
-                        self.engine.abort_requests([out.request_id])
-                        res.finish_reason = "stop"
+                    res.finish_reason = out.finish_reason
+                    detok = detoks[rid]
+                    if detok is not None:
+                        res.text += detok.update(out.new_token_ids, final=out.finished)
+                        if detok.stopped and not out.finished:  # a stop string ended it
+                            self.engine.abort_requests([rid])
+                            res.finish_reason = "stop"
                     if res.finish_reason is not None:
-                        pending.discard(out.request_id)
+                        pending.discard(rid)
                         bar.update(1)
-        for rid, p in order:
-            res = results[rid]
-            if self.tokenizer is not None:
-                res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-                for s in p.stop:
-                    if s in res.text:
-                        res.text = res.text[: res.text.index(s)]
         return [results[rid] for rid, _ in order]
-
-    def _hit_stop(self, res: RequestOutput, stop: list[str]) -> bool:
-        if self.tokenizer is None:
-            return False
-        text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-        return any(s in text for s in stop)

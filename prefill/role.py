@@ -87,12 +87,14 @@ class PrefillRole:
             if exp is None:
                 continue
             req = s.request
-            block_ids = core.kv.get_block_ids(rid) or core.kv.get_block_ids(f"{rid}#held")
+            # A request that finished this step has its blocks under its hold key.
+            owner = core.kv.hold_key(rid) if rid in done else rid
+            block_ids = core.kv.get_block_ids(owner)
             if rid in done:
                 src = block_ids[exp.next_block : exp.num_blocks]
                 first = exp.next_block
                 del self._exports[rid]
-                self._held[rid] = f"{rid}#held"
+                self._held[rid] = owner
                 lp = req.output_logprobs[0] if req.output_logprobs else None
                 self.connector.finish(rid, src, first, req.output_token_ids[0], lp)
                 continue
