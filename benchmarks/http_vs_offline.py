@@ -2,7 +2,7 @@
 
 Both sides run the same engine config on the same prompts: N prompts of ~P random token
 ids, greedy, `ignore_eos`, M output tokens each. The HTTP side starts a real node
-(`python -m engine.cli serve`), warms it up, then times N concurrent streaming
+(`python -m pdserve serve`), warms it up, then times N concurrent streaming
 /v1/completions requests from first send to last `[DONE]`. The node is stopped before the
 offline side (`LLM.generate` on the same prompts, warmed up the same way) is timed, so the
 two never share the CPU. Writes JSON to results/http_vs_offline.json.
@@ -76,7 +76,7 @@ async def run_http(
 def bench_http(args, prompts: list[list[int]]) -> dict:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "engine.cli", "serve", "--model", args.model, "--port", str(port),
+        sys.executable, "-m", "pdserve", "serve", "--model", args.model, "--port", str(port),
         "--kv-cache-bytes", str(args.kv_cache_bytes), "--log-level", "warning",
     ]  # fmt: skip
     if args.num_threads:

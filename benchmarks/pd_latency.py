@@ -37,7 +37,7 @@ def start(args: list[str]) -> tuple[str, subprocess.Popen]:
     cmd = [
         sys.executable,
         "-m",
-        "engine.cli",
+        "pdserve",
         "serve",
         "--port",
         str(port),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
+from engine.core_proc import RoleFactory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.messages import EngineAddresses, Ready
@@ -45,9 +46,14 @@ class RequestDelta:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, addresses: EngineAddresses):
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: EngineAddresses,
+        role_factory: RoleFactory | None = None,
+    ):
         self.config = config
-        self.client = EngineCoreClient(config, addresses)
+        self.client = EngineCoreClient(config, addresses, role_factory)
         self.tokenizer = None
         self.info: Ready | None = None
 

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core_proc import run_engine_core
+from engine.core_proc import RoleFactory, run_engine_core
 from engine.messages import (
     AbortRequests,
     AddRequest,
@@ -54,9 +54,15 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, addresses: EngineAddresses):
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: EngineAddresses,
+        role_factory: RoleFactory | None = None,
+    ):
         self.config = config
         self.addresses = addresses
+        self.role_factory = role_factory
         self.info: Ready | None = None
         self.dead: str | None = None
         self.latest_stats: EngineStats | None = None
@@ -84,6 +90,7 @@ class EngineCoreClient:
                 self.addresses,
                 logging.getLogger().getEffectiveLevel(),
                 os.getpid(),
+                self.role_factory,
             ),
             name="EngineCore",
             daemon=True,

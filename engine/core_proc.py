@@ -22,12 +22,14 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import zmq
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KVTransferConfig
 from engine.core import EngineCore
 from engine.errors import InvalidRequestError
+from engine.kv_role import KVRole
 from engine.messages import (
     AbortRequests,
     AddRequest,
@@ -45,7 +47,8 @@ from engine.messages import (
     UtilityResult,
 )
 from engine.outputs import EngineCoreOutput
-from kv_transfer.roles import build_kv_role
+
+RoleFactory = Callable[[KVTransferConfig], KVRole | None]
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +59,24 @@ _MAX_BACKOFF_MS = 8  # longest wait between polls while a transfer is pending
 
 
 def run_engine_core(
-    config: EngineConfig, addresses: EngineAddresses, log_level: int, parent_pid: int
+    config: EngineConfig,
+    addresses: EngineAddresses,
+    log_level: int,
+    parent_pid: int,
+    role_factory: RoleFactory | None = None,
 ) -> None:
-    """Process entry point (target of a spawned `multiprocessing.Process`)."""
+    """Process entry point (target of a spawned `multiprocessing.Process`).
+
+    `role_factory` builds the node's PD role from its KV-transfer config (the node package
+    wires engine + role + connector; the engine itself knows no role). It must be a
+    module-level function: the spawned process imports it by name.
+    """
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
     _die_with_parent(parent_pid)
-    proc = EngineCoreProc(config, addresses)
+    proc = EngineCoreProc(config, addresses, role_factory)
     proc.run()
 
 
@@ -86,7 +98,12 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, addresses: EngineAddresses):
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: EngineAddresses,
+        role_factory: RoleFactory | None = None,
+    ):
         self.addresses = addresses
         self.inputs: queue.Queue[EngineInput] = queue.Queue()
         self.outputs: queue.Queue[EngineOutput | None] = queue.Queue()
@@ -100,7 +117,8 @@ class EngineCoreProc:
         self._out_thread.start()
         try:
             t = time.perf_counter()
-            self.core = EngineCore(config, build_kv_role(config.kv_transfer))
+            role = role_factory(config.kv_transfer) if role_factory is not None else None
+            self.core = EngineCore(config, role)
             logger.info("engine loaded %s in %.1f s", self.core.model_dir, time.perf_counter() - t)
         except BaseException as e:
             self._die(f"engine failed to start: {e!r}")

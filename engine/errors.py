@@ -1,5 +1,9 @@
 """Errors the engine raises for bad input or bad configuration, each naming its cause."""
 
+from api.errors import InvalidRequestError
+
+__all__ = ["ConfigError", "InvalidRequestError"]
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
@@ -7,11 +11,3 @@ class ConfigError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-class InvalidRequestError(ValueError):
-    """A request cannot be served as given (bad sampling parameter, bad prompt)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param

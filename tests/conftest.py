@@ -47,3 +47,12 @@ def make_tiny_llama(path: str, *, seed: int = 0, **overrides) -> str:
 def tiny_llama_dir(tmp_path_factory) -> str:
     """A tiny random Llama with GQA (4 query heads, 2 KV heads) and tied embeddings."""
     return make_tiny_llama(str(tmp_path_factory.mktemp("tiny_llama")))
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a free loopback port, stopped after the test."""
+    from cluster.embedded_redis import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server

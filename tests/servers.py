@@ -51,7 +51,7 @@ def alive(pid: int) -> bool:
 
 def launch_server(args: list[str], port: int) -> tuple[str, subprocess.Popen]:
     """Start `pdserve serve ARGS --port PORT` (no wait)."""
-    cmd = [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args]
     return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, cwd=ROOT)
 
 

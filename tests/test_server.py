@@ -1,4 +1,4 @@
-"""A live node (`python -m engine.cli serve`) against the official openai client and raw HTTP.
+"""A live node (`python -m pdserve serve`) against the official openai client and raw HTTP.
 
 One server and one offline `LLM` per module (both the real SmolLM2, fp32): every text the
 server returns is compared with the offline engine's text for the same greedy request.

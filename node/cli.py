@@ -1,4 +1,4 @@
-"""The `pdserve` command.
+"""`pdserve serve`: one node.
 
 `pdserve serve --model NAME --port P` runs one node: colocated by default;
 `--role prefill --kv-control tcp://HOST:PORT` or `--role decode --prefill-node tcp://HOST:PORT`
@@ -12,6 +12,7 @@ import logging
 import shutil
 import tempfile
 
+from api.http import DEFAULT_MAX_BODY_BYTES
 from engine.config import (
     CacheConfig,
     EngineConfig,
@@ -21,9 +22,8 @@ from engine.config import (
 )
 from engine.errors import ConfigError
 from engine.messages import EngineAddresses
-from engine.serving.api_server import DEFAULT_MAX_BODY_BYTES
 
-logger = logging.getLogger("engine.cli")
+logger = logging.getLogger(__name__)
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -115,7 +115,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from engine.serving.api_server import build_app
+    from node.api_server import build_app
 
     config = engine_config_from_args(args)
     tmpdir = None
@@ -139,24 +139,13 @@ def serve(args: argparse.Namespace) -> None:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_serve_args(
-        sub.add_parser(
-            "serve", help="serve one model over HTTP (colocated, prefill or decode node)"
-        )
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if args.command == "serve":
-        try:
-            serve(args)
-        except ConfigError as e:
-            parser.error(f"configuration error: {e}")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`pdserve serve`: one node over HTTP (colocated, prefill or decode)."""
+    _add_serve_args(p)
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace) -> None:
+    try:
+        serve(args)
+    except ConfigError as e:
+        raise SystemExit(f"pdserve serve: configuration error: {e}") from None

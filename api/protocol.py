@@ -9,12 +9,11 @@ with the field's name. Extensions: `top_k`, `min_p`, `ignore_eos`, and pre-token
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from api.errors import InvalidRequestError
 
 
 class _Request(BaseModel):
@@ -55,10 +54,10 @@ class _SamplingRequest(_Request):
             param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             raise InvalidRequestError(f"{param} is not supported", param)
 
-    def _sampling_params(self, max_tokens: int, logprobs: bool) -> SamplingParams:
+    def _sampling_kwargs(self, max_tokens: int, logprobs: bool) -> dict[str, Any]:
         self._check_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
+        return dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k,
@@ -92,7 +91,8 @@ class CompletionRequest(_SamplingRequest):
             return p[0]  # type: ignore[return-value]
         return p  # type: ignore[return-value]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
+        """Keyword arguments of the engine's `SamplingParams` for this request."""
         if self.echo:
             raise InvalidRequestError("echo is not supported", "echo")
         if self.suffix:
@@ -104,7 +104,7 @@ class CompletionRequest(_SamplingRequest):
                 "only logprobs=0 (the sampled token's logprob) is supported", "logprobs"
             )
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs is not None)
+        return self._sampling_kwargs(max_tokens, self.logprobs is not None)
 
 
 class TextPart(_Request):
@@ -135,7 +135,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
+        """Keyword arguments of the engine's `SamplingParams` for this request."""
         if not self.messages and self.prompt_token_ids is None:
             raise InvalidRequestError("messages must not be empty", "messages")
         if self.top_logprobs:
@@ -145,7 +146,7 @@ class ChatCompletionRequest(_SamplingRequest):
             max_tokens = self.max_tokens
         if max_tokens is None:
             max_tokens = default_max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        return self._sampling_kwargs(max_tokens, self.logprobs)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -16,12 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from engine.async_llm import AsyncLLM, RequestDelta, RequestFailedError
-from engine.config import KVTransferConfig
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
-from engine.serving.metrics import NodeMetrics
-from engine.serving.protocol import (
+from api.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -40,7 +35,12 @@ from engine.serving.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from engine.async_llm import AsyncLLM, RequestDelta, RequestFailedError
+from engine.config import KVTransferConfig
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
+from node.metrics import NodeMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +148,9 @@ class OpenAIServing:
         self, kind: str, ids: list[int], req, max_tokens: int | None, arrival: float
     ) -> Prepared:
         self.llm.validate_prompt(ids, max_tokens)
-        params = req.to_sampling_params(default_max_tokens=self.llm.max_model_len - len(ids))
+        params = SamplingParams(
+            **req.sampling_kwargs(default_max_tokens=self.llm.max_model_len - len(ids))
+        )
         rid = f"{kind}-{uuid.uuid4().hex}"
         prefill_node = self._prefill_node(req)
         logger.info(

@@ -1,0 +1,161 @@
+"""HTTP plumbing every pdserve server shares: OpenAI-style error bodies and handlers,
+a request-body size limit, streaming that aborts on client disconnect.
+
+Every error leaves as `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx
+status, whether it comes from a node or from the router.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import Message, Receive, Scope, Send
+
+from api.errors import InvalidRequestError
+from api.protocol import ErrorInfo, ErrorResponse
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+T = TypeVar("T")
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over `max_bytes`, by Content-Length or as it streams in."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._drain(receive)
+            await self._reject(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, f"request body exceeds {self.max_bytes} bytes")
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+    async def _drain(self, receive: Receive) -> None:
+        # Reading the rest lets the client finish sending and see the 413 cleanly.
+        while (msg := await receive())["type"] == "http.request" and msg.get("more_body"):
+            pass
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_response(
+            413, f"request body exceeds {self.max_bytes} bytes", code="body_too_large"
+        )
+        await resp(scope, receive, send)
+
+
+class AbortOnDisconnectResponse(StreamingResponse):
+    """SSE response that notices a client disconnect while waiting for the next token.
+
+    On disconnect the streaming task is cancelled and the body iterator closed, which runs
+    the generator's `finally`: the request is aborted in the engine.
+    """
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass  # the client went away mid-write
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; cancel it (None) if the client disconnects first."""
+    result: list[T] = []
+    async with anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            result.append(await work)
+            tg.cancel_scope.cancel()
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(run)
+        tg.start_soon(watch)
+    return result[0] if result else None
+
+
+def _param_name(loc: tuple) -> str | None:
+    """`("body", "messages", 0, "content", "str")` -> `"messages.0.content"`.
+
+    Drops "body" and the names pydantic gives union members (types, not fields).
+    """
+    parts = []
+    for x in loc:
+        if isinstance(x, int):
+            parts.append(str(x))
+        elif x != "body" and x.isidentifier() and x.islower() and x not in _TYPE_NAMES:
+            parts.append(x)
+    return ".".join(parts) or None
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style bodies for invalid JSON, schema violations, bad values and HTTP errors."""
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            return error_response(400, f"the request body is not valid JSON: {detail}")
+        param = _param_name(err.get("loc", ()))
+        return error_response(
+            400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param
+        )
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, str(exc), param=exc.param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = "body_too_large" if exc.status_code == 413 else None
+        return error_response(exc.status_code, str(exc.detail), code=code)

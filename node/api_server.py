@@ -1,0 +1,148 @@
+"""The node's FastAPI app: OpenAI routes, health, metrics, debug, and OpenAI-style errors.
+
+`build_app()` makes an app whose lifespan starts the `AsyncLLM` (and so the EngineCore
+process) and shuts it down with the server. Every error leaves as
+`{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status. A client that
+disconnects aborts its request in the engine, streaming or not.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from api.http import (
+    DEFAULT_MAX_BODY_BYTES,
+    AbortOnDisconnectResponse,
+    BodySizeLimitMiddleware,
+    add_error_handlers,
+    error_response,
+    until_disconnect,
+)
+from api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from engine.async_llm import AsyncLLM, RequestFailedError
+from engine.config import EngineConfig
+from engine.core_client import EngineDeadError
+from engine.messages import EngineAddresses
+from node.metrics import NodeMetrics
+from node.openai_serving import ModelNotFoundError, OpenAIServing
+from node.roles import build_kv_role
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(
+    config: EngineConfig,
+    addresses: EngineAddresses,
+    served_model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    model_name = served_model_name or config.model.model
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        llm = AsyncLLM(config, addresses, build_kv_role)
+        metrics = NodeMetrics()
+        llm.client.on_batch = lambda batch: metrics.update_engine(batch.stats)
+        app.state.llm = llm
+        app.state.metrics = metrics
+        app.state.serving = OpenAIServing(llm, metrics, model_name, config.kv_transfer)
+        try:
+            await llm.start()
+            logger.info("serving %s (max_model_len=%d)", model_name, llm.max_model_len)
+            yield
+        finally:
+            await llm.shutdown()
+
+    app = FastAPI(title="pdserve node", lifespan=lifespan)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        dead = request.app.state.llm.client.dead
+        if dead is not None:
+            return error_response(503, dead, "server_error", code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        return ModelList(
+            data=[ModelCard(id=model_name, max_model_len=request.app.state.llm.max_model_len)]
+        )
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state = request.app.state
+        try:
+            with anyio.fail_after(5):
+                state.metrics.update_engine(await state.llm.get_stats())
+        except (TimeoutError, EngineDeadError):
+            pass  # serve the last stats seen
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/debug/engine")
+    async def debug_engine(request: Request) -> JSONResponse:
+        llm: AsyncLLM = request.app.state.llm
+        violation = await llm.check_integrity()
+        stats = await llm.get_stats()
+        return JSONResponse(
+            {
+                "stats": {f: getattr(stats, f) for f in stats.__struct_fields__},
+                "integrity": {"ok": violation is None, "error": violation},
+            }
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        serving: OpenAIServing = request.app.state.serving
+        p = serving.prepare_completion(body)
+        if body.stream:
+            return AbortOnDisconnectResponse(
+                serving.stream_completion(p, body.include_usage), media_type="text/event-stream"
+            )
+        g = await until_disconnect(request, serving.collect(p))
+        if g is None:
+            return Response(status_code=499)
+        return JSONResponse(serving.completion_response(p, g).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        serving: OpenAIServing = request.app.state.serving
+        p = serving.prepare_chat(body)
+        if body.stream:
+            return AbortOnDisconnectResponse(
+                serving.stream_chat(p, body.include_usage), media_type="text/event-stream"
+            )
+        g = await until_disconnect(request, serving.collect(p))
+        if g is None:
+            return Response(status_code=499)
+        return JSONResponse(serving.chat_response(p, g).model_dump())
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    add_error_handlers(app)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc), param="model", code="model_not_found")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, str(exc), "server_error", code="engine_dead")
+
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return error_response(500, str(exc), "server_error", code="engine_error")
