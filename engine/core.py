@@ -127,18 +127,33 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []
         for rid in request_ids:
-            req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            hold_key = self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            if self.kv_role is not None:
-                self.kv_role.on_abort(self, req, hold_key)
-            if req.kv_export:
-                continue
-            elif hold_key is not None:
-                self.kv.release(hold_key)
-            outs.append(self.make_output(req, []))
+            out = self.end_request(rid, RequestStatus.FINISHED_ABORTED)
+            if out is not None:
+                outs.append(out)
         return outs
+
+    def end_request(
+        self, request_id: str, status: RequestStatus, error: str | None = None
+    ) -> EngineCoreOutput | None:
+        """End a request now (abort, or an error confined to it); its final output, if any.
+
+        Blocks a transfer may still touch are held, and the hold is handed to the KV role,
+        which alone releases it (the core never releases a hold on a role's behalf).
+        """
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if error is not None:
+            req.error = error
+            logger.warning("request %s failed: %s", request_id, error)
+        hold_key = self.scheduler.finish(req, status)
+        if self.kv_role is not None:
+            self.kv_role.on_abort(self, req, hold_key)
+        elif hold_key is not None:  # unreachable without a role: nothing transfers
+            raise AssertionError(f"request {request_id} held blocks on a node without a role")
+        if req.kv_export:
+            return None  # a prefill order: its own node's clients never see it
+        return self.make_output(req, [])
 
     @property
     def has_unfinished(self) -> bool:
@@ -160,7 +175,7 @@ class EngineCore:
                 s.request.request_id: self.kv.get_block_ids(s.request.request_id)
                 for s in sched.scheduled
             }
-            sampled = self.runner.execute(sched, block_ids)
+            sampled, failed = self.runner.execute(sched, block_ids)
             finished = self.scheduler.update_from_output(sched, sampled)
             for rid, (tok, lp) in sampled.items():
                 req = self.requests[rid]
@@ -168,6 +183,10 @@ class EngineCore:
                     continue  # a prefill order: its token goes to the decode node, not here
                 self.generated_tokens += 1
                 outs.append(self.make_output(req, [tok], None if lp is None else [lp]))
+            for rid, error in failed.items():  # confined to these requests
+                out = self.end_request(rid, RequestStatus.FINISHED_ERROR, error)
+                if out is not None:
+                    outs.append(out)
         if role is not None:
             outs.extend(role.after_step(self, sched, finished))
         for req in finished:

@@ -20,11 +20,13 @@ import os
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
 from engine.core_proc import RoleFactory, run_engine_core
+from engine.errors import InvalidRequestError
 from engine.messages import (
     AbortRequests,
     AddRequest,
@@ -144,16 +146,19 @@ class EngineCoreClient:
     ) -> asyncio.Queue[TimedOutput]:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        msg = AddRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            remote_prefill=remote_prefill,
+        )
+        try:  # encode before registering: a value the wire cannot carry leaks nothing
+            frame = self._in_codec.encode(msg)
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise InvalidRequestError(f"request cannot be encoded: {e}") from e
         q: asyncio.Queue[TimedOutput] = asyncio.Queue()
         self._queues[request_id] = q
-        self._send(
-            AddRequest(
-                request_id=request_id,
-                prompt_token_ids=prompt_token_ids,
-                params=params,
-                remote_prefill=remote_prefill,
-            )
-        )
+        self._input.send(frame, copy=False)
         return q
 
     def abort_requests(self, request_ids: list[str]) -> None:

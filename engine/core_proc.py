@@ -206,8 +206,11 @@ class EngineCoreProc:
                 core.add_request(
                     msg.request_id, msg.prompt_token_ids, msg.params, msg.remote_prefill
                 )
-            except InvalidRequestError as e:
-                logger.warning("request %s rejected: %s", msg.request_id, e)
+            except Exception as e:  # confined to this request, never the engine loop
+                if isinstance(e, InvalidRequestError):
+                    logger.warning("request %s rejected: %s", msg.request_id, e)
+                else:
+                    logger.exception("request %s could not be added", msg.request_id)
                 err = EngineCoreOutput(
                     request_id=msg.request_id, new_token_ids=[], finish_reason="error", error=str(e)
                 )

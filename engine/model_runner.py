@@ -73,11 +73,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]]
-    ) -> dict[str, tuple[int, float | None]]:
-        """Run one step; return {request_id: (sampled token, logprob)} for rows that sample."""
+    ) -> tuple[dict[str, tuple[int, float | None]], dict[str, str]]:
+        """Run one step. Returns ({request_id: (sampled token, logprob)} for rows that
+        sample, {request_id: error} for rows whose sampling failed)."""
         rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         if not rows:
-            return {}
+            return {}, {}
         bs = self.block_size
         q_lens = np.array([s.num_new_tokens for s in rows], dtype=np.int64)
         starts = np.array([s.request.num_computed_tokens for s in rows], dtype=np.int64)
@@ -122,14 +123,16 @@ class ModelRunner:
         )
         sampling = [i for i, s in enumerate(rows) if s.samples]
         if not sampling:
-            return {}
+            return {}, {}
         last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=dev)
         logits = self.model.compute_logits(hidden[last_rows])
         reqs = [rows[i].request for i in sampling]
-        tokens, logprobs = sample(
-            logits, [r.sampling_params for r in reqs], [r.generator for r in reqs]
-        )
-        return {
-            r.request_id: (tok, logprobs[j] if logprobs is not None else None)
-            for j, (r, tok) in enumerate(zip(reqs, tokens))
-        }
+        res = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+        sampled, failed = {}, {}
+        for j, r in enumerate(reqs):
+            if j in res.errors:
+                failed[r.request_id] = res.errors[j]
+            else:
+                lp = res.logprobs[j] if res.logprobs is not None else None
+                sampled[r.request_id] = (res.tokens[j], lp)
+        return sampled, failed

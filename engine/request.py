@@ -64,8 +64,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
         self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        if sampling_params.torch_seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling_params.torch_seed)
 
     @property
     def num_tokens(self) -> int:

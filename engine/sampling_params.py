@@ -1,19 +1,94 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated at construction (the client boundary).
+
+Every field a client can set has one rule in `FIELD_RULES`: numbers must be finite and in
+range, integers must fit the wire types (msgpack and torch take at most 64 bits; counts
+are capped at int32). A value outside its rule raises `InvalidRequestError` naming the
+field, so it becomes a 400 at the HTTP frontend and never reaches the engine thread.
+To add a sampling field: add it to `SamplingParams` and give it a rule here.
+"""
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import msgspec
 
 from engine.errors import InvalidRequestError
 
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Below this temperature sampling is greedy: dividing logits by it would overflow.
+GREEDY_TEMPERATURE = 1e-5
+MAX_STOP_STRINGS = 64  # OpenAI allows 4; a generous cap keeps per-token work bounded
+
+
+@dataclass(frozen=True)
+class FloatRule:
+    lo: float
+    hi: float
+    lo_open: bool = False  # (lo, ...] instead of [lo, ...]
+    optional: bool = False  # None allowed
+
+    def check(self, name: str, v: object) -> None:
+        if v is None and self.optional:
+            return
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise InvalidRequestError(f"{name} must be a finite number, got {v!r}", name)
+        low_ok = v > self.lo if self.lo_open else v >= self.lo
+        if not (low_ok and v <= self.hi):
+            lb = "(" if self.lo_open else "["
+            raise InvalidRequestError(
+                f"{name} must be in {lb}{self.lo:g}, {self.hi:g}], got {v}", name
+            )
+
+
+@dataclass(frozen=True)
+class IntRule:
+    lo: int
+    hi: int
+    optional: bool = False
+
+    def check(self, name: str, v: object) -> None:
+        if v is None and self.optional:
+            return
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise InvalidRequestError(f"{name} must be an integer, got {v!r}", name)
+        if not self.lo <= v <= self.hi:
+            raise InvalidRequestError(f"{name} must be in [{self.lo}, {self.hi}], got {v}", name)
+
+
+@dataclass(frozen=True)
+class IntListRule:
+    item: IntRule
+    max_len: int
+
+    def check(self, name: str, v: object) -> None:
+        if not isinstance(v, list) or len(v) > self.max_len:
+            raise InvalidRequestError(f"{name} must be a list of at most {self.max_len}", name)
+        for x in v:
+            self.item.check(name, x)
+
+
+FIELD_RULES: dict[str, FloatRule | IntRule | IntListRule] = {
+    "temperature": FloatRule(0.0, 100.0),
+    "top_p": FloatRule(0.0, 1.0, lo_open=True),
+    "top_k": IntRule(1, INT32_MAX, optional=True),
+    "min_p": FloatRule(0.0, 1.0),
+    "seed": IntRule(INT64_MIN, INT64_MAX, optional=True),
+    "max_tokens": IntRule(1, INT32_MAX),
+    "stop_token_ids": IntListRule(IntRule(0, INT32_MAX), max_len=1024),
+}
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick each next token, and when to stop.
 
-    `temperature == 0` is greedy. `top_k=None`, `top_p=1.0` and `min_p=0.0` disable their
-    filters. `seed` makes one request's sampling reproducible regardless of its batch.
-    `logprobs=True` returns the log-probability of each sampled token (from the raw logits).
-    `stop` strings are applied to the detokenized text by the frontend.
+    `temperature` below `GREEDY_TEMPERATURE` (0 included) is greedy. `top_k=None`,
+    `top_p=1.0` and `min_p=0.0` disable their filters. `seed` makes one request's sampling
+    reproducible regardless of its batch. `logprobs=True` returns the log-probability of
+    each sampled token (from the raw logits). `stop` strings are applied to the
+    detokenized text by the frontend.
     """
 
     temperature: float = 1.0
@@ -28,23 +103,18 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidRequestError(
-                f"temperature must be >= 0, got {self.temperature}", "temperature"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k is not None and self.top_k < 1:
-            raise InvalidRequestError(f"top_k must be >= 1 or unset, got {self.top_k}", "top_k")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        if self.max_tokens < 1:
-            raise InvalidRequestError(
-                f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens"
-            )
-        if any(not s for s in self.stop):
+        for name, rule in FIELD_RULES.items():
+            rule.check(name, getattr(self, name))
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def torch_seed(self) -> int | None:
+        """`seed` as torch's unsigned 64-bit generator seed (negative seeds wrap)."""
+        return None if self.seed is None else self.seed % 2**64

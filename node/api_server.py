@@ -46,6 +46,7 @@ def build_app(
     addresses: EngineAddresses,
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    health_timeout_s: float = 10.0,
 ) -> FastAPI:
     model_name = served_model_name or config.model.model
 
@@ -70,9 +71,18 @@ def build_app(
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        dead = request.app.state.llm.client.dead
-        if dead is not None:
-            return error_response(503, dead, "server_error", code="engine_dead")
+        """200 only while the engine loop answers: a dead or stuck engine is a 503."""
+        llm: AsyncLLM = request.app.state.llm
+        if llm.client.dead is not None:
+            return error_response(503, llm.client.dead, "server_error", code="engine_dead")
+        try:
+            with anyio.fail_after(health_timeout_s):
+                await llm.get_stats()
+        except TimeoutError:
+            msg = f"the engine loop has not answered for {health_timeout_s:g} s"
+            return error_response(503, msg, "server_error", code="engine_unresponsive")
+        except EngineDeadError as e:
+            return error_response(503, str(e), "server_error", code="engine_dead")
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

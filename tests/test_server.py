@@ -271,6 +271,18 @@ BAD = [
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("invalid role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("body over limit", "/v1/completions", {"prompt": "x" * (MAX_BODY + 10)}, 413, None),
+    # values that crashed the engine or leaked a request before boundary validation
+    ("temperature NaN", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("temperature Infinity", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400, "temperature"),
+    ("top_p NaN", "/v1/completions", b'{"prompt": "hi", "top_p": NaN}', 400, "top_p"),
+    ("min_p -Infinity", "/v1/completions", b'{"prompt": "hi", "min_p": -Infinity}', 400, "min_p"),
+    ("seed beyond int64", "/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("top_k beyond int64", "/v1/completions", {"prompt": "hi", "top_k": 2**63}, 400, "top_k"),
+    ("max_tokens beyond int64", "/v1/completions", {"prompt": "hi", "max_tokens": 2**64}, 400, "max_tokens"),
+    ("negative token id", "/v1/completions", {"prompt": [1, -1]}, 400, "prompt"),
+    ("token id beyond int64", "/v1/completions", {"prompt": [2**70]}, 400, "prompt"),
+    ("chat token ids outside vocab", "/v1/chat/completions", {"prompt_token_ids": [10**9]}, 400, "prompt"),
+    ("prefill_node on a colocated node", "/v1/completions", {"prompt": "hi", "kv_transfer_params": {"prefill_node": "tcp://nohost:1"}}, 400, "kv_transfer_params.prefill_node"),
 ]  # fmt: skip
 
 
@@ -289,6 +301,17 @@ def test_bad_input_gets_openai_error(url, path, body, status, param):
     if param is not None:
         assert err["param"] == param
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_correct_text_after_hostile_values(client, offline):
+    """Runs after every hostile request above: the same node still generates exact text,
+    and a tiny temperature (which used to crash sampling) is greedy."""
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=16))[0]
+    for temperature in (0, 1e-30):
+        out = client.chat.completions.create(
+            model=MODEL, messages=CHAT, temperature=temperature, max_tokens=16
+        )
+        assert out.choices[0].message.content == ref.text
 
 
 def test_openai_client_raises_on_bad_input(client):
