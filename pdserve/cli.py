@@ -14,6 +14,7 @@ import sys
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("node.cli", "serve one model over HTTP (colocated, prefill or decode node)"),
+    "bench": ("bench.cli", "benchmarks: serve (any OpenAI endpoint), kv (NIXL transfers), compare"),
 }
 
 

@@ -1,0 +1,237 @@
+"""`pdserve bench kv`: NIXL KV-block WRITEs between two processes, or two hosts.
+
+    pdserve bench kv --out results/kv_transfer.json              # both sides on this host
+    pdserve bench kv --listen 0.0.0.0:7300                      # host B: the target
+    pdserve bench kv --peer hostB:7300 --out results/kv.json    # host A: the initiator
+
+The two sides share nothing but the address: the initiator (`--peer`, or this process in
+local mode, which starts a `--listen` child on a free loopback port) sends the geometry
+over a TCP control channel (`bench.kv_wire`), the listener allocates its KV tensor and
+answers with its NIXL metadata, and the initiator WRITEs into it. Afterwards the listener
+hashes the written blocks and the initiator checks them against its source bytes. UCX is
+configured by each side's environment (UCX_TLS, UCX_NET_DEVICES, ...). Prints a table and
+writes JSON and a PNG plot (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.kv_wire import (
+    KVBye,
+    KVChecksum,
+    KVDigest,
+    KVGeometry,
+    KVHello,
+    KVReady,
+    KVRefused,
+    parse_addr,
+    recv,
+    send,
+)
+
+logger = logging.getLogger(__name__)
+
+# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64; engine block size 16.
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+DEFAULT_TOKENS = (16, 64, 256, 1024, 4096, 16384)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--listen", metavar="HOST:PORT", help="be the target, bound here")
+    mode.add_argument("--peer", metavar="HOST:PORT", help="be the initiator against a listener")
+    p.add_argument("--out", type=Path, default=Path("results/kv_transfer.json"))
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
+    p.add_argument("--iters", type=int, default=50, help="iterations at <= 16 MiB")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--error-mode", choices=("peer", "none"), default="peer")
+    p.add_argument("--progress-thread", choices=("on", "off"), default="off",
+                   help="NIXL progress thread (busy-polls a core per agent)")  # fmt: skip
+    p.add_argument("--max-bytes", type=int, default=8 * 2**30,
+                   help="listener: refuse geometries needing more memory than this")  # fmt: skip
+    p.add_argument("--connect-timeout", type=float, default=60.0)
+    p.add_argument("--no-progress", action="store_true")
+
+
+# -- listener (target) --------------------------------------------------------------------
+def listen(addr: str, max_bytes: int, ready_fd=None) -> None:
+    """Serve one initiator session on `addr`, then return."""
+    from bench import kv_cases
+
+    host, port = parse_addr(addr)
+    with socket.create_server((host, port)) as srv:
+        logger.info("bench kv: listening on %s:%d", *srv.getsockname()[:2])
+        conn, peer_addr = srv.accept()
+    with conn:
+        hello = recv(conn)
+        if not isinstance(hello, KVHello):
+            send(conn, KVRefused(reason=f"expected KVHello, got {type(hello).__name__}"))
+            return
+        g = hello.geometry
+        problem = _check_geometry(g, max_bytes, kv_cases)
+        if problem:
+            logger.warning("bench kv: refused %s: %s", peer_addr, problem)
+            send(conn, KVRefused(reason=problem))
+            return
+        kv, flat, tensor = kv_cases.transports(g, f"bench-listener-{os.getpid()}", fill=False)
+        try:
+            send(
+                conn, KVReady(kv_metadata=kv.local_metadata(), flat_metadata=flat.local_metadata())
+            )
+            while True:
+                # Like an engine loop: progress NIXL every millisecond, answer the peer.
+                if not select.select([conn], [], [], 1e-3)[0]:
+                    kv.get_notifs()
+                    flat.get_notifs()
+                    continue
+                msg = recv(conn)
+                if isinstance(msg, KVChecksum):
+                    ids = [b for b in msg.block_ids if 0 <= b < g.max_blocks]
+                    send(conn, KVDigest(sha256=kv_cases.blocks_digest(tensor, ids)))
+                elif isinstance(msg, KVBye):
+                    break
+        finally:
+            kv.close()
+            flat.close()
+
+
+def _check_geometry(g: KVGeometry, max_bytes: int, kv_cases) -> str | None:
+    if g.dtype not in kv_cases.DTYPES:
+        return f"dtype {g.dtype!r} is not one of {sorted(kv_cases.DTYPES)}"
+    if g.error_mode not in ("peer", "none"):
+        return f"error_mode {g.error_mode!r} must be peer or none"
+    dims = (g.layers, g.kv_heads, g.head_dim, g.block_size, g.max_blocks, g.flat_layers,
+            g.flat_granule)  # fmt: skip
+    if min(dims) < 1:
+        return "every dimension must be >= 1"
+    need = kv_cases.geometry_bytes(g)
+    if need > max_bytes:
+        return f"the geometry needs {need} bytes, over this listener's --max-bytes {max_bytes}"
+    return None
+
+
+# -- initiator ----------------------------------------------------------------------------
+def _connect(addr: str, timeout_s: float) -> socket.socket:
+    host, port = parse_addr(addr)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=10)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"pdserve bench kv: cannot reach {addr}: {e}") from None
+            time.sleep(0.2)
+
+
+def initiate(args: argparse.Namespace, addr: str) -> dict:
+    from bench import kv_cases
+
+    item = kv_cases.DTYPES[args.dtype].itemsize
+    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * item
+    max_req_blocks = -(-max(args.tokens) // BLOCK)
+    g = KVGeometry(dtype=args.dtype, layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                   block_size=BLOCK, max_blocks=2 * max_req_blocks, flat_layers=max_req_blocks,
+                   flat_granule=LAYERS * block_bytes, error_mode=args.error_mode,
+                   progress_thread=args.progress_thread == "on")  # fmt: skip
+    conn = _connect(addr, args.connect_timeout)
+    conn.settimeout(None)
+    with conn:
+        send(conn, KVHello(geometry=g))
+        ready = recv(conn)
+        if isinstance(ready, KVRefused):
+            raise SystemExit(f"pdserve bench kv: the listener refused: {ready.reason}")
+        assert isinstance(ready, KVReady)
+        kv, flat, tensor = kv_cases.transports(g, f"bench-initiator-{os.getpid()}", fill=True)
+        try:
+            kv_peer, flat_peer = kv.add_peer(ready.kv_metadata), flat.add_peer(ready.flat_metadata)
+            rows = kv_cases.measure(g, kv, flat, kv_peer, flat_peer, args.tokens, args.iters,
+                                    args.warmup, on_row=lambda r: logger.info("%s", json.dumps(r)),
+                                    progress=not args.no_progress)  # fmt: skip
+            digest = kv_cases.final_write(kv, kv_peer, tensor, max_req_blocks)
+            send(conn, KVChecksum(block_ids=list(range(max_req_blocks))))
+            remote = recv(conn)
+            send(conn, KVBye())
+            kv.check_integrity()
+        finally:
+            kv.close()
+            flat.close()
+    intact = isinstance(remote, KVDigest) and remote.sha256 == digest
+    if not intact:
+        raise SystemExit("pdserve bench kv: the listener's blocks differ from the bytes written")
+    return {"config": _env_config(g, addr), "bytes_verified": True, "results": rows}
+
+
+def _env_config(g: KVGeometry, addr: str) -> dict:
+    import torch
+
+    return {
+        "model": "SmolLM2-135M",
+        "peer": addr,
+        "layers": g.layers,
+        "kv_heads": g.kv_heads,
+        "head_dim": g.head_dim,
+        "block_size": g.block_size,
+        "dtype": g.dtype,
+        "ucx_error_handling_mode": g.error_mode,
+        "progress_thread": g.progress_thread,
+        "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _local(args: argparse.Namespace) -> dict:
+    """Both sides on this host: a `--listen` child on a free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "pdserve", "bench", "kv", "--listen", addr,
+           "--max-bytes", str(args.max_bytes), "--log-level", "warning"]  # fmt: skip
+    child = subprocess.Popen(cmd)
+    try:
+        return initiate(args, addr)
+    finally:
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def format_table(report: dict) -> str:
+    lines = [f"{'tokens':>7} {'method':<16} {'MiB':>8} {'descs':>6} {'p50 ms':>9} "
+             f"{'p99 ms':>9} {'GB/s':>7} {'vs flat':>8}"]  # fmt: skip
+    for r in report["results"]:
+        lines.append(f"{r['tokens']:>7} {r['method']:<16} {r['bytes'] / 2**20:>8.2f} "
+                     f"{r['descriptors']:>6} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} "
+                     f"{r['gbps']:>7.2f} {r['vs_nixl_flat']:>8.3f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> None:
+    try:
+        if args.listen:
+            listen(args.listen, args.max_bytes)
+            return
+        report = initiate(args, args.peer) if args.peer else _local(args)
+    except ValueError as e:
+        raise SystemExit(f"pdserve bench kv: {e}") from None
+    print(format_table(report), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    from bench.plots import plot_kv
+
+    png = plot_kv(report, args.out.with_suffix(".png"))
+    logger.info("wrote %s and %s", args.out, png)
