@@ -36,6 +36,7 @@ from engine.core_client import EngineDeadError
 from engine.messages import EngineAddresses
 from node.metrics import NodeMetrics
 from node.openai_serving import ModelNotFoundError, OpenAIServing
+from node.prefill_nodes import PrefillNodes
 from node.roles import build_kv_role
 
 logger = logging.getLogger(__name__)
@@ -47,7 +48,10 @@ def build_app(
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     health_timeout_s: float = 10.0,
+    prefill_nodes: PrefillNodes | None = None,
 ) -> FastAPI:
+    """`prefill_nodes` (decode role): where requests may be prefilled; default: the
+    configured `kv_transfer.prefill_nodes` (see node/prefill_nodes.py for the hook)."""
     model_name = served_model_name or config.model.model
 
     @asynccontextmanager
@@ -57,7 +61,9 @@ def build_app(
         llm.client.on_batch = lambda batch: metrics.update_engine(batch.stats)
         app.state.llm = llm
         app.state.metrics = metrics
-        app.state.serving = OpenAIServing(llm, metrics, model_name, config.kv_transfer)
+        app.state.serving = OpenAIServing(
+            llm, metrics, model_name, config.kv_transfer, prefill_nodes
+        )
         try:
             await llm.start()
             logger.info("serving %s (max_model_len=%d)", model_name, llm.max_model_len)

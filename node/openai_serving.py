@@ -8,7 +8,6 @@ Streamed and collected text come from the same incremental detokenizer, so they 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import uuid
@@ -41,6 +40,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 from node.metrics import NodeMetrics
+from node.prefill_nodes import PrefillNodes
 
 logger = logging.getLogger(__name__)
 
@@ -97,13 +97,16 @@ class OpenAIServing:
         metrics: NodeMetrics,
         model_name: str,
         pd: KVTransferConfig | None = None,
+        prefill_nodes: PrefillNodes | None = None,
     ):
+        """`prefill_nodes` (decode role): the allowed prefill nodes; by default the
+        configured ones. A cluster registry passes `PrefillNodes(its_callable)`."""
         self.llm = llm
         self.metrics = metrics
         self.model_name = model_name
         self.pd = pd or KVTransferConfig()
-        self._next_prefill = (
-            itertools.cycle(self.pd.prefill_nodes) if self.pd.prefill_nodes else None
+        self.prefill_nodes = prefill_nodes or PrefillNodes.configured(
+            self.pd.prefill_nodes, self.pd.role
         )
 
     # -- request preparation ------------------------------------------------------------
@@ -165,21 +168,9 @@ class OpenAIServing:
         return Prepared(rid, ids, params, arrival, prefill_node)
 
     def _prefill_node(self, req) -> str | None:
-        """The prefill node for a PD request: the router's choice, else round-robin."""
+        """The prefill node for a PD request: the router's choice if allowed, else in turn."""
         asked = req.kv_transfer_params.prefill_node if req.kv_transfer_params else None
-        if asked is not None:
-            if self.pd.role != "decode":
-                raise InvalidRequestError(
-                    f"this node's role is {self.pd.role}: it takes no prefill_node",
-                    "kv_transfer_params.prefill_node",
-                )
-            if not asked.startswith(("tcp://", "ipc://")):
-                raise InvalidRequestError(
-                    f"prefill_node {asked!r} must be a tcp:// or ipc:// control address",
-                    "kv_transfer_params.prefill_node",
-                )
-            return asked
-        return next(self._next_prefill) if self._next_prefill is not None else None
+        return self.prefill_nodes.choose(asked)
 
     # -- generation ---------------------------------------------------------------------
     async def _deltas(self, p: Prepared) -> AsyncIterator[RequestDelta]:

@@ -138,6 +138,21 @@ def test_chat_through_pd(decode_url):
     assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
 
 
+@pytest.mark.parametrize("asked", ["tcp://nohost:1", "ipc:///tmp/elsewhere", "tcp://127.0.0.1:1"])
+def test_client_cannot_choose_the_prefill_node(decode_url, prefill_node, offline, asked):
+    """Used to be accepted: the engine connected there (tcp://nohost killed it)."""
+    body = {"prompt": "hi", "max_tokens": 2, "kv_transfer_params": {"prefill_node": asked}}
+    r = httpx.post(f"{decode_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "kv_transfer_params.prefill_node" and "not one of" in err["message"]
+    assert httpx.get(f"{decode_url}/health", timeout=30).status_code == 200
+    prompt = text_prompt(offline, LONG_TEXT)[:100]
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    out = complete(decode_url, prompt, 4, kv_transfer_params={"prefill_node": prefill_node[1]})
+    assert out["choices"][0]["text"] == ref[0].text  # the configured node is honoured
+
+
 def test_16_concurrent_requests(decode_url, prefill_node, offline):
     words = ["apple", "river", "mountain", "violin", "planet", "garden", "bridge", "winter"]
     prompts = [
