@@ -63,17 +63,7 @@ class EmbeddedRedis:
             )
         if self.ping() or not _port_free(self.host, self.port):
             raise RedisUnavailableError(f"port {self.port} on {self.host} is already in use")
-        cmd = [
-            exe,
-            "--bind", self.host,
-            "--port", str(self.port),
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--protected-mode", "yes",
-            "--dir", "/tmp",
-            "--dbfilename", f"pdserve-redis-{self.port}.rdb",
-        ]  # fmt: skip
+        cmd = self.command(exe)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -92,6 +82,21 @@ class EmbeddedRedis:
             time.sleep(0.05)
         self.stop()
         raise RedisUnavailableError(f"redis-server did not answer on {self.url} in {timeout_s} s")
+
+    def command(self, exe: str | None = None) -> list[str]:
+        """The redis-server command line (a supervisor may run it itself)."""
+        exe = exe or shutil.which(self.executable) or self.executable
+        return [
+            exe,
+            "--bind", self.host,
+            "--port", str(self.port),
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--protected-mode", "yes",
+            "--dir", "/tmp",
+            "--dbfilename", f"pdserve-redis-{self.port}.rdb",
+        ]  # fmt: skip
 
     def ping(self) -> bool:
         """True when the server answers PING (a raw RESP exchange, no client library)."""

@@ -2,7 +2,9 @@
 
 `pdserve serve --model NAME --port P` runs one node: colocated by default;
 `--role prefill --kv-control tcp://HOST:PORT` or `--role decode --prefill-node tcp://HOST:PORT`
-for prefill/decode disaggregation.
+for prefill/decode disaggregation. `--config CLUSTER.yaml --node NAME` takes every setting
+of node NAME (e.g. `prefill-0`) from a cluster config file (cluster/schema.py); flags given
+on the command line win over the file.
 """
 
 from __future__ import annotations
@@ -139,13 +141,54 @@ def serve(args: argparse.Namespace) -> None:
             shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+CONFIG_DESTS = ("config", "node", "set", "help", "log_level", "serve_defaults")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`pdserve serve`: one node over HTTP (colocated, prefill or decode)."""
     _add_serve_args(p)
+    g = p.add_argument_group("settings from a cluster config file")
+    g.add_argument("--config", default=None, help="cluster YAML file (see docs/configuration.md)")
+    g.add_argument("--node", default=None, help="with --config: the node to run, e.g. decode-0")
+    g.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    # Precedence: flags given > the config file > built-in defaults. So that "given" is
+    # knowable, flags default to absent and their defaults are applied in run().
+    defaults = {}
+    for action in p._actions:
+        if action.dest not in CONFIG_DESTS:
+            defaults[action.dest] = action.default
+            action.default = argparse.SUPPRESS
+    p.set_defaults(serve_defaults=defaults)
+
+
+def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults, then the node's settings from `--config` (if any), then the flags given."""
+    values = dict(args.serve_defaults)
+    if args.config:
+        from cluster.config_file import load_config
+        from cluster.nodes import find_node, node_settings
+
+        if not args.node:
+            raise ConfigError("--node", "--config needs --node NAME (e.g. decode-0)")
+        cfg = load_config(args.config, args.set)
+        try:
+            node = find_node(cfg, args.node)
+        except KeyError as e:
+            raise ConfigError("--node", e.args[0]) from None
+        values.update(node_settings(cfg, node))
+    elif args.node or args.set:
+        raise ConfigError("--node", "--node and --set need --config FILE")
+    values.update({k: v for k, v in vars(args).items() if k not in CONFIG_DESTS})
+    values["log_level"] = args.log_level
+    return argparse.Namespace(**values)
 
 
 def run(args: argparse.Namespace) -> None:
+    from cluster.config_file import ConfigFileError
+
     try:
-        serve(args)
-    except ConfigError as e:
+        serve(resolve_settings(args))
+    except (ConfigError, ConfigFileError) as e:
         raise SystemExit(f"pdserve serve: configuration error: {e}") from None

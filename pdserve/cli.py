@@ -15,6 +15,9 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("node.cli", "serve one model over HTTP (colocated, prefill or decode node)"),
     "bench": ("bench.cli", "benchmarks: serve (any OpenAI endpoint), kv (NIXL transfers), compare"),
+    "launch": ("cluster.launch_cli", "launch a whole cluster from one YAML file"),
+    "config": ("cluster.config_cli", "check a cluster config file, or print its reference"),
+    "status": ("cluster.status", "show a running cluster (processes, health, registry)"),
 }
 
 

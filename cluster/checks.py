@@ -1,0 +1,130 @@
+"""Checks of a cluster config that span fields: connectors, port lists, port clashes,
+devices, the model. Each problem is `(key path, message)`; cluster/config_file.py turns
+it into an error naming the field and its line.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import NamedTuple
+
+from cluster.nodes import cluster_nodes
+from cluster.schema import ClusterConfig, NodeGroup
+
+Problem = tuple[tuple[str | int, ...], str]
+WILDCARD = ("0.0.0.0", "")
+
+
+def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Problem]:
+    problems: list[Problem] = []
+    has_prefill = cfg.prefill is not None and cfg.prefill.count > 0
+    needs_connector = role == "prefill" or has_prefill
+    if needs_connector and group.connector is None and group.count > 0:
+        why = "a prefill group" if role == "prefill" else "a decode group with prefill nodes"
+        problems.append(((role, "connector"), f"{why} needs a KV connector, e.g. {{kind: nixl}}"))
+    if role == "prefill" and group.kv_port is None and group.count > 0:
+        problems.append(((role, "kv_port"), "prefill nodes need a KV control port"))
+    for key in ("port", "kv_port", "device"):
+        value = getattr(group, key)
+        if isinstance(value, list) and len(value) < group.count:
+            problems.append(((role, key), f"lists {len(value)} values for {group.count} nodes"))
+    for key in ("port", "kv_port"):
+        value = getattr(group, key)
+        ports = value if isinstance(value, list) else [] if value is None else [value]
+        if isinstance(value, int) and group.count:
+            ports = [value + group.count - 1]
+        if any(not 1 <= p <= 65535 for p in ports):
+            problems.append(((role, key), f"ports must be within 1..65535, got {value}"))
+    devices = group.device if isinstance(group.device, list) else [group.device]
+    for d in devices:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+            problems.append(((role, "device"), f"must be 'cpu' or 'cuda:N', got {d!r}"))
+    if group.host == "auto" and cfg.launcher.kind != "ray":
+        problems.append(((role, "host"), "'auto' needs launcher.kind: ray"))
+    return problems
+
+
+class Endpoint(NamedTuple):
+    host: str
+    port: int
+    path: tuple[str, ...]  # the config key that sets the port
+    what: str
+
+
+def endpoints(cfg: ClusterConfig) -> list[Endpoint]:
+    """Every fixed port the cluster binds (router, embedded Redis, nodes' HTTP and KV)."""
+    found: list[Endpoint] = []
+    if cfg.router.enabled:
+        found.append(Endpoint(cfg.router.host, cfg.router.port, ("router", "port"), "the router"))
+    if cfg.redis.embedded and cfg.redis.port is not None:
+        found.append(Endpoint(cfg.redis.host, cfg.redis.port, ("redis", "port"), "embedded Redis"))
+    for node in cluster_nodes(cfg):
+        found.append(Endpoint(node.host, node.port, (node.role, "port"), f"{node.name} HTTP"))
+        if node.kv_port is not None:
+            where = (node.role, "kv_port")
+            found.append(Endpoint(node.host, node.kv_port, where, f"{node.name} KV control"))
+    return found
+
+
+def _port_clashes(cfg: ClusterConfig) -> list[Problem]:
+    """Two endpoints of this cluster on one host and port (wildcard binds clash with all)."""
+    found = endpoints(cfg)
+    problems: list[Problem] = []
+    for i, (host, port, path, what) in enumerate(found):
+        for host2, port2, _, what2 in found[:i]:
+            same_host = host == host2 or host in WILDCARD or host2 in WILDCARD
+            if port == port2 and same_host:
+                problems.append((path, f"port {port} clashes: {what} and {what2} both use it"))
+                break
+    return problems
+
+
+def ports_in_use(cfg: ClusterConfig) -> list[Problem]:
+    """Endpoints on this machine whose port another process already holds (launch time)."""
+    problems: list[Problem] = []
+    for host, port, path, what in endpoints(cfg):
+        if host == "auto":
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                problems.append((path, f"{what}: cannot bind {host}:{port} ({e.strerror})"))
+    return problems
+
+
+def _model_problems(cfg: ClusterConfig) -> list[Problem]:
+    from engine.model_files import BUILTIN_MODELS
+
+    name = cfg.model.name
+    if name in BUILTIN_MODELS or cfg.launcher.kind == "ray":
+        return []  # on Ray the path is resolved on the node's own host
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file()):
+        return []
+    builtins = ", ".join(sorted(BUILTIN_MODELS))
+    return [
+        (
+            ("model", "name"),
+            f"{name!r} is no built-in model ({builtins}), HF directory or .gguf file",
+        )
+    ]
+
+
+def cross_checks(cfg: ClusterConfig) -> list[Problem]:
+    problems: list[Problem] = []
+    if cfg.decode.count < 1:
+        problems.append((("decode", "count"), "a cluster needs at least one decode node"))
+    for role in ("prefill", "decode"):
+        group = getattr(cfg, role)
+        if group is not None:
+            problems += _group_problems(cfg, role, group)
+    if not problems:  # port lists are well-formed: compare the endpoints
+        problems += _port_clashes(cfg)
+    restart = cfg.launcher.restart
+    if restart.backoff_max_s < restart.backoff_s:
+        problems.append((("launcher", "restart", "backoff_max_s"), "must be >= backoff_s"))
+    return problems + _model_problems(cfg)

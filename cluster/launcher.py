@@ -1,0 +1,222 @@
+"""`pdserve launch` on one machine: Redis, the nodes and the router as local processes.
+
+The run directory (`launcher.run_dir/<cluster>-<time>/`, with `<cluster>-latest` linking
+to it) holds one log per process, `launcher.log`, and `cluster.json`: every service with
+its state, pid, url, log and restart count, rewritten on every change and also stored in
+Redis under `<cluster>:launcher`, which is where `pdserve status` reads it.
+
+Each node runs `pdserve serve --config FILE --node NAME`: it reads the same file through
+the same loader, so what `pdserve config check` accepted is exactly what runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from cluster.checks import ports_in_use
+from cluster.config_file import ConfigFileError, Issue
+from cluster.embedded_redis import EmbeddedRedis, _free_port
+from cluster.nodes import NodeSpec, cluster_nodes, router_argv, serve_argv
+from cluster.process import ManagedProcess
+from cluster.schema import ClusterConfig
+from cluster.supervisor import LaunchError, Service, Supervisor
+
+logger = logging.getLogger(__name__)
+
+
+def http_healthy(url: str) -> Callable[[], bool]:
+    def probe() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return probe
+
+
+def make_run_dir(cfg: ClusterConfig) -> Path:
+    root = Path(cfg.launcher.run_dir)
+    run_dir = root / f"{cfg.cluster}-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while run_dir.exists():
+        n += 1
+        run_dir = root / f"{cfg.cluster}-{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    run_dir.mkdir(parents=True)
+    latest = root / f"{cfg.cluster}-latest"
+    if latest.is_symlink() or not latest.exists():
+        latest.unlink(missing_ok=True)
+        latest.symlink_to(run_dir.name)
+    return run_dir
+
+
+class ClusterState:
+    """cluster.json in the run directory, mirrored to Redis for `pdserve status`."""
+
+    def __init__(self, cfg: ClusterConfig, run_dir: Path, config_file: str):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.config_file = config_file
+        self.redis_url: str | None = None
+        self.router_url: str | None = None
+        self.services: list[Service] = []
+        self.started = time.time()
+
+    def as_dict(self) -> dict:
+        return {
+            "cluster": self.cfg.cluster,
+            "config": self.config_file,
+            "run_dir": str(self.run_dir.resolve()),
+            "launcher": self.cfg.launcher.kind,
+            "launcher_pid": os.getpid(),
+            "started": self.started,
+            "redis_url": self.redis_url,
+            "router_url": self.router_url,
+            "services": [
+                {
+                    "name": s.name,
+                    "kind": s.kind,
+                    "state": s.state,
+                    "pid": s.handle.pid,
+                    "url": s.url,
+                    "log": s.log,
+                    "restarts": s.total_restarts,
+                }
+                for s in self.services
+            ],
+        }
+
+    def write(self) -> None:
+        data = self.as_dict()
+        tmp = self.run_dir / "cluster.json.tmp"
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.run_dir / "cluster.json")
+        if self.redis_url:
+            try:
+                import redis
+
+                with redis.Redis.from_url(self.redis_url, socket_timeout=1.0) as r:
+                    r.set(f"{self.cfg.cluster}:launcher", json.dumps(data))
+            except Exception as e:  # Redis down or restarting: the file still has it
+                logger.debug("could not store the launcher state in Redis: %s", e)
+
+
+def status_screen(state: ClusterState, elapsed_s: float) -> str:
+    lines = [
+        f"pdserve cluster '{state.cfg.cluster}' is up in {elapsed_s:.1f} s "
+        f"(run dir {state.run_dir})",
+        f"  {'service':<12} {'state':<9} {'pid':>8}  url",
+    ]
+    for s in state.services:
+        lines.append(f"  {s.name:<12} {s.state:<9} {s.handle.pid or '-':>8}  {s.url}")
+    if state.router_url:
+        lines.append(f"OpenAI API: {state.router_url}/v1")
+    lines.append(f"logs: {state.run_dir}/*.log   status: pdserve status   Ctrl-C: drain and stop")
+    return "\n".join(lines)
+
+
+def local_services(
+    cfg: ClusterConfig, config_file: str, overrides: list[str], run_dir: Path, state: ClusterState
+) -> list[list[Service]]:
+    """Stages of local services: [redis], [nodes], [router]."""
+    stages: list[list[Service]] = []
+    node_overrides = list(overrides)
+    if cfg.redis.embedded:
+        redis = EmbeddedRedis(cfg.redis.host, cfg.redis.port or _free_port(cfg.redis.host))
+        proc = ManagedProcess(redis.command(), run_dir / "redis.log")
+        stages.append([Service("redis", "redis", proc, redis.ping, redis.url, str(proc.log_path))])
+        state.redis_url = redis.url
+        node_overrides.append(f"redis.url={redis.url}")
+    else:
+        state.redis_url = cfg.redis.url
+    level = cfg.launcher.log_level
+    nodes = cluster_nodes(cfg)
+    node_services = []
+    for node in nodes:
+        argv = serve_argv(config_file, node, node_overrides, log_level=level)
+        node_services.append(_service(node.name, node.role, argv, node.url, run_dir))
+    stages.append(node_services)
+    if cfg.router.enabled:
+        r = cfg.router
+        url = f"http://{'127.0.0.1' if r.host in ('0.0.0.0', '') else r.host}:{r.port}"
+        argv = router_argv(cfg, state.redis_url, nodes, level)
+        stages.append([_service("router", "router", argv, url, run_dir)])
+        state.router_url = url
+    return stages
+
+
+def _service(name: str, kind: str, argv: list[str], url: str, run_dir: Path) -> Service:
+    proc = ManagedProcess(argv, run_dir / f"{name}.log")
+    return Service(name, kind, proc, http_healthy(url), url, str(proc.log_path))
+
+
+def node_url_list(nodes: list[NodeSpec]) -> str:
+    return ", ".join(f"{n.name} {n.url}" for n in nodes)
+
+
+def run_cluster(
+    cfg: ClusterConfig,
+    config_file: str,
+    overrides: list[str],
+    build: Callable[..., list[list[Service]]] = local_services,
+) -> int:
+    """Launch, supervise until SIGINT/SIGTERM, drain and stop. Returns the exit code."""
+    config_file = str(Path(config_file).resolve())
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per health probe
+    if cfg.launcher.kind == "local":
+        busy = ports_in_use(cfg)
+        if busy:
+            from cluster.config_file import dotted
+
+            issues = [Issue(dotted(path), config_file, msg) for path, msg in busy]
+            raise ConfigFileError(issues)
+    run_dir = make_run_dir(cfg)
+    state = ClusterState(cfg, run_dir, config_file)
+    launcher_log = open(run_dir / "launcher.log", "a", buffering=1)  # noqa: SIM115
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+        launcher_log.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
+
+    stages = build(cfg, config_file, overrides, run_dir, state)
+    state.services = [s for stage in stages for s in stage]
+    sup = Supervisor(
+        stages,
+        cfg.launcher.restart,
+        cfg.launcher.startup_timeout_s,
+        cfg.launcher.drain_timeout_s,
+        say=say,
+        on_change=state.write,
+    )
+
+    def request_stop(signum: int, frame: object) -> None:
+        if not sup.stop_requested:
+            say(f"[launch] {signal.Signals(signum).name}: draining and stopping the cluster")
+        sup.stop_requested = True
+
+    old = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    t0 = time.monotonic()
+    code = 0
+    try:
+        say(f"[launch] cluster '{cfg.cluster}': {len(state.services)} processes, run dir {run_dir}")
+        sup.start_all()
+        say(status_screen(state, time.monotonic() - t0))
+        sup.supervise()
+    except LaunchError as e:
+        say(f"[launch] launch failed: {e}")
+        code = 0 if sup.stop_requested else 1
+    finally:
+        sup.stop_all()
+        state.write()
+        say("[launch] stopped")
+        launcher_log.close()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return code

@@ -1,0 +1,157 @@
+"""From a `ClusterConfig` to concrete processes: one `NodeSpec` per node, the `pdserve serve`
+settings of each node, and the `pdserve router` command line.
+
+`node_settings()` is the single mapping from YAML fields to a node's settings (keyed by the
+`pdserve serve` option names), used both by `pdserve serve --config FILE --node NAME` and by
+the launchers. Nodes are named `prefill-0..N-1` and `decode-0..N-1`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.schema import ClusterConfig, NodeGroup
+
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    name: str  # prefill-0, decode-1, ...
+    role: str  # "prefill" | "decode"
+    index: int
+    group: NodeGroup
+    host: str
+    port: int
+    kv_port: int | None
+    device: str
+
+    @property
+    def url(self) -> str:
+        """Where others reach the node's HTTP API (loopback for a wildcard bind)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def control_address(self) -> str | None:
+        return None if self.kv_port is None else f"tcp://{self.host}:{self.kv_port}"
+
+
+def pick(value: int | str | list, index: int) -> Any:
+    """`port: 8101` -> 8101 + index; `port: [8101, 8201]` -> the index-th entry."""
+    if isinstance(value, list):
+        return value[index]
+    return value + index if isinstance(value, int) else value
+
+
+def group_nodes(cfg: ClusterConfig, role: str, hosts: dict[str, str] | None = None):
+    group: NodeGroup | None = getattr(cfg, role)
+    if group is None:
+        return []
+    nodes = []
+    for i in range(group.count):
+        name = f"{role}-{i}"
+        kv_port = pick(group.kv_port, i) if group.kv_port is not None else None
+        host = (hosts or {}).get(name, group.host)
+        nodes.append(
+            NodeSpec(
+                name, role, i, group, host, pick(group.port, i), kv_port, pick(group.device, i)
+            )
+        )
+    return nodes
+
+
+def cluster_nodes(cfg: ClusterConfig, hosts: dict[str, str] | None = None) -> list[NodeSpec]:
+    """Every node, prefill nodes first. `hosts` overrides where named nodes bind (Ray)."""
+    return [n for role in ROLES for n in group_nodes(cfg, role, hosts)]
+
+
+def find_node(cfg: ClusterConfig, name: str) -> NodeSpec:
+    for node in cluster_nodes(cfg):
+        if node.name == name:
+            return node
+    names = ", ".join(n.name for n in cluster_nodes(cfg)) or "none"
+    raise KeyError(f"no node named {name!r} in this config (nodes: {names})")
+
+
+def node_settings(
+    cfg: ClusterConfig,
+    node: NodeSpec,
+    redis_url: str | None = None,
+    prefill_nodes: list[NodeSpec] | None = None,
+) -> dict[str, Any]:
+    """The node's settings, keyed by `pdserve serve` option dest (e.g. `kv_cache_bytes`).
+
+    `redis_url`: the cluster's Redis (the embedded server's URL is only known at launch).
+    `prefill_nodes`: the decode node's static prefill list (default: the config's).
+    """
+    g, m = node.group, cfg.model
+    settings: dict[str, Any] = {
+        "model": m.name,
+        "served_model_name": m.served_name,
+        "dtype": m.dtype,
+        "block_size": m.block_size,
+        "max_model_len": m.max_model_len,
+        "host": node.host,
+        "port": node.port,
+        "device": node.device,
+        "num_threads": g.num_threads,
+        "kv_cache_bytes": int(g.kv_cache_bytes),
+        "num_blocks": g.num_blocks,
+        "no_prefix_caching": not g.enable_prefix_caching,
+        "max_num_seqs": g.max_num_seqs,
+        "max_num_batched_tokens": g.max_num_batched_tokens,
+        "local_prefill_max_tokens": g.local_prefill_max_tokens,
+        "on_prefill_failure": g.on_prefill_failure,
+        "max_body_bytes": g.max_body_bytes,
+        "role": node.role,
+        "node_id": node.name,
+        "kv_control": node.control_address,
+        "prefill_node": [],
+        "cluster": cfg.cluster,
+        "advertise_url": node.url,
+        "heartbeat_s": cfg.launcher.heartbeat_s,
+        "node_ttl_s": cfg.launcher.node_ttl_s,
+    }
+    if g.connector is not None:
+        settings["kv_connector"] = g.connector.kind
+        settings["kv_transfer_timeout"] = g.connector.transfer_timeout_s
+        settings["kv_abort_grace"] = g.connector.abort_grace_s
+    if node.role == "decode":
+        peers = group_nodes(cfg, "prefill") if prefill_nodes is None else prefill_nodes
+        settings["prefill_node"] = [p.control_address for p in peers]
+    if redis_url is None and not cfg.redis.embedded:
+        redis_url = cfg.redis.url
+    if redis_url is not None:
+        settings["redis_url"] = redis_url
+    return settings
+
+
+def serve_argv(config_file: str, node: NodeSpec, overrides: list[str], **flags: Any) -> list[str]:
+    """`python -m pdserve serve --config FILE --node NAME ...`: the node reads the same file."""
+    argv = [sys.executable, "-m", "pdserve", "serve", "--config", config_file, "--node", node.name]
+    for item in overrides:
+        argv += ["--set", item]
+    for dest, value in flags.items():
+        if value is not None:
+            argv += [f"--{dest.replace('_', '-')}", str(value)]
+    return argv
+
+
+def router_argv(
+    cfg: ClusterConfig, redis_url: str | None, nodes: list[NodeSpec], log_level: str
+) -> list[str]:
+    r = cfg.router
+    argv = [sys.executable, "-m", "pdserve", "router", "--host", r.host, "--port", str(r.port)]
+    argv += ["--model", cfg.model.name, "--cluster", cfg.cluster]
+    argv += ["--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
+    argv += ["--log-level", log_level]
+    if redis_url:
+        argv += ["--redis-url", redis_url]
+    for node in nodes:
+        argv += [f"--{node.role}", node.url]
+    if r.api_key:
+        argv += ["--api-key", r.api_key]
+    return argv

@@ -1,0 +1,194 @@
+"""The cluster config file (YAML) as pydantic models: what `pdserve launch` reads.
+
+One file describes a whole cluster: the model every node serves, Redis (embedded or an
+external URL), the router, and the prefill and decode node groups. Unknown keys are errors
+(`extra="forbid"`), so a typo never passes silently. Field descriptions are the reference
+documentation (docs/configuration.md is generated from them by cluster/docs.py).
+
+Checks that span fields (port clashes, a prefill group without a connector) live in
+cluster/config_file.py, which also maps every error to its line in the YAML file.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+
+POLICIES = Literal["round_robin", "least_loaded", "kv_aware"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(Section):
+    """What every node serves; the settings prefill and decode nodes must agree on."""
+
+    name: str = Field(
+        min_length=1, description="built-in name, HF directory or .gguf file (required)"
+    )
+    served_name: str | None = Field(None, description="model name in the API (default: `name`)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="weights and KV cache dtype; float32 is token-exact vs HF"
+    )
+    block_size: int = Field(16, ge=1, description="tokens per KV block (a power of two)")
+    max_model_len: int | None = Field(
+        None, ge=2, description="longest sequence, prompt + output (default: the model's)"
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, got {v}")
+        return v
+
+
+class RedisSection(Section):
+    """Where the cluster's shared state lives. `redis: embedded` and `redis: URL` are
+    shorthands for `redis: {url: ...}`."""
+
+    url: str = Field(
+        "embedded",
+        description="`embedded` (the launcher starts a local redis-server, persistence "
+        "off, on loopback) or `redis://host:port[/db]` of an existing server",
+    )
+    host: str = Field("127.0.0.1", description="embedded: address redis-server binds")
+    port: int | None = Field(
+        None, ge=1, le=65535, description="embedded: port (default: a free one)"
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v != "embedded" and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"must be 'embedded' or a redis:// URL, got {v!r}")
+        return v
+
+    @property
+    def embedded(self) -> bool:
+        return self.url == "embedded"
+
+
+class RouterSection(Section):
+    """The cluster's front door (`pdserve router`): the only endpoint clients use."""
+
+    enabled: bool = Field(True, description="start a router (false: nodes only)")
+    host: str = Field("127.0.0.1", description="address the router binds")
+    port: int = Field(8000, ge=1, le=65535, description="the router's HTTP port")
+    prefill_policy: POLICIES = Field("kv_aware", description="how a prefill node is picked")
+    decode_policy: POLICIES = Field("least_loaded", description="how a decode node is picked")
+    api_key: str | None = Field(None, description="clients must send `Authorization: Bearer KEY`")
+
+
+class ConnectorSection(Section):
+    """How KV blocks move from prefill to decode nodes."""
+
+    kind: Literal["nixl"] = Field("nixl", description="KV connector")
+    transfer_timeout_s: float = Field(60.0, gt=0, description="deadline for a prompt's KV")
+    abort_grace_s: float = Field(
+        2.0, ge=0, description="after a deadline or abort, wait before reusing blocks"
+    )
+
+
+class RaySection(Section):
+    """Where the Ray launcher places each node of the group (ignored by the local launcher)."""
+
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs one node reserves")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPUs one node reserves")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources (labels) one node needs"
+    )
+
+
+PortSpec = int | list[int]
+
+
+class NodeGroup(Section):
+    """`count` identical nodes of one role; node `i` uses `port + i` (or `port[i]`)."""
+
+    count: int = Field(1, ge=0, description="number of nodes")
+    host: str = Field(
+        "127.0.0.1", description="address the nodes bind; `auto`: the Ray node's IP (ray)"
+    )
+    port: PortSpec = Field(description="HTTP port of the first node, or one per node (required)")
+    kv_port: PortSpec | None = Field(
+        None, description="prefill: KV control (ZMQ) port of the first node, or one per node"
+    )
+    device: str | list[str] = Field("cpu", description="`cpu`, `cuda:N`, or one per node")
+    num_threads: int | None = Field(None, ge=1, description="engine torch threads per node")
+    kv_cache_bytes: ByteSize = Field(
+        ByteSize(1 << 30), description="paged KV cache size per node, e.g. `256MiB`"
+    )
+    num_blocks: int | None = Field(None, ge=1, description="KV blocks (overrides the bytes)")
+    enable_prefix_caching: bool = Field(True, description="reuse identical prompt prefixes")
+    max_num_seqs: int = Field(64, ge=1, description="requests in the running batch")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
+    local_prefill_max_tokens: int = Field(
+        16, ge=0, description="decode: prefill an uncached suffix this short locally"
+    )
+    on_prefill_failure: Literal["local", "error"] = Field(
+        "local", description="decode: when KV does not arrive, prefill locally or fail"
+    )
+    max_body_bytes: int = Field(4 << 20, ge=1, description="larger request bodies get HTTP 413")
+    connector: ConnectorSection | None = Field(
+        None, description="KV connector (required for prefill, and for decode with prefill nodes)"
+    )
+    ray: RaySection = Field(default_factory=RaySection, description="Ray placement")
+
+
+class RestartSection(Section):
+    """What the launcher does when a process exits on its own."""
+
+    enabled: bool = Field(True, description="restart a crashed node, router or Redis")
+    max_restarts: int = Field(5, ge=0, description="restarts per process before giving up")
+    backoff_s: float = Field(1.0, ge=0, description="wait before the first restart")
+    backoff_max_s: float = Field(30.0, ge=0, description="the wait doubles up to this")
+    reset_after_s: float = Field(
+        120.0, gt=0, description="healthy this long: the restart count starts over"
+    )
+
+
+class LauncherSection(Section):
+    """How `pdserve launch` runs the processes."""
+
+    kind: Literal["local", "ray"] = Field("local", description="`local` or `ray`")
+    ray_address: str = Field(
+        "auto", description="ray: cluster address (`auto`: the local Ray cluster)"
+    )
+    run_dir: str = Field("runs", description="per-run directories (logs, cluster.json) go here")
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="a process not healthy by then fails the launch"
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="on stop: in-flight requests get this long before SIGKILL"
+    )
+    heartbeat_s: float = Field(2.0, gt=0, description="nodes refresh their registry record")
+    node_ttl_s: float = Field(10.0, gt=0, description="a silent node leaves the registry")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="log level of every process"
+    )
+    restart: RestartSection = Field(default_factory=RestartSection, description="restarts")
+
+
+class ClusterConfig(Section):
+    """The whole cluster."""
+
+    cluster: str = Field(
+        "pdserve",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="cluster name: the Redis key prefix and the run directory's prefix",
+    )
+    model: ModelSection = Field(description="the model (required)")
+    redis: RedisSection = Field(default_factory=RedisSection, description="cluster state")
+    router: RouterSection = Field(default_factory=RouterSection, description="front door")
+    prefill: NodeGroup | None = Field(None, description="prefill node group")
+    decode: NodeGroup = Field(description="decode node group (required)")
+    launcher: LauncherSection = Field(default_factory=LauncherSection, description="launcher")
+
+    @field_validator("redis", mode="before")
+    @classmethod
+    def _redis_shorthand(cls, v: object) -> object:
+        return {"url": v} if isinstance(v, str) else v

@@ -1,0 +1,109 @@
+"""`pdserve status`: one screen about a running cluster, read from its Redis.
+
+Finds Redis from `--redis-url`, or from the newest run directory's cluster.json (an
+embedded Redis listens on a port picked at launch). Shows the launcher's view (every
+process, its state, pid and restarts), a live `/health` probe of each, and the nodes'
+registry records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import httpx
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`pdserve status`: show a running cluster (processes, health, registry) from Redis."""
+    p.add_argument("config", nargs="?", default=None, help="the cluster's YAML file")
+    p.add_argument("--redis-url", default=None, help="the cluster's Redis (default: run dir)")
+    p.add_argument("--cluster", default=None, help="cluster name (Redis key prefix)")
+    p.add_argument("--run-dir", default="runs", help="where to look for cluster.json")
+    p.add_argument("--json", action="store_true", help="print the launcher state as JSON")
+
+
+def find_state_file(run_root: Path, cluster: str | None) -> Path | None:
+    pattern = f"{cluster}-latest" if cluster else "*-latest"
+    files = [p / "cluster.json" for p in run_root.glob(pattern) if (p / "cluster.json").exists()]
+    return max(files, key=lambda f: f.stat().st_mtime, default=None)
+
+
+def read_status(redis_url: str, cluster: str) -> tuple[dict | None, list[dict]]:
+    """The launcher's state and the registry's node records, from Redis."""
+    import redis
+
+    with redis.Redis.from_url(redis_url, socket_timeout=2.0, decode_responses=True) as r:
+        raw = r.get(f"{cluster}:launcher")
+        nodes = []
+        for key in sorted(r.scan_iter(f"{cluster}:node:*")):
+            if r.type(key) == "hash":
+                nodes.append({"key": key, **r.hgetall(key)})
+    return (json.loads(raw) if raw else None), nodes
+
+
+def probe(url: str) -> str:
+    if not url.startswith("http"):
+        return "-"
+    try:
+        return str(httpx.get(f"{url}/health", timeout=2.0).status_code)
+    except httpx.HTTPError as e:
+        return type(e).__name__
+
+
+def render(state: dict | None, nodes: list[dict]) -> str:
+    lines = []
+    if state:
+        lines.append(
+            f"cluster '{state['cluster']}' ({state['launcher']} launcher, pid "
+            f"{state['launcher_pid']}), run dir {state['run_dir']}"
+        )
+        lines.append(f"  {'service':<12} {'state':<9} {'pid':>8} {'restarts':>8} health  url")
+        for s in state["services"]:
+            lines.append(
+                f"  {s['name']:<12} {s['state']:<9} {s['pid'] or '-':>8} {s['restarts']:>8} "
+                f"{probe(s['url']):<7} {s['url']}"
+            )
+        if state.get("router_url"):
+            lines.append(f"OpenAI API: {state['router_url']}/v1")
+    lines.append(f"registry: {len(nodes)} node record(s)")
+    for n in nodes:
+        fields = " ".join(f"{k}={v}" for k, v in n.items() if k != "key")
+        lines.append(f"  {n['key']}: {fields}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> None:
+    cluster, redis_url = args.cluster, args.redis_url
+    run_root = Path(args.run_dir)
+    if args.config:
+        from cluster.config_file import ConfigFileError, load_config
+
+        try:
+            cfg = load_config(args.config)
+        except ConfigFileError as e:
+            raise SystemExit(f"pdserve status: {e}") from None
+        cluster = cluster or cfg.cluster
+        run_root = Path(cfg.launcher.run_dir)
+        if redis_url is None and not cfg.redis.embedded:
+            redis_url = cfg.redis.url
+    if redis_url is None:
+        state_file = find_state_file(run_root, cluster)
+        if state_file is None:
+            raise SystemExit(f"pdserve status: no cluster.json under {run_root}; --redis-url?")
+        saved = json.loads(state_file.read_text())
+        redis_url, cluster = saved["redis_url"], cluster or saved["cluster"]
+    cluster = cluster or "pdserve"
+    try:
+        state, nodes = read_status(redis_url, cluster)
+    except Exception as e:
+        raise SystemExit(f"pdserve status: cannot read {redis_url}: {e}") from None
+    if state is None and not nodes:
+        raise SystemExit(f"pdserve status: no cluster '{cluster}' in {redis_url}")
+    if args.json:
+        json.dump({"launcher": state, "nodes": nodes}, sys.stdout, indent=2)
+        print()
+    else:
+        print(render(state, nodes))

@@ -1,0 +1,120 @@
+"""`pdserve launch configs/local.yaml` end to end (real SmolLM2, real NIXL, real Redis).
+
+One launch per module (ports moved to free ones with `--set`): a chat request answers
+correctly; a node killed with SIGKILL is restarted by the launcher and serves again;
+SIGTERM to the launcher leaves no process behind, redis-server included (checked by PID).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import ROOT, alive, descendants, free_port
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("nixl")
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+class Launch:
+    def __init__(self, proc: subprocess.Popen, run_root: Path, output: Path):
+        self.proc, self.run_root, self.output = proc, run_root, output
+
+    def state(self) -> dict:
+        path = self.run_root / "pdserve-latest" / "cluster.json"
+        return json.loads(path.read_text()) if path.exists() else {"services": []}
+
+    def service(self, name: str) -> dict:
+        return next(s for s in self.state()["services"] if s["name"] == name)
+
+    def wait(self, ready, what: str, timeout_s: float = 300) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"launcher exited:\n{self.output.read_text()}"
+            state = self.state()
+            if state["services"] and ready(state):
+                return state
+            assert time.monotonic() < deadline, f"{what} not in {timeout_s} s: {state}"
+            time.sleep(0.5)
+
+
+def all_up(state: dict) -> bool:
+    return all(s["state"] == "up" for s in state["services"])
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    run_root = tmp_path_factory.mktemp("runs")
+    ports = {k: free_port() for k in ("prefill.port", "prefill.kv_port", "decode.port")}
+    sets = [f"{k}={v}" for k, v in ports.items()]
+    sets += ["router.enabled=false", f"launcher.run_dir={run_root}", "launcher.log_level=warning"]
+    sets += ["launcher.restart.backoff_s=0.5"]
+    cmd = [sys.executable, "-m", "pdserve", "launch", str(ROOT / "configs" / "local.yaml")]
+    for item in sets:
+        cmd += ["--set", item]
+    output = run_root / "launcher.out"
+    with open(output, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    launch = Launch(proc, run_root, output)
+    t0 = time.monotonic()
+    launch.wait(all_up, "cluster up")
+    print(f"\ncluster up in {time.monotonic() - t0:.1f} s")
+    yield launch
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        for s in launch.state()["services"]:
+            if s["pid"] and alive(s["pid"]):
+                os.killpg(s["pid"], signal.SIGKILL)
+
+
+def chat(url: str) -> str:
+    body = {"messages": QUESTION, "temperature": 0, "max_tokens": 20}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_answers(launch):
+    assert chat(launch.service("decode-0")["url"]) == "The capital of France is Paris."
+    redis = launch.service("redis")
+    assert redis["url"].startswith("redis://127.0.0.1:") and alive(redis["pid"])
+
+
+def test_killed_node_is_restarted_and_serves(launch):
+    before = launch.service("decode-0")
+    os.kill(before["pid"], signal.SIGKILL)
+    state = launch.wait(
+        lambda st: any(
+            s["name"] == "decode-0" and s["state"] == "up" and s["pid"] != before["pid"]
+            for s in st["services"]
+        ),
+        "decode-0 restarted",
+    )
+    after = next(s for s in state["services"] if s["name"] == "decode-0")
+    assert after["restarts"] == before["restarts"] + 1
+    assert chat(after["url"]) == "The capital of France is Paris."
+
+
+def test_sigterm_leaves_no_process(launch):
+    pids = descendants(launch.proc.pid)
+    recorded = {s["pid"] for s in launch.state()["services"]}
+    assert recorded <= pids and len(recorded) == 3  # redis-server, prefill-0, decode-0
+    assert len(pids) > len(recorded)  # the nodes' engine processes too
+    launch.proc.send_signal(signal.SIGTERM)
+    assert launch.proc.wait(120) == 0
+    deadline = time.monotonic() + 30
+    while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes left behind: {left}"
+    assert all(s["state"] == "stopped" for s in launch.state()["services"])
