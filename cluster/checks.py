@@ -26,7 +26,7 @@ def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Pro
         problems.append(((role, "connector"), f"{why} needs a KV connector, e.g. {{kind: nixl}}"))
     if role == "prefill" and group.kv_port is None and group.count > 0:
         problems.append(((role, "kv_port"), "prefill nodes need a KV control port"))
-    for key in ("port", "kv_port", "device"):
+    for key in ("host", "port", "kv_port", "device"):
         value = getattr(group, key)
         if isinstance(value, list) and len(value) < group.count:
             problems.append(((role, key), f"lists {len(value)} values for {group.count} nodes"))
@@ -41,7 +41,8 @@ def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Pro
     for d in devices:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
             problems.append(((role, "device"), f"must be 'cpu' or 'cuda:N', got {d!r}"))
-    if group.host == "auto" and cfg.launcher.kind != "ray":
+    hosts = group.host if isinstance(group.host, list) else [group.host]
+    if "auto" in hosts and cfg.launcher.kind != "ray":
         problems.append(((role, "host"), "'auto' needs launcher.kind: ray"))
     return problems
 
@@ -86,7 +87,7 @@ def ports_in_use(cfg: ClusterConfig) -> list[Problem]:
     problems: list[Problem] = []
     for host, port, path, what in endpoints(cfg):
         if host == "auto":
-            continue
+            continue  # placed by Ray
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -124,6 +125,8 @@ def cross_checks(cfg: ClusterConfig) -> list[Problem]:
             problems += _group_problems(cfg, role, group)
     if not problems:  # port lists are well-formed: compare the endpoints
         problems += _port_clashes(cfg)
+    if cfg.launcher.node_ttl_s <= cfg.launcher.heartbeat_s:
+        problems.append((("launcher", "node_ttl_s"), "must be > launcher.heartbeat_s"))
     restart = cfg.launcher.restart
     if restart.backoff_max_s < restart.backoff_s:
         problems.append((("launcher", "restart", "backoff_max_s"), "must be >= backoff_s"))

@@ -68,6 +68,7 @@ class ClusterState:
         self.router_url: str | None = None
         self.services: list[Service] = []
         self.started = time.time()
+        self.cleanups: list[Callable[[], None]] = []  # run after every process stopped
 
     def as_dict(self) -> dict:
         return {
@@ -88,6 +89,7 @@ class ClusterState:
                     "url": s.url,
                     "log": s.log,
                     "restarts": s.total_restarts,
+                    **({"where": s.where} if s.where else {}),
                 }
                 for s in self.services
             ],
@@ -122,34 +124,48 @@ def status_screen(state: ClusterState, elapsed_s: float) -> str:
     return "\n".join(lines)
 
 
+def redis_stage(
+    cfg: ClusterConfig, run_dir: Path, state: ClusterState, overrides: list[str]
+) -> tuple[list[list[Service]], list[str]]:
+    """The embedded Redis stage (if any), and the overrides that point nodes at Redis."""
+    node_overrides = list(overrides)
+    if not cfg.redis.embedded:
+        state.redis_url = cfg.redis.url
+        return [], node_overrides
+    redis = EmbeddedRedis(cfg.redis.host, cfg.redis.port or _free_port(cfg.redis.host))
+    proc = ManagedProcess(redis.command(), run_dir / "redis.log")
+    state.redis_url = redis.url
+    node_overrides.append(f"redis.url={redis.url}")
+    return [[Service("redis", "redis", proc, redis.ping, redis.url, str(proc.log_path))]], (
+        node_overrides
+    )
+
+
+def router_stage(
+    cfg: ClusterConfig, nodes: list[NodeSpec], run_dir: Path, state: ClusterState
+) -> list[list[Service]]:
+    if not cfg.router.enabled:
+        return []
+    r = cfg.router
+    url = f"http://{'127.0.0.1' if r.host in ('0.0.0.0', '') else r.host}:{r.port}"
+    argv = router_argv(cfg, state.redis_url, nodes, cfg.launcher.log_level)
+    state.router_url = url
+    return [[_service("router", "router", argv, url, run_dir)]]
+
+
 def local_services(
     cfg: ClusterConfig, config_file: str, overrides: list[str], run_dir: Path, state: ClusterState
 ) -> list[list[Service]]:
-    """Stages of local services: [redis], [nodes], [router]."""
-    stages: list[list[Service]] = []
-    node_overrides = list(overrides)
-    if cfg.redis.embedded:
-        redis = EmbeddedRedis(cfg.redis.host, cfg.redis.port or _free_port(cfg.redis.host))
-        proc = ManagedProcess(redis.command(), run_dir / "redis.log")
-        stages.append([Service("redis", "redis", proc, redis.ping, redis.url, str(proc.log_path))])
-        state.redis_url = redis.url
-        node_overrides.append(f"redis.url={redis.url}")
-    else:
-        state.redis_url = cfg.redis.url
-    level = cfg.launcher.log_level
+    """Stages of local processes: [redis], [nodes], [router]."""
+    stages, node_overrides = redis_stage(cfg, run_dir, state, overrides)
     nodes = cluster_nodes(cfg)
+    level = cfg.launcher.log_level
     node_services = []
     for node in nodes:
         argv = serve_argv(config_file, node, node_overrides, log_level=level)
         node_services.append(_service(node.name, node.role, argv, node.url, run_dir))
     stages.append(node_services)
-    if cfg.router.enabled:
-        r = cfg.router
-        url = f"http://{'127.0.0.1' if r.host in ('0.0.0.0', '') else r.host}:{r.port}"
-        argv = router_argv(cfg, state.redis_url, nodes, level)
-        stages.append([_service("router", "router", argv, url, run_dir)])
-        state.router_url = url
-    return stages
+    return stages + router_stage(cfg, nodes, run_dir, state)
 
 
 def _service(name: str, kind: str, argv: list[str], url: str, run_dir: Path) -> Service:
@@ -157,8 +173,12 @@ def _service(name: str, kind: str, argv: list[str], url: str, run_dir: Path) -> 
     return Service(name, kind, proc, http_healthy(url), url, str(proc.log_path))
 
 
-def node_url_list(nodes: list[NodeSpec]) -> str:
-    return ", ".join(f"{n.name} {n.url}" for n in nodes)
+def _cleanup(state: ClusterState) -> None:
+    for fn in state.cleanups:
+        try:
+            fn()
+        except Exception as e:
+            logger.warning("cleanup failed: %s", e)
 
 
 def run_cluster(
@@ -185,7 +205,13 @@ def run_cluster(
         print(msg, flush=True)
         launcher_log.write(f"{time.strftime('%H:%M:%S')} {msg}\n")
 
-    stages = build(cfg, config_file, overrides, run_dir, state)
+    try:
+        stages = build(cfg, config_file, overrides, run_dir, state)
+    except LaunchError as e:
+        say(f"[launch] launch failed: {e}")
+        _cleanup(state)
+        launcher_log.close()
+        return 1
     state.services = [s for stage in stages for s in stage]
     sup = Supervisor(
         stages,
@@ -215,6 +241,7 @@ def run_cluster(
     finally:
         sup.stop_all()
         state.write()
+        _cleanup(state)
         say("[launch] stopped")
         launcher_log.close()
         for s, handler in old.items():

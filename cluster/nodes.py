@@ -54,7 +54,7 @@ def group_nodes(cfg: ClusterConfig, role: str, hosts: dict[str, str] | None = No
     for i in range(group.count):
         name = f"{role}-{i}"
         kv_port = pick(group.kv_port, i) if group.kv_port is not None else None
-        host = (hosts or {}).get(name, group.host)
+        host = (hosts or {}).get(name, pick(group.host, i))
         nodes.append(
             NodeSpec(
                 name, role, i, group, host, pick(group.port, i), kv_port, pick(group.device, i)

@@ -109,8 +109,10 @@ class NodeGroup(Section):
     """`count` identical nodes of one role; node `i` uses `port + i` (or `port[i]`)."""
 
     count: int = Field(1, ge=0, description="number of nodes")
-    host: str = Field(
-        "127.0.0.1", description="address the nodes bind; `auto`: the Ray node's IP (ray)"
+    host: str | list[str] = Field(
+        "127.0.0.1",
+        description="address the nodes bind, or one per node; `auto`: the IP of the Ray node "
+        "the node is placed on (ray launcher)",
     )
     port: PortSpec = Field(description="HTTP port of the first node, or one per node (required)")
     kv_port: PortSpec | None = Field(
@@ -164,8 +166,8 @@ class LauncherSection(Section):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="on stop: in-flight requests get this long before SIGKILL"
     )
-    heartbeat_s: float = Field(2.0, gt=0, description="nodes refresh their registry record")
-    node_ttl_s: float = Field(10.0, gt=0, description="a silent node leaves the registry")
+    heartbeat_s: float = Field(1.0, gt=0, description="nodes refresh their registry record")
+    node_ttl_s: float = Field(5.0, gt=0, description="a silent node leaves the registry")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="log level of every process"
     )

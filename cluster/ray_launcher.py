@@ -1,0 +1,189 @@
+"""`launcher: ray`: the same cluster config, with each node placed on a Ray node.
+
+Every node gets a Ray actor (`NodeActor`) reserving the group's `ray.num_cpus`,
+`ray.num_gpus` and custom `ray.resources`, so Ray puts it on a machine that has them.
+The actor runs `pdserve serve --config ... --node NAME` as an ordinary child process of
+its own (a `ManagedProcess`: own process group, log file, dies with the actor) and
+answers `poll`/`signal`/`stop`/`tail`, so the same `Supervisor` watches, restarts and
+drains it as a local process. The config text travels to the actor, which writes it on
+its own host; a group with `host: auto` binds the IP of the Ray node it landed on (the
+launcher passes every node's resolved host with `--set GROUP.host=[...]`, so decode nodes
+and the router learn the prefill nodes' addresses from the same loader).
+
+Redis (embedded) and the router run on the launcher's machine, as with the local
+launcher; for nodes on other machines give them a reachable `redis.host`/`router.host`.
+Ray is an optional dependency: `pip install 'pdserve[ray]'`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from cluster.launcher import ClusterState, http_healthy, redis_stage, router_stage
+from cluster.nodes import cluster_nodes, serve_argv
+from cluster.process import ManagedProcess
+from cluster.schema import ClusterConfig
+from cluster.supervisor import LaunchError, Service
+
+PLACEMENT_TIMEOUT_S = 120.0
+# Environment a node process needs from the launcher (the actor's own may differ).
+PASS_ENV = ("PYTHONPATH", "PDSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+class NodeActor:
+    """Owns one node process on whichever Ray node it was placed on."""
+
+    def __init__(self, config_text: str, env: dict[str, str]):
+        import ray
+
+        self.dir = Path(tempfile.mkdtemp(prefix="pdserve-ray-"))
+        self.config_path = self.dir / "cluster.yaml"
+        self.config_path.write_text(config_text)
+        self.env = {**os.environ, **env, "TOKENIZERS_PARALLELISM": "false"}
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.proc: ManagedProcess | None = None
+
+    def where(self) -> dict:
+        import ray
+
+        node = next((n for n in ray.nodes() if n["NodeID"] == self.node_id), {})
+        return {
+            "ip": node.get("NodeManagerAddress") or ray.util.get_node_ip_address(),
+            "ray_node_id": self.node_id,
+            "ray_resources": node.get("Resources", {}),
+        }
+
+    def start(self, args: list[str], log_path: str) -> int:
+        """Run `python -m pdserve serve --config <local copy> ARGS`; returns its pid."""
+        argv = [sys.executable, "-m", "pdserve", "serve", "--config", str(self.config_path)]
+        self.proc = ManagedProcess(argv + args, log_path, env=self.env)
+        self.proc.start()
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def signal(self, sig: int) -> None:
+        if self.proc:
+            self.proc.signal(sig)
+
+    def stop(self, grace_s: float) -> int | None:
+        return self.proc.stop(grace_s) if self.proc else None
+
+    def tail(self, lines: int = 20) -> str:
+        return self.proc.tail(lines) if self.proc else ""
+
+
+class RayHandle:
+    """A `Handle` (cluster/supervisor.py) whose process lives in a `NodeActor`."""
+
+    def __init__(self, actor, args: list[str], log_path: str):
+        self.actor, self.args, self.log_path = actor, args, log_path
+        self.pid: int | None = None
+
+    def _get(self, ref, timeout_s: float = 30.0):
+        import ray
+
+        return ray.get(ref, timeout=timeout_s)
+
+    def start(self) -> None:
+        self.pid = self._get(self.actor.start.remote(self.args, self.log_path))
+
+    def poll(self) -> int | None:
+        import ray
+
+        try:
+            return self._get(self.actor.poll.remote())
+        except ray.exceptions.RayActorError:
+            return -1  # the actor (and with it the node) is gone
+
+    def signal(self, sig: int) -> None:
+        self.actor.signal.remote(sig)
+
+    def stop(self, grace_s: float) -> int | None:
+        import ray
+
+        try:
+            code = self._get(self.actor.stop.remote(grace_s), timeout_s=grace_s + 30)
+        except (ray.exceptions.RayError, TimeoutError):
+            code = None
+        return code
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return self._get(self.actor.tail.remote(lines))
+        except Exception as e:
+            return f"(log unavailable: {e})"
+
+
+def place_nodes(cfg: ClusterConfig, config_text: str) -> dict[str, tuple[object, dict]]:
+    """One actor per node, placed by the group's resources: name -> (actor, where)."""
+    import ray
+
+    env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
+    if "PYTHONPATH" not in env:
+        env["PYTHONPATH"] = os.getcwd()
+    remote = ray.remote(NodeActor)
+    actors = {}
+    for node in cluster_nodes(cfg):
+        r = node.group.ray
+        options = dict(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=dict(r.resources))
+        actors[node.name] = remote.options(name=None, **options).remote(config_text, env)
+    placed = {}
+    for name, actor in actors.items():
+        try:
+            placed[name] = (actor, ray.get(actor.where.remote(), timeout=PLACEMENT_TIMEOUT_S))
+        except ray.exceptions.GetTimeoutError:
+            group = cfg.prefill if name.startswith("prefill") else cfg.decode
+            raise LaunchError(
+                f"{name}: no Ray node offers {group.ray.model_dump()} within "
+                f"{PLACEMENT_TIMEOUT_S:.0f} s (see `ray status`)"
+            ) from None
+    return placed
+
+
+def ray_services(
+    cfg: ClusterConfig, config_file: str, overrides: list[str], run_dir: Path, state: ClusterState
+) -> list[list[Service]]:
+    """Stages: [local redis], [nodes in Ray actors], [local router]."""
+    try:
+        import ray
+    except ImportError:
+        raise LaunchError(
+            "launcher.kind is ray but ray is not installed: pip install ray"
+        ) from None
+
+    ray.init(address=cfg.launcher.ray_address, log_to_driver=False, logging_level="WARNING")
+    state.cleanups.append(ray.shutdown)  # ends the actors (and any node they still run)
+    config_text = Path(config_file).read_text()
+    stages, node_overrides = redis_stage(cfg, run_dir, state, overrides)
+    placed = place_nodes(cfg, config_text)
+    for role in ("prefill", "decode"):
+        group = getattr(cfg, role)
+        if group is None or not group.count:
+            continue
+        hosts = [group.host] * group.count if isinstance(group.host, str) else group.host
+        resolved = [
+            placed[f"{role}-{i}"][1]["ip"] if h == "auto" else h for i, h in enumerate(hosts)
+        ]
+        node_overrides.append(f"{role}.host=[{', '.join(resolved)}]")
+    from cluster.config_file import load_config
+
+    resolved_cfg = load_config(config_file, node_overrides)
+    nodes = cluster_nodes(resolved_cfg)
+    services = []
+    for node in nodes:
+        actor, where = placed[node.name]
+        args = serve_argv(config_file, node, node_overrides, log_level=cfg.launcher.log_level)
+        args = args[args.index("--node") :]  # the actor supplies python and its config copy
+        log = str(run_dir / f"{node.name}.log")
+        handle = RayHandle(actor, args, log)
+        svc = Service(node.name, node.role, handle, http_healthy(node.url), node.url, log)
+        svc.where = where
+        services.append(svc)
+    stages.append(services)
+    stages += router_stage(resolved_cfg, nodes, run_dir, state)
+    return stages
