@@ -121,6 +121,10 @@ class BlockPool:
         for block in list(self._cached.values()):
             self._evict(block)
 
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash in the prefix cache now (a snapshot for rebuilding the KV index)."""
+        return list(self._cached)
+
     def take_events(self) -> CacheEvents:
         events, self._events = self._events, CacheEvents()
         return events

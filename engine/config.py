@@ -13,6 +13,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = "smollm2-135m-instruct"  # built-in name, HF directory or .gguf path
+    # The model's name in the API, the registry and the block-hash root (default: `model`).
+    served_model_name: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     kernel_backend: str | None = None  # "torch" | "triton"; None picks by device
@@ -21,6 +23,10 @@ class ModelConfig:
     cpu_onednn: bool = (
         True  # CPU fp32: wide projections through oneDNN (engine/models/cpu_linear.py)
     )
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
 
     @property
     def torch_dtype(self):
@@ -47,6 +53,8 @@ class CacheConfig:
     kv_cache_bytes: int = 1 << 30  # budget for the paged KV tensor
     num_blocks: int | None = None  # overrides the byte budget when set
     enable_prefix_caching: bool = True
+    # Report blocks entering/leaving the prefix cache with each output batch (KV index).
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

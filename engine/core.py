@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.block_hash import root_hash
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
@@ -70,7 +71,9 @@ class EngineCore:
         self.max_model_len = min(model_max, num_blocks * cc.block_size)
         self.vocab_size = arch.vocab_size
         self.eos_token_ids = eos_token_ids(self.model_dir, arch)
+        self.hash_root = root_hash(config.model.name, cc.block_size)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.kv.pool.record_events = cc.kv_events
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(config, arch, str(self.model_dir), num_blocks)
         self.requests: dict[str, Request] = {}
@@ -119,6 +122,7 @@ class EngineCore:
             self.config.cache.block_size,
             self.eos_token_ids,
             remote_prefill=remote_prefill,
+            hash_root=self.hash_root,
         )
         self.requests[request_id] = req
         self.scheduler.add_request(req)

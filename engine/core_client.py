@@ -34,6 +34,7 @@ from engine.messages import (
     EngineAddresses,
     EngineDead,
     EngineInput,
+    GetCachedHashes,
     GetStats,
     InputCodec,
     OutputBatch,
@@ -177,7 +178,14 @@ class EngineCoreClient:
         """None when the engine's KV invariants hold, else the violation."""
         return (await self._call(CheckIntegrity(call_id=next(self._call_ids)))).error
 
-    async def _call(self, msg: GetStats | CheckIntegrity, timeout_s: float = 30.0) -> UtilityResult:
+    async def get_cached_hashes(self) -> list[bytes]:
+        """Every block hash in the engine's prefix cache now."""
+        result = await self._call(GetCachedHashes(call_id=next(self._call_ids)))
+        return result.cached_hashes or []
+
+    async def _call(
+        self, msg: GetStats | CheckIntegrity | GetCachedHashes, timeout_s: float = 30.0
+    ) -> UtilityResult:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         fut: asyncio.Future[UtilityResult] = asyncio.get_running_loop().create_future()

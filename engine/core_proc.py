@@ -38,6 +38,7 @@ from engine.messages import (
     EngineDead,
     EngineInput,
     EngineOutput,
+    GetCachedHashes,
     GetStats,
     InputCodec,
     OutputBatch,
@@ -143,9 +144,7 @@ class EngineCoreProc:
             while self.running:
                 self._process_inputs()
                 if self.running and (core.has_unfinished or core.kv_role is not None):
-                    outs = core.step()
-                    if outs:
-                        self.outputs.put(OutputBatch(outputs=outs, stats=core.stats()))
+                    self._put_batch(core.step())
         except Exception:
             logger.exception("engine loop crashed")
             self._die(traceback.format_exc(limit=5))
@@ -157,6 +156,16 @@ class EngineCoreProc:
         self._wake.close(linger=0)
         self.ctx.destroy(linger=0)
         logger.info("engine stopped")
+
+    def _put_batch(self, outs: list[EngineCoreOutput]) -> None:
+        """Queue a step's outputs, with the prefix-cache events it caused (if recorded)."""
+        pool = self.core.kv.pool
+        events = pool.take_events() if pool.record_events else None
+        if outs or (events is not None and (events.stored or events.evicted)):
+            batch = OutputBatch(outputs=outs, stats=self.core.stats())
+            if events is not None:
+                batch.kv_stored, batch.kv_evicted = events.stored, events.evicted
+            self.outputs.put(batch)
 
     def _process_inputs(self) -> None:
         role = self.core.kv_role
@@ -219,7 +228,7 @@ class EngineCoreProc:
             outs = core.abort_requests(msg.request_ids)
             if outs:
                 logger.info("aborted %s", ", ".join(o.request_id for o in outs))
-                self.outputs.put(OutputBatch(outputs=outs, stats=core.stats()))
+            self._put_batch(outs)
         elif isinstance(msg, GetStats):
             self.outputs.put(UtilityResult(call_id=msg.call_id, stats=core.stats()))
         elif isinstance(msg, CheckIntegrity):
@@ -229,6 +238,11 @@ class EngineCoreProc:
             except Exception as e:  # BlockPoolError, or a KV role's own invariant
                 error = f"{type(e).__name__}: {e}"
             self.outputs.put(UtilityResult(call_id=msg.call_id, stats=core.stats(), error=error))
+        elif isinstance(msg, GetCachedHashes):
+            hashes = core.kv.pool.cached_hashes()
+            self.outputs.put(
+                UtilityResult(call_id=msg.call_id, stats=core.stats(), cached_hashes=hashes)
+            )
         elif isinstance(msg, Shutdown):
             logger.info("shutdown requested")
             self.running = False

@@ -3,7 +3,7 @@
 Two one-way channels, each a stream of msgpack-encoded, tagged msgspec structs:
 
 - input (frontend -> engine): `AddRequest`, `AbortRequests`, `GetStats`, `CheckIntegrity`,
-  `Shutdown`. The engine handles them between steps, in arrival order.
+  `GetCachedHashes`, `Shutdown`. The engine handles them between steps, in arrival order.
 - output (engine -> frontend): `Ready` once the model is loaded, then `OutputBatch` after
   every step that produced something (and after aborts), `UtilityResult` answering a
   `GetStats`/`CheckIntegrity` by its `call_id`, and `EngineDead` if the loop crashed.
@@ -40,11 +40,17 @@ class CheckIntegrity(msgspec.Struct, tag=True, kw_only=True):
     call_id: int
 
 
+class GetCachedHashes(msgspec.Struct, tag=True, kw_only=True):
+    """Every block hash in the prefix cache (the node rebuilds its KV index entry)."""
+
+    call_id: int
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-EngineInput = AddRequest | AbortRequests | GetStats | CheckIntegrity | Shutdown
+EngineInput = AddRequest | AbortRequests | GetStats | CheckIntegrity | GetCachedHashes | Shutdown
 
 # -- engine -> frontend -------------------------------------------------------------------
 
@@ -63,12 +69,16 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
 class OutputBatch(msgspec.Struct, tag=True, kw_only=True):
     outputs: list[EngineCoreOutput]
     stats: EngineStats
+    # With `cache.kv_events`: block hashes that entered / left the prefix cache, in order.
+    kv_stored: list[bytes] = msgspec.field(default_factory=list)
+    kv_evicted: list[bytes] = msgspec.field(default_factory=list)
 
 
 class UtilityResult(msgspec.Struct, tag=True, kw_only=True):
     call_id: int
     stats: EngineStats | None = None
     error: str | None = None  # CheckIntegrity: the violated invariant, None when it holds
+    cached_hashes: list[bytes] | None = None  # GetCachedHashes
 
 
 class EngineDead(msgspec.Struct, tag=True, kw_only=True):

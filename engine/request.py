@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engine.block_hash import hash_block_tokens
+from cluster.block_hash import hash_block_tokens, root_hash
 from engine.sampling_params import SamplingParams
 
 
@@ -42,6 +42,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         remote_prefill: str | None = None,
+        hash_root: bytes | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -61,6 +62,8 @@ class Request:
         # clients, and its blocks are held after it finishes until the export has ended.
         self.kv_export = False
         self.error: str | None = None
+        # Chain root of the block hashes (cluster/block_hash.py: keyed by model and block size).
+        self.hash_root = hash_root if hash_root is not None else root_hash("", block_size)
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
         self.generator: torch.Generator | None = None
@@ -106,7 +109,7 @@ class Request:
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(self.all_token_ids):
             i = len(self.block_hashes)
-            parent = self.block_hashes[-1] if self.block_hashes else None
+            parent = self.block_hashes[-1] if self.block_hashes else self.hash_root
             self.block_hashes.append(
                 hash_block_tokens(parent, self.all_token_ids[i * bs : (i + 1) * bs])
             )

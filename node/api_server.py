@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -33,7 +34,8 @@ from api.protocol import (
 from engine.async_llm import AsyncLLM, RequestFailedError
 from engine.config import EngineConfig
 from engine.core_client import EngineDeadError
-from engine.messages import EngineAddresses
+from engine.messages import EngineAddresses, OutputBatch
+from node.cluster_agent import ClusterAgent, ClusterOptions
 from node.metrics import NodeMetrics
 from node.openai_serving import ModelNotFoundError, OpenAIServing
 from node.prefill_nodes import PrefillNodes
@@ -49,26 +51,44 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     health_timeout_s: float = 10.0,
     prefill_nodes: PrefillNodes | None = None,
+    cluster: ClusterOptions | None = None,
 ) -> FastAPI:
     """`prefill_nodes` (decode role): where requests may be prefilled; default: the
-    configured `kv_transfer.prefill_nodes` (see node/prefill_nodes.py for the hook)."""
-    model_name = served_model_name or config.model.model
+    configured `kv_transfer.prefill_nodes` (see node/prefill_nodes.py for the hook), plus,
+    with `cluster.redis_url`, the prefill nodes of this model in the registry."""
+    model_name = served_model_name or config.model.name
+    cluster = cluster or ClusterOptions(advertise_url="http://127.0.0.1")
+    registry_prefills: set[str] = set()  # kept current by the cluster agent
+    if prefill_nodes is None and cluster.redis_url:
+        configured = tuple(config.kv_transfer.prefill_nodes)
+        prefill_nodes = PrefillNodes(
+            lambda: registry_prefills.union(configured), config.kv_transfer.role
+        )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         llm = AsyncLLM(config, addresses, build_kv_role)
         metrics = NodeMetrics()
-        llm.client.on_batch = lambda batch: metrics.update_engine(batch.stats)
+        agent = ClusterAgent(config, llm, cluster, registry_prefills)
+
+        def on_batch(batch: OutputBatch) -> None:
+            metrics.update_engine(batch.stats)
+            agent.on_batch(batch)
+
+        llm.client.on_batch = on_batch
         app.state.llm = llm
+        app.state.agent = agent
         app.state.metrics = metrics
         app.state.serving = OpenAIServing(
             llm, metrics, model_name, config.kv_transfer, prefill_nodes
         )
         try:
             await llm.start()
+            await agent.start()
             logger.info("serving %s (max_model_len=%d)", model_name, llm.max_model_len)
             yield
         finally:
+            await agent.stop()
             await llm.shutdown()
 
     app = FastAPI(title="pdserve node", lifespan=lifespan)
@@ -90,6 +110,12 @@ def build_app(
         except EngineDeadError as e:
             return error_response(503, str(e), "server_error", code="engine_dead")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/node")
+    async def node_info(request: Request) -> Response:
+        """This node's registry record: role, urls, model, block size, epoch, load."""
+        record = request.app.state.agent.record()
+        return Response(msgspec.json.encode(record), media_type="application/json")
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:

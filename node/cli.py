@@ -24,6 +24,7 @@ from engine.config import (
 )
 from engine.errors import ConfigError
 from engine.messages import EngineAddresses
+from node.cluster_agent import ClusterOptions
 
 logger = logging.getLogger(__name__)
 
@@ -81,19 +82,52 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=SchedulerConfig().local_prefill_max_tokens,
         help="decode role: prefill an uncached suffix this short here instead",
     )
+    g = p.add_argument_group("cluster registry (Redis)")
+    g.add_argument(
+        "--redis-url",
+        default=None,
+        help="register in this Redis (TTL heartbeat) and publish KV block events, "
+        "e.g. redis://127.0.0.1:6379",
+    )
+    g.add_argument("--cluster", default="pdserve", help="Redis key prefix of the cluster")
+    g.add_argument(
+        "--advertise-url", default=None, help="this node's HTTP url (default http://HOST:PORT)"
+    )
+    g.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period")
+    g.add_argument(
+        "--node-ttl-s", type=float, default=5.0, help="registry record TTL (> heartbeat)"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def cluster_options_from_args(args: argparse.Namespace) -> ClusterOptions:
+    try:
+        return ClusterOptions(
+            advertise_url=args.advertise_url or f"http://{args.host}:{args.port}",
+            redis_url=args.redis_url,
+            cluster=args.cluster,
+            heartbeat_s=args.heartbeat_s,
+            node_ttl_s=args.node_ttl_s,
+        )
+    except ValueError as e:
+        raise ConfigError("cluster", str(e)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(
-            model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len
+            model=args.model,
+            served_model_name=args.served_model_name,
+            dtype=args.dtype,
+            device=args.device,
+            max_model_len=args.max_model_len,
         ),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_bytes=args.kv_cache_bytes,
             num_blocks=args.num_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
+            kv_events=args.redis_url is not None,
         ),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -120,6 +154,7 @@ def serve(args: argparse.Namespace) -> None:
     from node.api_server import build_app
 
     config = engine_config_from_args(args)
+    cluster = cluster_options_from_args(args)
     tmpdir = None
     if args.engine_address:
         addresses = EngineAddresses.from_base(args.engine_address)
@@ -127,7 +162,9 @@ def serve(args: argparse.Namespace) -> None:
         tmpdir = tempfile.mkdtemp(prefix="pdserve-")
         addresses = EngineAddresses.from_base(f"ipc://{tmpdir}/engine")
     try:
-        app = build_app(config, addresses, args.served_model_name, args.max_body_bytes)
+        app = build_app(
+            config, addresses, args.served_model_name, args.max_body_bytes, cluster=cluster
+        )
         uvicorn.run(
             app,
             host=args.host,

@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("cluster.launch_cli", "launch a whole cluster from one YAML file"),
     "config": ("cluster.config_cli", "check a cluster config file, or print its reference"),
     "status": ("cluster.status", "show a running cluster (processes, health, registry)"),
+    "router": ("router.cli", "the cluster's front door: OpenAI API over prefill/decode nodes"),
 }
 
 

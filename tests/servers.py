@@ -49,9 +49,11 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def launch_server(args: list[str], port: int) -> tuple[str, subprocess.Popen]:
-    """Start `pdserve serve ARGS --port PORT` (no wait)."""
-    cmd = [sys.executable, "-m", "pdserve", "serve", "--port", str(port), *args]
+def launch_server(
+    args: list[str], port: int, command: str = "serve"
+) -> tuple[str, subprocess.Popen]:
+    """Start `pdserve COMMAND ARGS --port PORT` (no wait); COMMAND is serve or router."""
+    cmd = [sys.executable, "-m", "pdserve", command, "--port", str(port), *args]
     return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, cwd=ROOT)
 
 
@@ -68,8 +70,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> No
         time.sleep(0.5)
 
 
-def start_server(args: list[str]) -> tuple[str, subprocess.Popen]:
-    url, proc = launch_server(args, free_port())
+def start_server(args: list[str], command: str = "serve") -> tuple[str, subprocess.Popen]:
+    url, proc = launch_server(args, free_port(), command)
     wait_healthy(url, proc)
     return url, proc
 

@@ -2,11 +2,13 @@
 
 import pytest
 
-from engine.block_hash import hash_block_tokens, hash_prompt_blocks
+from cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
 from engine.block_pool import BlockPool, BlockPoolError
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+
+ROOT = root_hash("test", 4)
 
 
 def test_alloc_free_and_integrity():
@@ -26,7 +28,7 @@ def test_alloc_free_and_integrity():
 def test_cache_hit_confirms_token_ids():
     pool = BlockPool(4)
     (b,) = pool.get_new_blocks(1)
-    h = hash_block_tokens(None, [1, 2, 3, 4])
+    h = hash_block_tokens(ROOT, [1, 2, 3, 4])
     pool.cache_full_block(b, h, [1, 2, 3, 4])
     assert pool.get_cached_block(h, [1, 2, 3, 4]) is b
     # A forged collision: same hash, other tokens -> no hit.
@@ -36,7 +38,7 @@ def test_cache_hit_confirms_token_ids():
 def test_lru_eviction_of_free_cached_blocks():
     pool = BlockPool(3)
     blocks = pool.get_new_blocks(3)
-    hashes = [hash_block_tokens(None, [i]) for i in range(3)]
+    hashes = [hash_block_tokens(ROOT, [i]) for i in range(3)]
     for b, h, t in zip(blocks, hashes, range(3)):
         pool.cache_full_block(b, h, [t])
     pool.free_blocks([blocks[1], blocks[0], blocks[2]])  # free order = LRU order
@@ -52,10 +54,24 @@ def test_lru_eviction_of_free_cached_blocks():
 
 
 def test_chained_hashes_depend_on_prefix():
-    a = hash_prompt_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4)
-    b = hash_prompt_blocks([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    a = hash_prompt_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4, ROOT)
+    b = hash_prompt_blocks([9, 2, 3, 4, 5, 6, 7, 8], 4, ROOT)
     assert len(a) == 2 and a[1] != b[1]
-    assert hash_prompt_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == a  # partial block not hashed
+    assert hash_prompt_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, ROOT) == a  # partial block
+
+
+def test_hash_root_is_keyed_by_model_and_block_size():
+    tokens = list(range(16))
+    chains = {
+        (m, bs): hash_prompt_blocks(tokens, bs, root_hash(m, bs))
+        for m in ("model-a", "model-b")
+        for bs in (4, 8)
+    }
+    firsts = {chain[0] for chain in chains.values()}
+    assert len(firsts) == 4  # no two (model, block size) pairs share a block hash
+    # The engine's Request computes the same chain as the router's helper.
+    r = Request("a", tokens, SamplingParams(), 4, hash_root=root_hash("model-a", 4))
+    assert r.block_hashes == chains[("model-a", 4)]
 
 
 def test_manager_prefix_reuse_and_free():

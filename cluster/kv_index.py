@@ -1,0 +1,150 @@
+"""The KV block index in Redis: which node's prefix cache holds which blocks.
+
+One Redis set per node and boot epoch, `{prefix}:kv:{node_id}:{epoch}`, whose members are
+the raw 16-byte block hashes (cluster/block_hash.py) in that node's prefix cache, plus one
+empty-string sentinel so that the set exists even when the cache is empty (a missing set
+means Redis lost it: the node rebuilds it). The set carries the node's TTL, refreshed by
+its heartbeat: a dead node's entries disappear with its record, and a restarted node
+writes a new epoch's set while the old one ages out.
+
+Writer (`KVIndexPublisher`, in the node's HTTP process, never on the engine loop): engine
+output batches hand it the hashes that entered and left the prefix cache; a task flushes
+them in one pipeline every `flush_interval_s`. If Redis fails, the buffer is dropped and
+the set is rebuilt from a snapshot of the engine's cache once Redis answers again.
+Reader (`prefix_hits`, in the router): one pipelined round trip of SMISMEMBER per
+candidate node gives how many leading blocks of a prompt each node holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from cluster.registry import ClusterKeys, NodeRecord
+
+logger = logging.getLogger(__name__)
+
+SENTINEL = b""
+_CHUNK = 10_000  # members per SADD when rebuilding
+
+
+class KVIndexPublisher:
+    """Mirror one node's prefix cache into its index set.
+
+    Within one engine batch every eviction of a hash precedes any store of the same hash
+    (blocks are only evicted while being handed out, before the step caches new ones), so
+    a batch is applied as SREM evicted, then SADD stored.
+    """
+
+    def __init__(
+        self,
+        redis: Redis,
+        key: str,
+        ttl_s: float,
+        snapshot: Callable[[], Awaitable[list[bytes]]],
+        flush_interval_s: float = 0.05,
+        max_pending: int = 200_000,
+    ):
+        self.redis = redis
+        self.key = key
+        self.ttl_ms = int(ttl_s * 1000)
+        self.snapshot = snapshot
+        self.flush_interval_s = flush_interval_s
+        self.max_pending = max_pending
+        self._pending: list[tuple[list[bytes], list[bytes]]] = []
+        self._num_pending = 0
+        self.need_rebuild = True  # first flush writes the sentinel and the current cache
+        self.published = 0  # hashes written (stored + evicted), for tests and metrics
+
+    def add(self, stored: list[bytes], evicted: list[bytes]) -> None:
+        """Queue one engine batch's events (called on the node's event loop, never blocks)."""
+        if not stored and not evicted:
+            return
+        self._pending.append((evicted, stored))
+        self._num_pending += len(stored) + len(evicted)
+        if self._num_pending > self.max_pending:  # Redis is slow or gone: rebuild later
+            self._drop_pending()
+            self.need_rebuild = True
+
+    def _drop_pending(self) -> None:
+        self._pending.clear()
+        self._num_pending = 0
+
+    async def run(self) -> None:
+        """Flush forever (cancel to stop)."""
+        while True:
+            await asyncio.sleep(self.flush_interval_s)
+            try:
+                await self.flush()
+            except (RedisError, OSError) as e:
+                if not self.need_rebuild:
+                    logger.warning("KV index: Redis write failed (%s); will rebuild", e)
+                self.need_rebuild = True
+                self._drop_pending()
+
+    async def flush(self) -> None:
+        if self.need_rebuild:
+            await self._rebuild()
+        if not self._pending:
+            return
+        batches, n = self._pending, self._num_pending
+        self._pending, self._num_pending = [], 0
+        pipe = self.redis.pipeline(transaction=False)
+        for evicted, stored in batches:
+            if evicted:
+                pipe.srem(self.key, *evicted)
+            if stored:
+                pipe.sadd(self.key, *stored)
+        pipe.pexpire(self.key, self.ttl_ms)
+        await pipe.execute()
+        self.published += n
+
+    async def _rebuild(self) -> None:
+        # Events that arrive while the snapshot is taken stay pending and are applied
+        # after it: replaying in order any suffix of the history onto a state that already
+        # reflects it gives the same final set.
+        self._drop_pending()
+        hashes = await self.snapshot()
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.key)
+        pipe.sadd(self.key, SENTINEL)
+        for i in range(0, len(hashes), _CHUNK):
+            pipe.sadd(self.key, *hashes[i : i + _CHUNK])
+        pipe.pexpire(self.key, self.ttl_ms)
+        await pipe.execute()
+        self.need_rebuild = False
+        logger.info("KV index %s rebuilt with %d blocks", self.key, len(hashes))
+
+
+async def prefix_hits(
+    redis: Redis,
+    keys: ClusterKeys,
+    nodes: Sequence[NodeRecord],
+    chain_of: Callable[[NodeRecord], list[bytes]],
+) -> dict[str, int]:
+    """Per node id, how many leading blocks of its prompt chain the node holds.
+
+    `chain_of(node)` gives the prompt's hash chain under the node's model and block size.
+    One pipelined round trip; raises RedisError/OSError if Redis is unreachable.
+    """
+    asked = [(n, chain_of(n)) for n in nodes]
+    asked = [(n, c) for n, c in asked if c]
+    if not asked:
+        return {}
+    pipe = redis.pipeline(transaction=False)
+    for node, chain in asked:
+        pipe.smismember(keys.kv(node.node_id, node.epoch), chain)
+    results = await pipe.execute()
+    hits: dict[str, int] = {}
+    for (node, _), found in zip(asked, results):
+        n = 0
+        for present in found:
+            if not present:
+                break
+            n += 1
+        hits[node.node_id] = n
+    return hits

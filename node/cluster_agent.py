@@ -1,0 +1,182 @@
+"""A node's membership in the cluster: its registry record, heartbeat and KV index writer.
+
+With `--redis-url`, the node writes its `NodeRecord` (cluster/registry.py) every
+`heartbeat_s` with a TTL of `node_ttl_s`, so a node that dies leaves the registry by itself,
+and mirrors its prefix cache into the KV index (cluster/kv_index.py). All of this runs as
+tasks on the HTTP process's event loop: the engine only attaches cache events to the
+output batches it sends anyway. Redis being down costs nothing but log lines: the node
+keeps serving, and re-registers and rebuilds its index once Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from cluster.kv_index import KVIndexPublisher
+from cluster.registry import ClusterKeys, NodeRecord, read_nodes
+from engine.config import EngineConfig
+from engine.messages import OutputBatch
+
+if TYPE_CHECKING:  # the CLI imports this module for ClusterOptions: keep it light
+    from engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """How a node joins a cluster (`pdserve serve --redis-url ... --cluster ...`)."""
+
+    advertise_url: str  # this node's HTTP url as others reach it
+    redis_url: str | None = None
+    cluster: str = "pdserve"
+    heartbeat_s: float = 1.0
+    node_ttl_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.advertise_url.startswith(("http://", "https://")):
+            raise ValueError(f"advertise_url {self.advertise_url!r} must be an http(s) url")
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+        if self.node_ttl_s <= self.heartbeat_s:
+            raise ValueError(
+                f"node_ttl_s ({self.node_ttl_s}) must exceed heartbeat_s ({self.heartbeat_s})"
+            )
+        ClusterKeys(self.cluster)  # validates the name
+
+
+class ClusterAgent:
+    """Builds this node's record; registers it and publishes KV events when Redis is set."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        llm: AsyncLLM,
+        options: ClusterOptions,
+        registry_prefills: set[str] | None = None,
+    ):
+        self.config = config
+        # decode role: control addresses of this model's live prefill nodes, updated in
+        # place every heartbeat (the node's PrefillNodes source reads this set)
+        self.registry_prefills = registry_prefills if registry_prefills is not None else set()
+        self.llm = llm
+        self.options = options
+        self.epoch = time.time_ns()
+        self.keys = ClusterKeys(options.cluster)
+        self.redis: Redis | None = None
+        self.publisher: KVIndexPublisher | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._registered = False
+
+    @property
+    def node_id(self) -> str:
+        return self.config.kv_transfer.node_id
+
+    def record(self) -> NodeRecord:
+        cfg, info, stats = self.config, self.llm.info, self.llm.client.latest_stats
+        rec = NodeRecord(
+            node_id=self.node_id,
+            role=cfg.kv_transfer.role,
+            url=self.options.advertise_url,
+            model=cfg.model.name,
+            block_size=cfg.cache.block_size,
+            epoch=self.epoch,
+            kv_control=cfg.kv_transfer.control_address or "",
+            max_model_len=info.max_model_len if info else 0,
+            vocab_size=info.vocab_size if info else 0,
+            local_prefill_max_tokens=cfg.scheduler.local_prefill_max_tokens,
+            kv_total=info.num_blocks if info else 0,
+            updated=time.time(),
+        )
+        if stats is not None:
+            rec.running, rec.waiting = stats.num_running, stats.num_waiting
+            rec.kv_used = stats.kv_blocks_used
+        return rec
+
+    def on_batch(self, batch: OutputBatch) -> None:
+        if self.publisher is not None:
+            self.publisher.add(batch.kv_stored, batch.kv_evicted)
+
+    async def start(self) -> None:
+        if self.options.redis_url is None:
+            return
+        self.redis = Redis.from_url(
+            self.options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0
+        )
+        self.publisher = KVIndexPublisher(
+            self.redis,
+            self.keys.kv(self.node_id, self.epoch),
+            self.options.node_ttl_s,
+            self.llm.client.get_cached_hashes,
+        )
+        self._tasks = [
+            asyncio.create_task(self._heartbeat(), name="registry-heartbeat"),
+            asyncio.create_task(self.publisher.run(), name="kv-index-publisher"),
+        ]
+        logger.info(
+            "node %s (epoch %d) registering in %s under %r",
+            self.node_id,
+            self.epoch,
+            self.options.redis_url,
+            self.options.cluster,
+        )
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.redis is not None:
+            with contextlib.suppress(RedisError, OSError):
+                # Leave at once rather than after the TTL (a clean shutdown).
+                await self.redis.delete(
+                    self.keys.node(self.node_id), self.keys.kv(self.node_id, self.epoch)
+                )
+            await self.redis.aclose()
+
+    async def _heartbeat(self) -> None:
+        opts = self.options
+        ttl_ms = int(opts.node_ttl_s * 1000)
+        while True:
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.hset(self.keys.node(self.node_id), mapping=self.record().to_redis())
+                pipe.pexpire(self.keys.node(self.node_id), ttl_ms)
+                pipe.sadd(self.keys.nodes, self.node_id)
+                pipe.pexpire(self.publisher.key, ttl_ms)
+                *_, kv_alive = await pipe.execute()
+                if not kv_alive and not self.publisher.need_rebuild:
+                    logger.warning("KV index set vanished from Redis; rebuilding it")
+                    self.publisher.need_rebuild = True
+                if not self._registered:
+                    logger.info("node %s registered", self.node_id)
+                self._registered = True
+                if self.config.kv_transfer.role == "decode":
+                    await self._refresh_prefills()
+            except (RedisError, OSError) as e:
+                if self._registered:
+                    logger.warning("registry heartbeat failed (%s); retrying", e)
+                self._registered = False
+                self.publisher.need_rebuild = True
+            await asyncio.sleep(opts.heartbeat_s)
+
+    async def _refresh_prefills(self) -> None:
+        """Allow exactly the live prefill nodes of this model (kept as is if Redis fails)."""
+        live = {
+            r.kv_control
+            for r in await read_nodes(self.redis, self.keys)
+            if r.role == "prefill" and r.model == self.config.model.name and r.kv_control
+        }
+        if live != self.registry_prefills:
+            logger.info("prefill nodes in the registry: %s", sorted(live) or "none")
+            self.registry_prefills.clear()
+            self.registry_prefills.update(live)

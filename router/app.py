@@ -1,0 +1,165 @@
+"""The router's FastAPI app: OpenAI routes, health, models, cluster view, metrics.
+
+`build_app()` makes an app whose lifespan loads the tokenizer, starts the membership
+tasks (registry reads, health probes) and closes every node client on shutdown. Errors
+leave with the same OpenAI-style bodies a node sends (api/http.py). With `api_key` set,
+every `/v1/` route wants `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import Message, Receive, Scope, Send
+
+from api.http import BodySizeLimitMiddleware, add_error_handlers, error_response
+from api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from router.config import RouterConfig
+from router.membership import Membership
+from router.metrics import RouterMetrics
+from router.nodes import ClusterView
+from router.selector import Selector
+from router.serving import ModelNotFoundError, NoNodeError, RouterServing
+from router.tokenizer import RouterTokenizer, load_router_tokenizer, resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) -> FastAPI:
+    """The router app. `tokenizer` None: resolve `config.model` and load its tokenizer."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tok = tokenizer
+        if tok is None:
+            model_dir = await asyncio.to_thread(resolve_model_dir, config.model)
+            tok = await asyncio.to_thread(load_router_tokenizer, model_dir)
+        view = ClusterView(config)
+        membership = Membership(config, view)
+        metrics = RouterMetrics()
+        app.state.view, app.state.membership, app.state.metrics = view, membership, metrics
+        app.state.serving = RouterServing(config, Selector(config, view, membership), tok, metrics)
+        await membership.start()
+        logger.info(
+            "router for %s: %d nodes known, Redis %s",
+            config.model_name,
+            len(view.nodes),
+            "up" if membership.redis_ok else ("down" if config.redis_url else "not used"),
+        )
+        try:
+            yield
+        finally:
+            await membership.stop()
+            await view.aclose()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
+    _add_error_handlers(app)
+
+    app.add_middleware(AuthAndCount, api_key=config.api_key)
+
+    def usable_decode(request: Request) -> int:
+        return len(request.app.state.view.usable(True))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        if usable_decode(request) == 0:
+            return error_response(503, "no usable decode node", "server_error", code="no_nodes")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> ModelList:
+        lens = [n.record.max_model_len for n in request.app.state.view.usable(True)]
+        return ModelList(
+            data=[ModelCard(id=config.model_name, max_model_len=min(lens, default=None))]
+        )
+
+    @app.get("/cluster")
+    async def cluster(request: Request) -> JSONResponse:
+        state = request.app.state
+        return JSONResponse(
+            {
+                "model": config.model_name,
+                "redis": {"url": config.redis_url, "up": state.membership.redis_ok},
+                "policies": {"prefill": config.prefill_policy, "decode": config.decode_policy},
+                "nodes": [n.summary() for n in state.view.nodes.values()],
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state = request.app.state
+        m: RouterMetrics = state.metrics
+        m.usable_nodes.labels(role="decode").set(usable_decode(request))
+        m.usable_nodes.labels(role="prefill").set(len(state.view.usable(False)))
+        m.redis_up.set(1 if state.membership.redis_ok else 0)
+        return Response(m.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        serving: RouterServing = request.app.state.serving
+        tokens = serving.completion_tokens(body)
+        return await serving.handle("completions", body, tokens, body.max_tokens, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        serving: RouterServing = request.app.state.serving
+        tokens = serving.chat_tokens(body)
+        return await serving.handle("chat", body, tokens, body.requested_max_tokens, request)
+
+    return app
+
+
+class AuthAndCount:
+    """Bearer-key check on `/v1/` routes; counts generation requests by final status.
+
+    Plain ASGI (no BaseHTTPMiddleware), so streamed responses and client disconnects pass
+    through untouched.
+    """
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(path)
+        if self.expected is not None and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                if route is not None:
+                    scope["app"].state.serving.count(route, 401)
+                resp = error_response(401, "invalid or missing API key", code="invalid_api_key")
+                await resp(scope, receive, send)
+                return
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                scope["app"].state.serving.count(route, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    add_error_handlers(app)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return error_response(404, str(exc), param="model", code="model_not_found")
+
+    @app.exception_handler(NoNodeError)
+    async def no_node(request: Request, exc: NoNodeError) -> JSONResponse:
+        return error_response(503, str(exc), "server_error", code="no_nodes")

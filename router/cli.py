@@ -1,0 +1,99 @@
+"""`pdserve router`: the cluster's front door (OpenAI API over prefill/decode nodes).
+
+Static nodes (`--prefill URL`, `--decode URL`, repeatable) work without Redis; with
+`--redis-url` the router also follows the registry and the KV index of `--cluster`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from router.config import POLICIES, RouterConfig, RouterConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = RouterConfig
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument(
+        "--model", default=d.model, help="tokenizer and chat template: built-in name, HF dir, .gguf"
+    )
+    p.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
+    p.add_argument(
+        "--redis-url", default=None, help="cluster registry, e.g. redis://127.0.0.1:6379"
+    )
+    p.add_argument("--cluster", default=d.cluster, help="Redis key prefix of the cluster")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="static prefill node (repeatable)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="static decode or colocated node (repeatable)",
+    )
+    p.add_argument("--prefill-policy", default=d.prefill_policy, choices=POLICIES)
+    p.add_argument("--decode-policy", default=d.decode_policy, choices=POLICIES)
+    p.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=d.overlap_weight,
+        help="kv_aware: weight of blocks to compute",
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")
+    p.add_argument("--max-retries", type=int, default=d.max_retries)
+    p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
+    p.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
+    p.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        cluster=args.cluster,
+        prefill_urls=tuple(args.prefill),
+        decode_urls=tuple(args.decode),
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        overlap_weight=args.overlap_weight,
+        api_key=args.api_key,
+        max_retries=args.max_retries,
+        health_interval_s=args.health_interval_s,
+        request_timeout_s=args.request_timeout_s,
+        breaker_failures=args.breaker_failures,
+        breaker_cooldown_s=args.breaker_cooldown_s,
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from router.app import build_app
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
+    try:
+        config = config_from_args(args)
+    except RouterConfigError as e:
+        raise SystemExit(f"pdserve router: configuration error: {e}") from None
+    uvicorn.run(
+        build_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=False,
+    )

@@ -1,0 +1,111 @@
+"""Keeps the `ClusterView` current: registry reads from Redis, health probes over HTTP.
+
+- Registry (with `--redis-url`): every `registry_interval_s`, one SMEMBERS of the node ids
+  and one pipeline of HGETALLs. A node whose record expired (TTL) leaves the view's
+  registry part at once. When Redis does not answer, the router keeps its last view,
+  marks `redis_ok` false (routing becomes load-only) and probes every node over HTTP
+  until Redis answers again, then rebuilds the view from the registry.
+- Probes: `GET /v1/node` (the node's record, with its load) every `health_interval_s`,
+  for static nodes always, for registry nodes while Redis is down or their circuit is
+  open (a successful probe then closes it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from cluster.registry import ClusterKeys, NodeRecord, read_nodes
+from router.config import RouterConfig
+from router.nodes import ClusterView, NodeState
+
+logger = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT_S = 2.0
+
+
+class Membership:
+    def __init__(self, config: RouterConfig, view: ClusterView):
+        self.config = config
+        self.view = view
+        self.keys = ClusterKeys(config.cluster)
+        self.redis: Redis | None = None
+        self.redis_ok = False
+        self._tasks: list[asyncio.Task] = []
+        self._decoder = msgspec.json.Decoder(NodeRecord)
+
+    async def start(self) -> None:
+        if self.config.redis_url:
+            self.redis = Redis.from_url(
+                self.config.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
+            )
+            await self.refresh_registry()
+            self._tasks.append(asyncio.create_task(self._registry_loop(), name="registry"))
+        await self.probe_all()
+        self._tasks.append(asyncio.create_task(self._probe_loop(), name="probes"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    # -- registry ------------------------------------------------------------------------
+    async def refresh_registry(self) -> None:
+        try:
+            records = await read_nodes(self.redis, self.keys)
+        except (RedisError, OSError) as e:
+            if self.redis_ok:
+                logger.warning("Redis unreachable (%s): serving from the last view", e)
+            self.redis_ok = False
+            return
+        if not self.redis_ok:
+            logger.info("Redis reachable: %d nodes in the registry", len(records))
+        self.redis_ok = True
+        self.view.apply_registry(records)
+
+    async def _registry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.registry_interval_s)
+            await self.refresh_registry()
+
+    # -- probes --------------------------------------------------------------------------
+    def _needs_probe(self, node: NodeState) -> bool:
+        return (
+            node.static_role is not None
+            or not self.redis_ok
+            or node.breaker.state != "closed"
+            or not node.in_registry
+            and node.healthy
+        )
+
+    async def probe_all(self) -> None:
+        nodes = [n for n in self.view.nodes.values() if self._needs_probe(n)]
+        await asyncio.gather(*(self.probe(n) for n in nodes))
+
+    async def probe(self, node: NodeState) -> None:
+        try:
+            resp = await node.client.get("/v1/node", timeout=_PROBE_TIMEOUT_S)
+            if resp.status_code != 200:
+                raise ValueError(f"/v1/node answered {resp.status_code}")
+            record = self._decoder.decode(resp.content)
+        except (httpx.HTTPError, ValueError, msgspec.DecodeError) as e:
+            self.view.apply_probe(node, None, f"{type(e).__name__}: {e}")
+            return
+        if node.breaker.state == "half_open":
+            node.breaker.record_success()
+        self.view.apply_probe(node, record, None)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.probe_all()

@@ -1,0 +1,163 @@
+"""The router's view of the cluster: every node it knows, how to reach it, whether to use it.
+
+A node comes from the static lists (`--prefill`/`--decode`, probed over HTTP) or from the
+Redis registry; it is keyed by its HTTP url. It gets new work only when it is *usable*:
+its record is known, it is healthy (its last probe answered, or the registry lists it),
+its circuit breaker allows it, and it serves the router's model. Each node has ONE shared
+`httpx.AsyncClient` (connection pool), created when the node is first seen.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from cluster.registry import NodeRecord
+from router.breaker import CircuitBreaker
+from router.config import RouterConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class NodeState:
+    url: str
+    client: httpx.AsyncClient
+    breaker: CircuitBreaker
+    static_role: str | None = None  # "prefill" | "decode" for a static node
+    record: NodeRecord | None = None
+    healthy: bool = False  # last probe answered (static nodes; registry nodes while Redis is down)
+    in_registry: bool = False
+    last_error: str | None = None
+    # what this router has sent and not yet seen finish
+    inflight: int = 0
+    inflight_blocks: int = 0  # decode: prompt blocks of requests in flight
+    prefill_blocks: int = 0  # prefill: prompt blocks whose first token has not arrived
+    selections: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def role(self) -> str | None:
+        return self.record.role if self.record else self.static_role
+
+    @property
+    def alive(self) -> bool:
+        return self.healthy or self.in_registry
+
+    def usable(self, model: str) -> bool:
+        return (
+            self.record is not None
+            and self.alive
+            and self.breaker.allows()
+            and self.record.model == model
+        )
+
+    def summary(self) -> dict:
+        r = self.record
+        return {
+            "url": self.url,
+            "node_id": r.node_id if r else None,
+            "role": self.role,
+            "model": r.model if r else None,
+            "epoch": r.epoch if r else None,
+            "block_size": r.block_size if r else None,
+            "kv_control": r.kv_control if r else None,
+            "load": {
+                "running": r.running if r else None,
+                "waiting": r.waiting if r else None,
+                "kv_used": r.kv_used if r else None,
+                "kv_total": r.kv_total if r else None,
+                "router_inflight": self.inflight,
+            },
+            "source": "static" if self.static_role else "registry",
+            "in_registry": self.in_registry,
+            "healthy": self.healthy,
+            "breaker": self.breaker.state,
+            "last_error": self.last_error,
+            "record_age_s": round(time.time() - r.updated, 3) if r and r.updated else None,
+        }
+
+
+class ClusterView:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.nodes: dict[str, NodeState] = {}
+        for url in config.prefill_urls:
+            self._add(url, "prefill")
+        for url in config.decode_urls:
+            self._add(url, "decode")
+
+    def _add(self, url: str, static_role: str | None = None) -> NodeState:
+        url = url.rstrip("/")
+        node = self.nodes.get(url)
+        if node is None:
+            cfg = self.config
+            node = NodeState(
+                url=url,
+                client=httpx.AsyncClient(
+                    base_url=url,
+                    timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                ),
+                breaker=CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s),
+                static_role=static_role,
+            )
+            self.nodes[url] = node
+        elif static_role:
+            node.static_role = static_role
+        return node
+
+    def usable(self, serves_clients: bool) -> list[NodeState]:
+        """Usable decode-capable nodes (decode, colocated), or usable prefill nodes."""
+        model = self.config.model_name
+        return [
+            n
+            for n in self.nodes.values()
+            if n.usable(model) and n.record.serves_clients == serves_clients
+        ]
+
+    def limits(self) -> tuple[int, int] | None:
+        """(max_model_len, vocab_size) the serving nodes of this model last reported (the
+        smallest), kept while nodes come and go, so bad prompts fail without a node."""
+        recs = [
+            n.record
+            for n in self.nodes.values()
+            if n.record and n.record.serves_clients and n.record.model == self.config.model_name
+        ]
+        if not recs:
+            return None
+        return min(r.max_model_len for r in recs), min(r.vocab_size for r in recs)
+
+    def apply_registry(self, records: list[NodeRecord]) -> None:
+        """Replace the registry part of the view with these live records."""
+        seen = set()
+        for rec in records:
+            node = self._add(rec.url)
+            if node.record is None or node.record.epoch != rec.epoch:
+                logger.info(
+                    "node %s (%s, epoch %d) at %s", rec.node_id, rec.role, rec.epoch, rec.url
+                )
+            node.record = rec
+            node.in_registry = True
+            seen.add(node.url)
+        for node in self.nodes.values():
+            if node.in_registry and node.url not in seen:
+                logger.warning("node %s left the registry", node.url)
+                node.in_registry = False
+                node.healthy = False  # no new work until a probe says otherwise
+
+    def apply_probe(self, node: NodeState, record: NodeRecord | None, error: str | None) -> None:
+        if record is not None:
+            if not node.healthy:
+                logger.info("node %s is healthy (%s)", node.url, record.role)
+            node.record, node.healthy, node.last_error = record, True, None
+        else:
+            if node.healthy:
+                logger.warning("node %s failed its health probe: %s", node.url, error)
+            node.healthy, node.last_error = False, error
+
+    async def aclose(self) -> None:
+        for node in self.nodes.values():
+            await node.client.aclose()

@@ -1,0 +1,106 @@
+"""Choose the decode node and the prefill node for one request.
+
+1. Candidates: usable decode-capable nodes (decode or colocated) and usable prefill nodes,
+   minus the nodes a failed earlier attempt excluded.
+2. If either role's policy is `kv_aware` and Redis is up, read from the KV index, in one
+   pipelined round trip, how many leading blocks of the prompt each candidate holds (the
+   chain is hashed once per distinct model and block size, cluster/block_hash.py).
+3. Pick the decode node. A colocated node, or a decode node whose own cache leaves an
+   uncached suffix of at most its `local_prefill_max_tokens`, prefills locally (no
+   prefill node); otherwise pick the prefill node.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from cluster.block_hash import hash_prompt_blocks, root_hash
+from cluster.kv_index import prefix_hits
+from cluster.registry import NodeRecord
+from router.config import RouterConfig
+from router.membership import Membership
+from router.nodes import ClusterView, NodeState
+from router.policies import Context, make_policy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Decision:
+    decode: NodeState
+    prefill: NodeState | None
+    prompt_blocks: int  # full blocks of the prompt under the decode node's block size
+    predicted_hit_tokens: int  # prompt tokens the decode node should find in its own cache
+    decision_s: float
+    hits: dict[str, int] = field(default_factory=dict)
+
+
+class Selector:
+    def __init__(self, config: RouterConfig, view: ClusterView, membership: Membership):
+        self.config = config
+        self.view = view
+        self.membership = membership
+        self.decode_policy = make_policy(config.decode_policy, "decode", config.overlap_weight)
+        self.prefill_policy = make_policy(config.prefill_policy, "prefill", config.overlap_weight)
+        self.kv_aware = "kv_aware" in (config.decode_policy, config.prefill_policy)
+        self.mean_prompt_blocks = 8.0  # running mean, for queue estimates
+        self._roots: dict[tuple[str, int], bytes] = {}
+
+    def _root(self, model: str, block_size: int) -> bytes:
+        key = (model, block_size)
+        root = self._roots.get(key)
+        if root is None:
+            root = self._roots[key] = root_hash(model, block_size)
+        return root
+
+    async def lookup_hits(self, tokens: list[int], nodes: list[NodeState]) -> dict[str, int]:
+        """Node url -> leading prompt blocks it holds ({} without Redis)."""
+        redis = self.membership.redis
+        if not self.kv_aware or redis is None or not self.membership.redis_ok or not nodes:
+            return {}
+        chains: dict[tuple[str, int], list[bytes]] = {}
+
+        def chain_of(rec: NodeRecord) -> list[bytes]:
+            key = (rec.model, rec.block_size)
+            if key not in chains:
+                chains[key] = hash_prompt_blocks(tokens, rec.block_size, self._root(*key))
+            return chains[key]
+
+        by_id = {n.record.node_id: n for n in nodes}
+        try:
+            hits = await prefix_hits(
+                redis, self.membership.keys, [n.record for n in nodes], chain_of
+            )
+        except (RedisError, OSError) as e:
+            logger.warning("KV index lookup failed (%s): load-only routing", e)
+            self.membership.redis_ok = False
+            return {}
+        return {by_id[i].url: h for i, h in hits.items() if i in by_id}
+
+    async def select(self, tokens: list[int], exclude: set[str]) -> Decision | None:
+        """The nodes for this request, or None when no decode-capable node is usable."""
+        t0 = time.perf_counter()
+        decodes = [n for n in self.view.usable(True) if n.url not in exclude]
+        if not decodes:
+            return None
+        prefills = [n for n in self.view.usable(False) if n.url not in exclude]
+        hits = await self.lookup_hits(tokens, decodes + prefills)
+        bs = decodes[0].record.block_size
+        blocks = len(tokens) // bs
+        ctx = Context(blocks, hits, self.mean_prompt_blocks)
+        decode = self.decode_policy(decodes, ctx)
+        rec = decode.record
+        prefill = None
+        hit_d = hits.get(decode.url, 0)
+        predicted = min(hit_d * rec.block_size, len(tokens) - 1)
+        local = rec.role == "colocated" or (
+            len(tokens) - hit_d * rec.block_size <= rec.local_prefill_max_tokens
+        )
+        if not local and prefills:
+            prefill = self.prefill_policy(prefills, ctx)
+        self.mean_prompt_blocks = 0.95 * self.mean_prompt_blocks + 0.05 * blocks
+        return Decision(decode, prefill, blocks, max(predicted, 0), time.perf_counter() - t0, hits)

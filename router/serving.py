@@ -1,0 +1,297 @@
+"""The router's two generation endpoints: check and tokenize once, choose nodes, forward, relay.
+
+A request is checked here as a node would check it (same error bodies), so bad input
+never reaches a node: the OpenAI schema, the model name, unsupported fields, the prompt
+against the context length and vocabulary the nodes report. The node gets token ids
+(`prompt` for completions, `prompt_token_ids` for chat), the client's sampling fields and,
+for a PD decode node, `kv_transfer_params.prefill_node` = the chosen prefill node's control
+address; a client's own `kv_transfer_params` are dropped (clients never choose where a node
+connects). `X-Request-Id` (the client's, if it sent a sane one, else a new one) goes to
+every node with `X-Attempt`; a retry is a new attempt on another node.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+
+from api.errors import InvalidRequestError
+from api.http import AbortOnDisconnectResponse, error_response
+from api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.relay import (
+    DONE,
+    AttemptFailed,
+    OpenStream,
+    decode_event,
+    open_stream,
+    send_json,
+)
+from router.selector import Decision, Selector
+from router.tokenizer import RouterTokenizer
+
+logger = logging.getLogger(__name__)
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
+
+
+class ModelNotFoundError(LookupError):
+    def __init__(self, model: str):
+        super().__init__(f"the model {model!r} does not exist on this node")
+
+
+class NoNodeError(RuntimeError):
+    """No usable node can take the request (HTTP 503)."""
+
+
+def request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id")
+    if given and _REQUEST_ID.fullmatch(given):
+        return given
+    return uuid.uuid4().hex
+
+
+class RouterServing:
+    def __init__(
+        self,
+        config: RouterConfig,
+        selector: Selector,
+        tokenizer: RouterTokenizer | None,
+        metrics: RouterMetrics,
+    ):
+        self.config = config
+        self.selector = selector
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    # -- checks and tokens ------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise ModelNotFoundError(model)
+
+    def completion_tokens(self, req: CompletionRequest) -> list[int]:
+        self._check_model(req.model)
+        prompt = req.single_prompt()
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
+        return self.tokenizer.encode(prompt)
+
+    def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+        self._check_model(req.model)
+        if req.prompt_token_ids is not None:
+            return req.prompt_token_ids
+        if not req.messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: chat needs one", "messages")
+        try:
+            return self.tokenizer.apply_chat_template([m.to_template_dict() for m in req.messages])
+        except Exception as e:  # the template itself may reject a conversation
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {e}", "messages"
+            ) from e
+
+    def check_prompt(self, tokens: list[int], max_tokens: int | None) -> None:
+        """What a node would reject, checked against the limits nodes report (same messages)."""
+        if not tokens:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        limits = self.selector.view.limits()
+        if limits is None:
+            return  # no node seen yet: the node checks
+        max_len, vocab = limits
+        n = len(tokens)
+        if n >= max_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {max_len} tokens; "
+                f"the prompt has {n} tokens (it must leave room for at least one new token)",
+                "prompt",
+            )
+        if max_tokens is not None and n + max_tokens > max_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {max_len} tokens; "
+                f"the prompt has {n} tokens and max_tokens asks for {max_tokens} more",
+                "max_tokens",
+            )
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+            )
+
+    # -- dispatch ---------------------------------------------------------------------------
+    async def handle(
+        self,
+        route: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        tokens: list[int],
+        max_tokens: int | None,
+        request: Request,
+    ) -> Response:
+        self.check_prompt(tokens, max_tokens)
+        # Sampling fields this API cannot honour fail here, before any node is chosen.
+        req.sampling_kwargs(default_max_tokens=1)
+        rid = request_id(request)
+        body = req.model_dump(exclude_unset=True, exclude={"kv_transfer_params"})
+        if route == "chat":
+            body.pop("messages", None)
+            body["prompt_token_ids"] = tokens
+        else:
+            body["prompt"] = tokens
+        if req.stream:
+            body["stream_options"] = {"include_usage": True}
+        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        excluded: set[str] = set()
+        last: AttemptFailed | None = None
+        for attempt in range(self.config.max_retries + 1):
+            decision = await self.selector.select(tokens, excluded)
+            if decision is None:
+                break
+            self._observe_decision(decision)
+            headers = {"X-Request-Id": rid, "X-Attempt": str(attempt)}
+            if decision.prefill is not None:
+                body["kv_transfer_params"] = {"prefill_node": decision.prefill.record.kv_control}
+            else:
+                body.pop("kv_transfer_params", None)
+            logger.info(
+                "request %s attempt %d: %d tokens -> decode %s, prefill %s (predicted hit %d)",
+                rid, attempt, len(tokens), decision.decode.url,
+                decision.prefill.url if decision.prefill else "local",
+                decision.predicted_hit_tokens,
+            )  # fmt: skip
+            try:
+                return await self._attempt(decision, path, body, headers, req, route, rid)
+            except AttemptFailed as e:
+                last = e
+                excluded.add(decision.decode.url)
+                decision.decode.breaker.record_failure()
+                decision.decode.last_error = str(e)
+                logger.warning("request %s attempt %d failed: %s", rid, attempt, e)
+                if attempt < self.config.max_retries:
+                    self.metrics.retries.labels(reason=e.reason).inc()
+        if last is not None and last.body is not None:
+            return Response(last.body, status_code=last.status, media_type="application/json")
+        if last is not None:
+            return error_response(502, str(last), "server_error", code="upstream_error")
+        raise NoNodeError("no healthy decode node is available")
+
+    def _observe_decision(self, d: Decision) -> None:
+        m = self.metrics
+        m.decision.observe(d.decision_s)
+        m.selections.labels(node=d.decode.url, role=d.decode.role).inc()
+        if d.prefill is not None:
+            m.selections.labels(node=d.prefill.url, role="prefill").inc()
+        m.prefills.labels(where="remote" if d.prefill is not None else "local").inc()
+        m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
+
+    async def _attempt(
+        self, d: Decision, path: str, body: dict, headers: dict, req, route: str, rid: str
+    ) -> Response:
+        node = d.decode
+        node.breaker.on_dispatch()
+        node.inflight += 1
+        node.inflight_blocks += d.prompt_blocks
+        if d.prefill is not None:
+            d.prefill.prefill_blocks += d.prompt_blocks
+        release = _Release(d)
+        try:
+            if not req.stream:
+                resp = await send_json(node, path, body, headers)
+                node.breaker.record_success()
+                if resp.status_code == 200:
+                    self._observe_usage(resp.json().get("usage"))
+                return Response(
+                    resp.content,
+                    status_code=resp.status_code,
+                    media_type="application/json",
+                    headers={"X-Request-Id": rid},
+                )
+            opened = await open_stream(node, path, body, headers, int(route == "chat"))
+            node.breaker.record_success()
+            release.prefill_done()
+            if isinstance(opened, httpx.Response):  # a 4xx: the client's mistake
+                return Response(
+                    opened.content, status_code=opened.status_code, media_type="application/json"
+                )
+            events = self._relay(opened, req.include_usage, release, rid)
+            release = None  # the relay's `finally` releases from now on
+            return AbortOnDisconnectResponse(
+                events, media_type="text/event-stream", headers={"X-Request-Id": rid}
+            )
+        finally:
+            if release is not None:
+                release.all()
+
+    async def _relay(
+        self, s: OpenStream, include_usage: bool, release: _Release, rid: str
+    ) -> AsyncIterator[bytes]:
+        """The held events, then the rest of the node's stream (usage chunk kept only if the
+        client asked for it)."""
+        try:
+            for event in s.held:
+                if self._keep(event, include_usage):
+                    yield event
+            async for data in s.rest:
+                for event in s.splitter.feed(data):
+                    if self._keep(event, include_usage):
+                        yield event
+        except httpx.HTTPError as e:
+            logger.warning("request %s: stream from %s broke: %s", rid, s.response.url, e)
+            err = ErrorResponse(
+                error=ErrorInfo(
+                    message=f"the node serving this request failed: {type(e).__name__}",
+                    type="server_error",
+                    code="upstream_error",
+                )
+            )
+            yield f"data: {err.model_dump_json()}\n\n".encode()
+            yield DONE
+        finally:
+            await s.response.aclose()
+            release.all()
+
+    def _keep(self, event: bytes, include_usage: bool) -> bool:
+        chunk = decode_event(event)
+        if chunk is None or chunk.choices or chunk.usage is None:
+            return True
+        usage = chunk.usage.prompt_tokens_details
+        self.metrics.actual_hit_tokens.inc(usage.cached_tokens if usage else 0)
+        return include_usage
+
+    def _observe_usage(self, usage: dict | None) -> None:
+        details = (usage or {}).get("prompt_tokens_details") or {}
+        self.metrics.actual_hit_tokens.inc(details.get("cached_tokens") or 0)
+
+    def count(self, route: str, status: int) -> None:
+        self.metrics.requests.labels(route=route, status=str(status)).inc()
+
+
+class _Release:
+    """Undo one attempt's in-flight accounting exactly once, in two steps."""
+
+    def __init__(self, d: Decision):
+        self.d = d
+        self._prefill_out = d.prefill is not None
+        self._done = False
+        self.start = time.monotonic()
+
+    def prefill_done(self) -> None:
+        if self._prefill_out:
+            self.d.prefill.prefill_blocks -= self.d.prompt_blocks
+            self._prefill_out = False
+
+    def all(self) -> None:
+        self.prefill_done()
+        if not self._done:
+            self._done = True
+            self.d.decode.inflight -= 1
+            self.d.decode.inflight_blocks -= self.d.prompt_blocks

@@ -1,0 +1,172 @@
+"""The router in front of real nodes (tiny random Llama, real HTTP, real processes).
+
+Static nodes, no Redis: the router relays completions (JSON and SSE) token for token as the
+node answers them, rejects bad input with the node's own error bodies without reaching a
+node, retries on another node when the first cannot serve, and stops using a dead node.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.servers import ROOT, kill_server, start_server
+
+NODE_ARGS = ["--num-threads", "1", "--log-level", "warning", "--num-blocks", "64"]
+
+
+@pytest.fixture(scope="module")
+def node(tiny_llama_dir):
+    url, proc = start_server(["--model", tiny_llama_dir, *NODE_ARGS])
+    yield url, proc
+    kill_server(proc)
+
+
+@pytest.fixture(scope="module")
+def router(node, tiny_llama_dir):
+    url, proc = start_server(
+        [
+            "--model", tiny_llama_dir,
+            "--decode", node[0],
+            "--decode-policy", "round_robin",
+            "--health-interval-s", "60",  # probes only at start: the node may be paused below
+            "--log-level", "warning",
+        ],
+        command="router",
+    )  # fmt: skip
+    yield url
+    kill_server(proc)
+
+
+def completion(url: str, **body) -> httpx.Response:
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, **body}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def stream_text(url: str, path: str, body: dict) -> tuple[list[str], bytes]:
+    """The `data:` events of a streamed answer, and the raw bytes."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        raw = r.read()
+    return [e for e in raw.decode().split("\n\n") if e], raw
+
+
+def test_router_imports_no_engine_torch_or_kernels():
+    code = (
+        "import sys, router.app, router.cli, router.tokenizer, router.selector\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'engine', 'kernels', 'transformers', 'prefill', 'decode', 'node'))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
+
+
+def test_completions_equal_the_node(node, router):
+    prompt = [5, 17, 99, 3, 250, 7, 7, 31, 400, 12]
+    direct = completion(node[0], prompt=prompt, logprobs=0)
+    routed = completion(router, prompt=prompt, logprobs=0)
+    assert direct.status_code == routed.status_code == 200, routed.text
+    d, r = direct.json(), routed.json()
+    assert r["choices"] == d["choices"]
+    assert r["usage"]["completion_tokens"] == 8
+    assert routed.headers["x-request-id"]
+
+
+def test_streaming_relay_equals_the_node(node, router):
+    body = {"prompt": [9, 8, 7, 6, 5, 4], "max_tokens": 6, "temperature": 0, "stream": True}
+    direct, _ = stream_text(node[0], "/v1/completions", body)
+    routed, _ = stream_text(router, "/v1/completions", body)
+    assert routed[-1] == direct[-1] == "data: [DONE]"
+    texts = [__import__("json").loads(e[6:])["choices"][0]["text"] for e in routed[:-1]]
+    assert "".join(texts) == "".join(
+        __import__("json").loads(e[6:])["choices"][0]["text"] for e in direct[:-1]
+    )
+    # usage is relayed only when asked for
+    with_usage, _ = stream_text(
+        router, "/v1/completions", {**body, "stream_options": {"include_usage": True}}
+    )
+    last = __import__("json").loads(with_usage[-2][6:])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+
+
+BAD_BODIES = [
+    {"prompt": [1, 2, 3], "n": 2},
+    {"prompt": [1, 2, 3], "model": "no-such-model"},
+    {"prompt": []},
+    {"prompt": "text needs a tokenizer"},
+    {"prompt": [1, 2, 5000]},  # outside the vocabulary
+    {"prompt": list(range(1, 600))},  # longer than the context
+    {"prompt": [1, 2, 3], "max_tokens": 100_000},
+    {"prompt": [1, 2, 3], "echo": True},
+    {"prompt": [1, 2, 3], "temperature": "hot"},
+    {"prompt": [[1, 2], [3, 4]]},
+]
+
+
+def test_bad_input_gets_the_node_error_bodies_without_touching_a_node(node, router):
+    url, proc = node
+    # Pause the node: a request that reached it would hang, not answer.
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        routed = [httpx.post(f"{router}/v1/completions", json=b, timeout=10) for b in BAD_BODIES]
+        chat = httpx.post(
+            f"{router}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}]},
+            timeout=10,
+        )
+        bad_json = httpx.post(
+            f"{router}/v1/completions",
+            content=b"{not json",
+            headers={"content-type": "application/json"},
+            timeout=10,
+        )
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    direct = [httpx.post(f"{url}/v1/completions", json=b, timeout=60) for b in BAD_BODIES]
+    for body, r, d in zip(BAD_BODIES, routed, direct):
+        assert 400 <= d.status_code < 500, (body, d.text)
+        assert (r.status_code, r.json()) == (d.status_code, d.json()), body
+    d_chat = httpx.post(
+        f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert (chat.status_code, chat.json()) == (d_chat.status_code, d_chat.json())
+    d_json = httpx.post(
+        f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert (bad_json.status_code, bad_json.json()) == (d_json.status_code, d_json.json())
+
+
+def test_api_key_and_cluster_view(node, tiny_llama_dir):
+    url, proc = start_server(
+        ["--model", tiny_llama_dir, "--decode", node[0], "--api-key", "s3cret",
+         "--log-level", "warning"],
+        command="router",
+    )  # fmt: skip
+    try:
+        r = completion(url, prompt=[1, 2, 3])
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": [1, 2, 3], "max_tokens": 2},
+            headers={"Authorization": "Bearer s3cret"},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        view = httpx.get(f"{url}/cluster", timeout=10).json()
+        (n,) = view["nodes"]
+        assert n["url"] == node[0] and n["role"] == "colocated" and n["healthy"]
+        assert n["block_size"] == 16 and n["epoch"] > 0
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'pdserve_router_requests_total{route="completions",status="401"} 1.0' in metrics
+        assert 'pdserve_router_requests_total{route="completions",status="200"} 1.0' in metrics
+    finally:
+        kill_server(proc)

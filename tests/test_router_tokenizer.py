@@ -1,0 +1,38 @@
+"""The router's torch-free tokenizer gives the node's token ids (transformers as reference)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.tokenizer import apply_chat_template, load_tokenizer
+from router.tokenizer import RouterTokenizer, resolve_model_dir
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Colour of the sky?"},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "And grass? Ünïcödé, emoji 🙂, tabs\tand\nnewlines."},
+    ],
+    [{"role": "user", "content": ""}],
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model_dir("smollm2-135m-instruct")  # in a child process
+
+
+def test_chat_template_and_encode_equal_transformers(model_dir):
+    ours = RouterTokenizer(model_dir)
+    ref = load_tokenizer(model_dir)
+    for conv in CONVERSATIONS:
+        assert ours.apply_chat_template(conv) == apply_chat_template(ref, conv)
+    for text in ["Hello world", "  leading spaces", "数字 123 and <|im_start|> in text", ""]:
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot resolve model 'no-such-model'"):
+        resolve_model_dir("no-such-model")
