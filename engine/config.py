@@ -13,8 +13,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = "smollm2-135m-instruct"  # built-in name, HF directory or .gguf path
-    # The model's name in the API, the registry and the block-hash root (default: `model`).
-    served_model_name: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     kernel_backend: str | None = None  # "torch" | "triton"; None picks by device
@@ -23,6 +21,8 @@ class ModelConfig:
     cpu_onednn: bool = (
         True  # CPU fp32: wide projections through oneDNN (engine/models/cpu_linear.py)
     )
+    # The model's name in the API, the registry and the block-hash root (default: `model`).
+    served_model_name: str | None = None
 
     @property
     def name(self) -> str:
