@@ -30,7 +30,7 @@ class AttemptFailed(Exception):
 
     def __init__(self, reason: str, message: str, status: int = 502, body: bytes | None = None):
         super().__init__(message)
-        self.reason = reason  # short label for metrics: connect | status | stream
+        self.reason = reason  # connect | status | stream | prefill_rejected
         self.status = status
         self.body = body  # the node's own error body, relayed if no retry is left
 
@@ -89,16 +89,31 @@ class OpenStream:
     splitter: SSESplitter
 
 
+def _check_status(node: NodeState, resp: httpx.Response) -> None:
+    """Raise AttemptFailed for a 5xx, or for a decode node refusing the chosen prefill node
+    (it may not have seen that node in the registry yet): another choice may work."""
+    if resp.status_code >= 500:
+        raise AttemptFailed(
+            "status", f"{node.url} answered {resp.status_code}", resp.status_code, resp.content
+        )
+    if resp.status_code == 400 and b"kv_transfer_params.prefill_node" in resp.content:
+        try:
+            param = msgspec.json.decode(resp.content)["error"]["param"]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            return
+        if param == "kv_transfer_params.prefill_node":
+            raise AttemptFailed(
+                "prefill_rejected", f"{node.url} refused the prefill node", 400, resp.content
+            )
+
+
 async def send_json(node: NodeState, path: str, body: dict, headers: dict) -> httpx.Response:
     """A non-streaming attempt: the node's whole answer, or AttemptFailed."""
     try:
         resp = await node.client.post(path, json=body, headers=headers)
     except httpx.HTTPError as e:
         raise AttemptFailed("connect", f"{node.url}: {type(e).__name__}: {e}") from e
-    if resp.status_code >= 500:
-        raise AttemptFailed(
-            "status", f"{node.url} answered {resp.status_code}", resp.status_code, resp.content
-        )
+    _check_status(node, resp)
     return resp
 
 
@@ -119,13 +134,7 @@ async def open_stream(
     try:
         if resp.status_code != 200:
             await resp.aread()
-            if resp.status_code >= 500:
-                raise AttemptFailed(
-                    "status",
-                    f"{node.url} answered {resp.status_code}",
-                    resp.status_code,
-                    resp.content,
-                )
+            _check_status(node, resp)
             return resp
         splitter = SSESplitter()
         held: list[bytes] = []

@@ -172,9 +172,12 @@ class RouterServing:
                 return await self._attempt(decision, path, body, headers, req, route, rid)
             except AttemptFailed as e:
                 last = e
-                excluded.add(decision.decode.url)
-                decision.decode.breaker.record_failure()
-                decision.decode.last_error = str(e)
+                if e.reason == "prefill_rejected":  # the decode node is fine; that pair is not
+                    excluded.add(decision.prefill.url)
+                else:
+                    excluded.add(decision.decode.url)
+                    decision.decode.breaker.record_failure()
+                    decision.decode.last_error = str(e)
                 logger.warning("request %s attempt %d failed: %s", rid, attempt, e)
                 if attempt < self.config.max_retries:
                     self.metrics.retries.labels(reason=e.reason).inc()
