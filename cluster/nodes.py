@@ -124,8 +124,7 @@ def node_settings(
         settings["prefill_node"] = [p.control_address for p in peers]
     if redis_url is None and not cfg.redis.embedded:
         redis_url = cfg.redis.url
-    if redis_url is not None:
-        settings["redis_url"] = redis_url
+    settings["redis_url"] = redis_url  # None: embedded, known only once launched
     return settings
 
 
@@ -146,6 +145,8 @@ def router_argv(
     r = cfg.router
     argv = [sys.executable, "-m", "pdserve", "router", "--host", r.host, "--port", str(r.port)]
     argv += ["--model", cfg.model.name, "--cluster", cfg.cluster]
+    if cfg.model.served_name:
+        argv += ["--served-model-name", cfg.model.served_name]
     argv += ["--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
     argv += ["--log-level", log_level]
     if redis_url:
