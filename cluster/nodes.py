@@ -142,17 +142,31 @@ def serve_argv(config_file: str, node: NodeSpec, overrides: list[str], **flags: 
 def router_argv(
     cfg: ClusterConfig, redis_url: str | None, nodes: list[NodeSpec], log_level: str
 ) -> list[str]:
+    """`python -m pdserve router ...` for the config's router section and these nodes."""
     r = cfg.router
     argv = [sys.executable, "-m", "pdserve", "router", "--host", r.host, "--port", str(r.port)]
-    argv += ["--model", cfg.model.name, "--cluster", cfg.cluster]
+    argv += ["--model", cfg.model.name, "--cluster", cfg.cluster, "--log-level", log_level]
     if cfg.model.served_name:
         argv += ["--served-model-name", cfg.model.served_name]
-    argv += ["--prefill-policy", r.prefill_policy, "--decode-policy", r.decode_policy]
-    argv += ["--log-level", log_level]
+    for key in ROUTER_OPTIONS:
+        argv += [f"--{key.replace('_', '-')}", str(getattr(r, key))]
+    if r.api_key:
+        argv += ["--api-key", r.api_key]
     if redis_url:
         argv += ["--redis-url", redis_url]
     for node in nodes:
         argv += [f"--{node.role}", node.url]
-    if r.api_key:
-        argv += ["--api-key", r.api_key]
     return argv
+
+
+# router section keys passed as `pdserve router --KEY VALUE`
+ROUTER_OPTIONS = (
+    "prefill_policy",
+    "decode_policy",
+    "overlap_weight",
+    "max_retries",
+    "health_interval_s",
+    "request_timeout_s",
+    "breaker_failures",
+    "breaker_cooldown_s",
+)

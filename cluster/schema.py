@@ -78,8 +78,22 @@ class RouterSection(Section):
     host: str = Field("127.0.0.1", description="address the router binds")
     port: int = Field(8000, ge=1, le=65535, description="the router's HTTP port")
     prefill_policy: POLICIES = Field("kv_aware", description="how a prefill node is picked")
-    decode_policy: POLICIES = Field("least_loaded", description="how a decode node is picked")
+    decode_policy: POLICIES = Field("kv_aware", description="how a decode node is picked")
     api_key: str | None = Field(None, description="clients must send `Authorization: Bearer KEY`")
+    overlap_weight: float = Field(
+        1.0, ge=0, description="kv_aware: weight of the blocks a node would have to compute"
+    )
+    max_retries: int = Field(
+        1, ge=0, description="extra attempts on another node while nothing was streamed"
+    )
+    health_interval_s: float = Field(1.0, gt=0, description="how often nodes are probed")
+    request_timeout_s: float = Field(600.0, gt=0, description="whole request deadline")
+    breaker_failures: int = Field(
+        3, ge=1, description="consecutive failures that open a node's circuit breaker"
+    )
+    breaker_cooldown_s: float = Field(
+        5.0, gt=0, description="first open period of a breaker (doubles while failures go on)"
+    )
 
 
 class ConnectorSection(Section):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -68,10 +69,21 @@ def render(state: dict | None, nodes: list[dict]) -> str:
             )
         if state.get("router_url"):
             lines.append(f"OpenAI API: {state['router_url']}/v1")
-    lines.append(f"registry: {len(nodes)} node record(s)")
+    lines.append(f"registry: {len(nodes)} live node record(s)")
+    if nodes:
+        lines.append(f"  {'node':<12} {'role':<8} {'epoch':>14} {'run':>4} {'wait':>4} "
+                     f"{'kv blocks':>11} {'age':>5}  url")  # fmt: skip
     for n in nodes:
-        fields = " ".join(f"{k}={v}" for k, v in n.items() if k != "key")
-        lines.append(f"  {n['key']}: {fields}")
+        try:
+            age = f"{time.time() - float(n.get('updated', 'nan')):.1f}s"
+        except ValueError:
+            age = "?"
+        kv = f"{n.get('kv_used', '?')}/{n.get('kv_total', '?')}"
+        lines.append(
+            f"  {n.get('node_id', n['key']):<12} {n.get('role', '?'):<8} "
+            f"{n.get('epoch', '?'):>14} {n.get('running', '?'):>4} {n.get('waiting', '?'):>4} "
+            f"{kv:>11} {age:>5}  {n.get('url', '')}"
+        )
     return "\n".join(lines)
 
 

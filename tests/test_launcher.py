@@ -1,8 +1,9 @@
 """`pdserve launch configs/local.yaml` end to end (real SmolLM2, real NIXL, real Redis).
 
-One launch per module (ports moved to free ones with `--set`): a chat request answers
-correctly; a node killed with SIGKILL is restarted by the launcher and serves again;
-SIGTERM to the launcher leaves no process behind, redis-server included (checked by PID).
+One launch per module (ports moved to free ones with `--set`): a chat request through the
+router answers correctly; a node killed with SIGKILL is restarted by the launcher, rejoins
+the registry with a new epoch and requests through the router succeed again; SIGTERM to
+the launcher leaves no process behind, redis-server included (checked by PID).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import openai
 import pytest
+import redis
 
 from tests.servers import ROOT, alive, descendants, free_port
 
@@ -55,9 +57,9 @@ def all_up(state: dict) -> bool:
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     run_root = tmp_path_factory.mktemp("runs")
-    ports = {k: free_port() for k in ("prefill.port", "prefill.kv_port", "decode.port")}
-    sets = [f"{k}={v}" for k, v in ports.items()]
-    sets += ["router.enabled=false", f"launcher.run_dir={run_root}", "launcher.log_level=warning"]
+    keys = ("router.port", "prefill.port", "prefill.kv_port", "decode.port")
+    sets = [f"{k}={free_port()}" for k in keys]
+    sets += [f"launcher.run_dir={run_root}", "launcher.log_level=warning"]
     sets += ["launcher.restart.backoff_s=0.5"]
     cmd = [sys.executable, "-m", "pdserve", "launch", str(ROOT / "configs" / "local.yaml")]
     for item in sets:
@@ -79,20 +81,43 @@ def launch(tmp_path_factory):
 
 
 def chat(url: str) -> str:
-    body = {"messages": QUESTION, "temperature": 0, "max_tokens": 20}
-    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]["content"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    reply = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=20
+    )
+    return reply.choices[0].message.content
 
 
-def test_chat_answers(launch):
-    assert chat(launch.service("decode-0")["url"]) == "The capital of France is Paris."
-    redis = launch.service("redis")
-    assert redis["url"].startswith("redis://127.0.0.1:") and alive(redis["pid"])
+def registry_epoch(launch: Launch, node: str) -> str | None:
+    with redis.Redis.from_url(launch.service("redis")["url"]) as r:
+        epoch = r.hget(f"pdserve:node:{node}", "epoch")
+    return epoch.decode() if epoch else None
 
 
-def test_killed_node_is_restarted_and_serves(launch):
+def test_chat_through_the_router(launch):
+    router = launch.service("router")
+    assert router["url"] == launch.state()["router_url"]
+    assert chat(router["url"]) == "The capital of France is Paris."
+    redis_server = launch.service("redis")
+    assert redis_server["url"].startswith("redis://127.0.0.1:") and alive(redis_server["pid"])
+    assert registry_epoch(launch, "prefill-0") and registry_epoch(launch, "decode-0")
+
+
+def test_status_shows_the_cluster_from_redis(launch):
+    cmd = [sys.executable, "-m", "pdserve", "status", "--run-dir", str(launch.run_root)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for name in ("redis", "prefill-0", "decode-0", "router"):
+        row = next(line for line in lines if line.split()[:1] == [name])
+        assert " up " in row and str(launch.service(name)["pid"]) in row
+    assert "registry: 2 live node record(s)" in out.stdout
+    assert f"OpenAI API: {launch.state()['router_url']}/v1" in out.stdout
+
+
+def test_killed_node_is_restarted_rejoins_and_serves(launch):
     before = launch.service("decode-0")
+    epoch = registry_epoch(launch, "decode-0")
     os.kill(before["pid"], signal.SIGKILL)
     state = launch.wait(
         lambda st: any(
@@ -103,13 +128,23 @@ def test_killed_node_is_restarted_and_serves(launch):
     )
     after = next(s for s in state["services"] if s["name"] == "decode-0")
     assert after["restarts"] == before["restarts"] + 1
-    assert chat(after["url"]) == "The capital of France is Paris."
+    new_epoch = registry_epoch(launch, "decode-0")
+    assert new_epoch is not None and new_epoch != epoch  # re-registered after its restart
+    # The router takes it back without anyone telling it (health checks, registry).
+    router, deadline = launch.service("router")["url"], time.monotonic() + 120
+    while True:
+        try:
+            assert chat(router) == "The capital of France is Paris."
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, "the router never served again"
+            time.sleep(1)
 
 
 def test_sigterm_leaves_no_process(launch):
     pids = descendants(launch.proc.pid)
     recorded = {s["pid"] for s in launch.state()["services"]}
-    assert recorded <= pids and len(recorded) == 3  # redis-server, prefill-0, decode-0
+    assert recorded <= pids and len(recorded) == 4  # redis-server, 2 nodes, router
     assert len(pids) > len(recorded)  # the nodes' engine processes too
     launch.proc.send_signal(signal.SIGTERM)
     assert launch.proc.wait(120) == 0
