@@ -16,7 +16,7 @@ from engine.kv_role import KVRole
 from engine.model_arch import ModelArch
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.outputs import EngineCoreOutput, EngineStats
+from engine.outputs import EngineCoreOutput, EngineStats, TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -92,11 +92,16 @@ class EngineCore:
                 f"{self.max_model_len} (the prompt must leave room for one new token)",
                 "prompt",
             )
-        bad = [t for t in prompt_token_ids if not (0 <= t < self.vocab_size)]
-        if bad:
-            raise InvalidRequestError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", "prompt"
-            )
+        for field, ids in (
+            ("prompt", prompt_token_ids),
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", list(params.logit_bias)),
+        ):
+            bad = [t for t in ids if not (0 <= t < self.vocab_size)]
+            if bad:
+                raise InvalidRequestError(
+                    f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", field
+                )
 
     def add_request(
         self,
@@ -181,12 +186,19 @@ class EngineCore:
             }
             sampled, failed = self.runner.execute(sched, block_ids)
             finished = self.scheduler.update_from_output(sched, sampled)
-            for rid, (tok, lp) in sampled.items():
+            for rid, x in sampled.items():
                 req = self.requests[rid]
                 if req.kv_export:
                     continue  # a prefill order: its token goes to the decode node, not here
                 self.generated_tokens += 1
-                outs.append(self.make_output(req, [tok], None if lp is None else [lp]))
+                outs.append(
+                    self.make_output(
+                        req,
+                        [x.token],
+                        None if x.logprob is None else [x.logprob],
+                        None if x.top is None else [x.top],
+                    )
+                )
             for rid, error in failed.items():  # confined to these requests
                 out = self.end_request(rid, RequestStatus.FINISHED_ERROR, error)
                 if out is not None:
@@ -199,12 +211,22 @@ class EngineCore:
         return outs
 
     def make_output(
-        self, req: Request, tokens: list[int], logprobs: list[float] | None = None
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[float] | None = None,
+        top: list[TokenLogprobs] | None = None,
     ) -> EngineCoreOutput:
+        prompt_lps = None
+        if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            if tokens or req.is_finished:
+                prompt_lps, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return EngineCoreOutput(
             request_id=req.request_id,
             new_token_ids=tokens,
             new_logprobs=logprobs,
+            new_top_logprobs=top,
+            prompt_logprobs=prompt_lps,
             finish_reason=req.status.value if req.is_finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,

@@ -11,6 +11,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.core import EngineCore
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, load_tokenizer
 
@@ -23,6 +24,8 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (token 0 has none)
     num_cached_tokens: int = 0
 
 
@@ -111,6 +114,10 @@ class LLM:
                     res.token_ids.extend(out.new_token_ids)
                     if out.new_logprobs and res.logprobs is not None:
                         res.logprobs.extend(out.new_logprobs)
+                    if out.new_top_logprobs:
+                        res.top_logprobs = (res.top_logprobs or []) + out.new_top_logprobs
+                    if out.prompt_logprobs is not None:
+                        res.prompt_logprobs = out.prompt_logprobs
                     res.num_cached_tokens = out.num_cached_tokens
                     res.finish_reason = out.finish_reason
                     detok = detoks[rid]

@@ -3,7 +3,8 @@
 The KV cache is one preallocated tensor `[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]`, sized from the configured byte budget; KV connectors register
 it whole. Logits are computed only for rows that sample (the last token of a sequence
-whose known tokens are all computed after this step).
+whose known tokens are all computed after this step), and, for a request that asked for
+prompt logprobs, at its prompt positions in the same forward pass.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from engine.model_arch import ModelArch
 from engine.models import get_model_class
 from engine.models.cpu_linear import onednn_available
 from engine.models.rope import build_cos_sin_cache
-from engine.sampler import sample
+from engine.request import Request
+from engine.sampler import Sampled, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
 from engine.weights import load_model_weights
 from kernels.ops import default_backend, get_ops
 
 logger = logging.getLogger(__name__)
+
+_PROMPT_LOGITS_ROWS = 256  # prompt positions per lm_head call (bounds [rows, vocab] memory)
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -73,9 +77,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]]
-    ) -> tuple[dict[str, tuple[int, float | None]], dict[str, str]]:
-        """Run one step. Returns ({request_id: (sampled token, logprob)} for rows that
-        sample, {request_id: error} for rows whose sampling failed)."""
+    ) -> tuple[dict[str, Sampled], dict[str, str]]:
+        """Run one step. Returns ({request_id: sampled} for rows that sample,
+        {request_id: error} for rows whose sampling failed)."""
         rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         if not rows:
             return {}, {}
@@ -121,18 +125,31 @@ class ModelRunner:
             self.kv_cache,
             meta,
         )
+        for i, s in enumerate(rows):
+            if s.request.wants_prompt_logprobs:
+                self._prompt_logprobs(s.request, hidden[cu[i] : cu[i + 1]], s.num_new_tokens)
         sampling = [i for i, s in enumerate(rows) if s.samples]
         if not sampling:
             return {}, {}
         last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=dev)
         logits = self.model.compute_logits(hidden[last_rows])
         reqs = [rows[i].request for i in sampling]
-        res = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
-        sampled, failed = {}, {}
-        for j, r in enumerate(reqs):
-            if j in res.errors:
-                failed[r.request_id] = res.errors[j]
-            else:
-                lp = res.logprobs[j] if res.logprobs is not None else None
-                sampled[r.request_id] = (res.tokens[j], lp)
-        return sampled, failed
+        sampled, errors = sample(logits, reqs)
+        return (
+            {reqs[j].request_id: x for j, x in sampled.items()},
+            {reqs[j].request_id: e for j, e in errors.items()},
+        )
+
+    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, num_new: int) -> None:
+        """Logprobs of the prompt tokens this chunk's positions predict, appended to the
+        request (positions already done before a preemption are skipped)."""
+        start = req.num_computed_tokens
+        first = max(start, len(req.prompt_logprobs))
+        end = min(start + num_new, req.num_prompt_tokens - 1)  # the last position samples
+        k = req.sampling_params.prompt_logprobs or 0
+        for a in range(first, end, _PROMPT_LOGITS_ROWS):
+            b = min(a + _PROMPT_LOGITS_ROWS, end)
+            logits = self.model.compute_logits(hidden[a - start : b - start])
+            req.prompt_logprobs.extend(
+                prompt_logprobs(logits, req.prompt_token_ids[a + 1 : b + 1], k)
+            )

@@ -5,12 +5,27 @@ from __future__ import annotations
 import msgspec
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """One position's log-probabilities: the token there (sampled or from the prompt) first,
+    then the most likely tokens, best first. Log-softmax of the raw logits."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
-    """What one step produced for one request."""
+    """What one step produced for one request.
+
+    `new_top_logprobs` (when the request asked for `top_logprobs`) has one entry per new
+    token. `prompt_logprobs` comes once, with the first new token: one entry per prompt
+    token after the first.
+    """
 
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[float] | None = None
+    new_top_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

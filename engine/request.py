@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from cluster.block_hash import hash_block_tokens, root_hash
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.grammar import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +58,12 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[TokenLogprobs] = []
+        # prompt_logprobs[j]: prompt token j + 1 (filled as the prompt is computed)
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs_sent = False
+        # Structured output: the grammar state (engine.grammar.Grammar), set by the core.
+        self.grammar: Grammar | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first scheduling
         self.status = RequestStatus.WAITING
@@ -69,6 +80,15 @@ class Request:
         self.generator: torch.Generator | None = None
         if sampling_params.torch_seed is not None:
             self.generator = torch.Generator().manual_seed(sampling_params.torch_seed)
+        self.processes_logits = sampling_params.processes_logits
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet (positions 0 .. P-2)."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -86,11 +106,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_output_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_output_token(
+        self, token_id: int, logprob: float | None = None, top: TokenLogprobs | None = None
+    ) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
         self._update_block_hashes()
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:

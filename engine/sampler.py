@@ -1,4 +1,5 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Turn logits into tokens: logits processing, greedy, temperature, top-k, top-p, min-p,
+per-request seeds, and the logprobs (with top alternatives) each request asks for.
 
 Fault isolation: a row whose distribution cannot be sampled (non-finite logits, a filter
 that leaves nothing) fails alone; the other rows of the batch are unaffected.
@@ -7,46 +8,85 @@ that leaves nothing) fails alone; the other rows of the batch are unaffected.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
+from engine.logits_processors import process_logits
+from engine.outputs import TokenLogprobs
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class SampleResult:
-    """Per row: the token (None where that row failed), its logprob, the failure."""
+class Sampled(NamedTuple):
+    """One row's pick: the token, and its logprob / alternatives if the request asked."""
 
-    __slots__ = ("tokens", "logprobs", "errors")
-
-    def __init__(self, tokens: list[int], logprobs: list[float] | None, errors: dict[int, str]):
-        self.tokens = tokens
-        self.logprobs = logprobs
-        self.errors = errors
+    token: int
+    logprob: float | None = None
+    top: TokenLogprobs | None = None
 
 
 def sample(
     logits: torch.Tensor,  # [S, V] fp32, one row per sampling sequence
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> SampleResult:
-    """Sampled token per row, and the sampled tokens' logprobs (raw logits) if any row asks."""
-    greedy = logits.argmax(dim=-1)
-    tokens = greedy.tolist()
+    reqs: list[Request],
+) -> tuple[dict[int, Sampled], dict[int, str]]:
+    """({row: sampled} for rows sampled, {row: error} for rows that failed).
+
+    Logprobs are the log-softmax of the raw logits (before penalties, bias, grammar and
+    temperature), as vLLM reports them by default."""
+    processed = process_logits(logits, reqs)
+    tokens = processed.argmax(dim=-1).tolist()
     errors: dict[int, str] = {}
-    for i, p in enumerate(params):
-        if not p.greedy:
+    for i, r in enumerate(reqs):
+        if not r.sampling_params.greedy:
             try:
-                tokens[i] = _sample_row(logits[i], p, generators[i])
+                tokens[i] = _sample_row(processed[i], r.sampling_params, r.generator)
             except (RuntimeError, ValueError) as e:
                 errors[i] = f"sampling failed: {e}"
-    logprobs = None
-    if any(p.logprobs for p in params):
-        lp = torch.log_softmax(logits, dim=-1)
-        idx = torch.tensor(tokens, dtype=torch.long, device=logits.device)
-        logprobs = lp.gather(1, idx[:, None]).squeeze(1).tolist()
-    return SampleResult(tokens, logprobs, errors)
+    for i, r in enumerate(reqs):
+        if r.grammar is not None and i not in errors:
+            r.grammar.accept(tokens[i])
+    out = {i: Sampled(t) for i, t in enumerate(tokens) if i not in errors}
+    want = [i for i in out if reqs[i].sampling_params.logprobs]
+    if not want:
+        return out, errors
+    idx = torch.tensor(want, device=logits.device)
+    lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)  # [w, V]
+    chosen = torch.tensor([tokens[i] for i in want], device=logits.device)
+    chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1).tolist()
+    k = max(reqs[i].sampling_params.top_logprobs for i in want)
+    top_lp = top_ids = None
+    if k:
+        vals, ids = lp.topk(k, dim=-1)
+        top_lp, top_ids = vals.tolist(), ids.tolist()
+    for j, i in enumerate(want):
+        top = None
+        kr = reqs[i].sampling_params.top_logprobs
+        if kr:
+            top = TokenLogprobs([tokens[i], *top_ids[j][:kr]], [chosen_lp[j], *top_lp[j][:kr]])  # type: ignore[index]
+        out[i] = Sampled(tokens[i], chosen_lp[j], top)
+    return out, errors
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,  # [P, V]: logits at P consecutive prompt positions
+    next_ids: list[int],  # the P prompt tokens those positions predict
+    k: int,
+) -> list[TokenLogprobs]:
+    """Each next prompt token's logprob and the top k at its position."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(next_ids, device=logits.device)
+    chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()
+    if k:
+        vals, top = lp.topk(k, dim=-1)
+        tv, ti = vals.tolist(), top.tolist()
+        return [
+            TokenLogprobs([t, *ti[j]], [c, *tv[j]])
+            for j, (t, c) in enumerate(zip(next_ids, chosen))
+        ]
+    return [TokenLogprobs([t], [c]) for t, c in zip(next_ids, chosen)]
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
+from engine.sampler import Sampled
 
 
 @dataclass
@@ -96,7 +97,10 @@ class Scheduler:
             if len(self.running) + len(self.remote_waiting) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            computed, num_computed = self.kv.get_computed_blocks(req)
+            if req.wants_prompt_logprobs:  # every prompt position's logits are needed
+                computed, num_computed = [], 0
+            else:
+                computed, num_computed = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_computed
             if req.remote_prefill is not None:
                 if num_new > self.config.local_prefill_max_tokens:
@@ -177,7 +181,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, tuple[int, float | None]]
+        self, out: SchedulerOutput, sampled: dict[str, Sampled]
     ) -> list[Request]:
         """Advance each scheduled request; append sampled tokens; return newly finished."""
         finished = []
@@ -186,8 +190,7 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             if req.request_id not in sampled:
                 continue
-            token, logprob = sampled[req.request_id]
-            req.append_output_token(token, logprob)
+            req.append_output_token(*sampled[req.request_id])
             status = req.check_stop(self.max_model_len)
             if status is not None:
                 self.finish(req, status)
