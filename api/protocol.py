@@ -1,27 +1,58 @@
 """OpenAI API request and response models (pydantic), shared by nodes and the router.
 
-Requests accept what OpenAI clients send; unknown fields are ignored, fields this server
-cannot honour with a non-default value (n > 1, echo, penalties, top_logprobs) are rejected
-with the field's name. Extensions: `top_k`, `min_p`, `ignore_eos`, and pre-tokenized input
-(`prompt` as a token id list for completions, `prompt_token_ids` for chat).
+Strict: a field this server does not know is a 400 naming it, unless it is on
+`IGNORED_FIELDS` (accepted, has no effect here, logged as a warning): nothing silently
+changes the meaning of a request. Extensions (as vLLM has them): `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`, pre-tokenized input
+(`prompt` as token ids for completions, `prompt_token_ids` for chat) and
+`kv_transfer_params` (PD).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.errors import InvalidRequestError
 
+logger = logging.getLogger(__name__)
+
+MAX_N = 16  # choices per request (each is one engine sequence)
+MAX_PROMPTS = 64  # prompts per /v1/completions request
+MAX_LOGPROBS = 20
+
+# Accepted and ignored: fields that do not change what the model generates here.
+IGNORED_FIELDS = {
+    "user": "an end-user id for abuse monitoring",
+    "store": "OpenAI-side storage of completions",
+    "metadata": "OpenAI-side tags for stored completions",
+    "service_tier": "OpenAI's processing tier",
+    "parallel_tool_calls": "at most one tool call is generated per choice",
+}
+
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+
+class _TopRequest(_Request):
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            ignored = [k for k in data if k in IGNORED_FIELDS]
+            if ignored:
+                logger.warning("accepted and ignored request fields: %s", ", ".join(ignored))
+                data = {k: v for k, v in data.items() if k not in IGNORED_FIELDS}
+        return data
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class KVTransferParams(_Request):
@@ -30,7 +61,7 @@ class KVTransferParams(_Request):
     prefill_node: str | None = None
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(_TopRequest):
     model: str | None = None
     kv_transfer_params: KVTransferParams | None = None
     temperature: float | None = None  # None (or absent): 1.0
@@ -39,24 +70,28 @@ class _SamplingRequest(_Request):
     min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
-    user: str | None = None
 
-    def _check_unsupported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequestError("only n=1 is supported", "n")
-        if self.presence_penalty or self.frequency_penalty:
-            param = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            raise InvalidRequestError(f"{param} is not supported", param)
-
-    def _sampling_kwargs(self, max_tokens: int, logprobs: bool) -> dict[str, Any]:
-        self._check_unsupported()
+    def _sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or len(key) > 20:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias"
+                )
+            bias[int(key)] = value
         return dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -65,8 +100,13 @@ class _SamplingRequest(_Request):
             seed=self.seed,
             max_tokens=max_tokens,
             stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias,
+            min_tokens=self.min_tokens,
         )
 
     @property
@@ -82,29 +122,36 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (a list of one prompt is accepted too)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch (a list of strings or of token-id lists)."""
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise InvalidRequestError("only one prompt per request is supported", "prompt")
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            if len(p) > MAX_PROMPTS:
+                raise InvalidRequestError(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments of the engine's `SamplingParams` for this request."""
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", "echo")
+        """Keyword arguments of the engine's `SamplingParams` for this request.
+
+        `max_tokens=0` (only with `echo`) asks for the prompt alone: the engine still
+        samples one token, which the frontend drops."""
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError("only best_of=1 is supported", "best_of")
-        if self.logprobs not in (None, 0):
+        if self.best_of not in (None, 1, self.n):
+            raise InvalidRequestError("best_of must equal n (no server-side ranking)", "best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(
-                "only logprobs=0 (the sampled token's logprob) is supported", "logprobs"
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs"
             )
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_kwargs(max_tokens, self.logprobs is not None)
+        if max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens=0 needs echo=true", "max_tokens")
+        kw = self._sampling_kwargs(max(1, max_tokens))
+        kw.update(logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0)
+        if self.echo and self.logprobs is not None:
+            kw["prompt_logprobs"] = self.logprobs
+        return kw
 
 
 class TextPart(_Request):
@@ -116,14 +163,21 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: calls it made
+    tool_call_id: str | None = None  # tool: which call this answers
+    refusal: str | None = None
 
     def to_template_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        msg = {"role": self.role, "content": content or ""}
+        msg: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        if self.tool_call_id:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
 
 
@@ -139,14 +193,20 @@ class ChatCompletionRequest(_SamplingRequest):
         """Keyword arguments of the engine's `SamplingParams` for this request."""
         if not self.messages and self.prompt_token_ids is None:
             raise InvalidRequestError("messages must not be empty", "messages")
-        if self.top_logprobs:
-            raise InvalidRequestError("top_logprobs is not supported", "top_logprobs")
-        max_tokens = self.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = self.max_tokens
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                    "top_logprobs",
+                )
+            if self.top_logprobs and not self.logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = self.requested_max_tokens
         if max_tokens is None:
             max_tokens = default_max_tokens
-        return self._sampling_kwargs(max_tokens, self.logprobs)
+        kw = self._sampling_kwargs(max_tokens)
+        kw.update(logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0)
+        return kw
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -173,8 +233,8 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -194,11 +254,17 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatLogprobToken(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict] = Field(default_factory=list)
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChatLogprobs(BaseModel):
@@ -245,6 +311,33 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeRequest(_TopRequest):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_TopRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

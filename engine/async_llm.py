@@ -20,6 +20,7 @@ from engine.core_proc import RoleFactory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.messages import EngineAddresses, Ready
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -37,6 +38,8 @@ class RequestDelta:
     token_ids: list[int]
     text: str
     logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprobs] | None = None  # per token, when top_logprobs > 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once: prompt tokens 1..
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative
@@ -131,6 +134,10 @@ class AsyncLLM:
                     delta.token_ids.extend(out.new_token_ids)
                     if delta.logprobs is not None and out.new_logprobs:
                         delta.logprobs.extend(out.new_logprobs)
+                    if out.new_top_logprobs:
+                        delta.top_logprobs = (delta.top_logprobs or []) + out.new_top_logprobs
+                    if out.prompt_logprobs is not None:
+                        delta.prompt_logprobs = out.prompt_logprobs
                     delta.num_prompt_tokens = out.num_prompt_tokens
                     delta.num_cached_tokens = out.num_cached_tokens
                     delta.finish_reason = out.finish_reason

@@ -8,6 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
+from engine.request import Request
 from engine.sampler import sample
 from tests.hf_reference import hf_greedy, load_hf
 
@@ -53,17 +54,18 @@ def test_tiny_temperature_is_greedy_and_samples_without_nan():
     assert SamplingParams(temperature=1e-30).greedy
     logits = torch.tensor([[0.0, 50.0, -3.0, 49.9]])
     p = SamplingParams(temperature=1e-4)  # above the greedy cut, far below 1
-    res = sample(logits, [p], [torch.Generator().manual_seed(0)])
-    assert res.errors == {} and res.tokens == [1]
+    sampled, errors = sample(logits, [Request("r", [1], p, block_size=4)])
+    assert errors == {} and sampled[0].token == 1
 
 
 def test_one_bad_row_fails_alone():
     logits = torch.randn(3, 16)
     logits[1, 4] = math.nan
     params = [SamplingParams(temperature=1.0, seed=1) for _ in range(3)]
-    res = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(3)])
-    assert set(res.errors) == {1} and "not finite" in res.errors[1]
-    assert all(0 <= res.tokens[i] < 16 for i in (0, 2))
+    reqs = [Request(f"r{i}", [1], p, block_size=4) for i, p in enumerate(params)]
+    sampled, errors = sample(logits, reqs)
+    assert set(errors) == {1} and "not finite" in errors[1]
+    assert set(sampled) == {0, 2} and all(0 <= sampled[i].token < 16 for i in (0, 2))
 
 
 def test_engine_survives_a_request_whose_sampling_fails(tiny_llama_dir):
