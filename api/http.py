@@ -147,6 +147,13 @@ def add_error_handlers(app: FastAPI) -> None:
             detail = err.get("ctx", {}).get("error", "")
             return error_response(400, f"the request body is not valid JSON: {detail}")
         param = _param_name(err.get("loc", ()))
+        if err.get("type") == "extra_forbidden":
+            return error_response(
+                400,
+                f"unknown or unsupported field {param!r}: this server does not honour it",
+                param=param,
+                code="unsupported_field",
+            )
         return error_response(
             400, f"{param or 'body'}: {err.get('msg', 'invalid value')}", param=param
         )

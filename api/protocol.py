@@ -147,7 +147,7 @@ class CompletionRequest(_SamplingRequest):
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         if max_tokens == 0 and not self.echo:
             raise InvalidRequestError("max_tokens=0 needs echo=true", "max_tokens")
-        kw = self._sampling_kwargs(max(1, max_tokens))
+        kw = self._sampling_kwargs(1 if max_tokens == 0 else max_tokens)
         kw.update(logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0)
         if self.echo and self.logprobs is not None:
             kw["prompt_logprobs"] = self.logprobs

@@ -17,6 +17,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from api.errors import InvalidRequestError
 from api.http import (
     DEFAULT_MAX_BODY_BYTES,
     AbortOnDisconnectResponse,
@@ -28,13 +29,18 @@ from api.http import (
 from api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from engine.async_llm import AsyncLLM, RequestFailedError
 from engine.config import EngineConfig
 from engine.core_client import EngineDeadError
 from engine.messages import EngineAddresses, OutputBatch
+from node import openai_responses as responses
 from node.cluster_agent import ClusterAgent, ClusterOptions
 from node.metrics import NodeMetrics
 from node.openai_serving import ModelNotFoundError, OpenAIServing
@@ -151,12 +157,13 @@ def build_app(
         p = serving.prepare_completion(body)
         if body.stream:
             return AbortOnDisconnectResponse(
-                serving.stream_completion(p, body.include_usage), media_type="text/event-stream"
+                responses.stream_completion(serving, p, body.include_usage),
+                media_type="text/event-stream",
             )
-        g = await until_disconnect(request, serving.collect(p))
-        if g is None:
+        gens = await until_disconnect(request, serving.collect(p))
+        if gens is None:
             return Response(status_code=499)
-        return JSONResponse(serving.completion_response(p, g).model_dump())
+        return JSONResponse(responses.completion_response(serving, p, gens).model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -164,12 +171,44 @@ def build_app(
         p = serving.prepare_chat(body)
         if body.stream:
             return AbortOnDisconnectResponse(
-                serving.stream_chat(p, body.include_usage), media_type="text/event-stream"
+                responses.stream_chat(serving, p, body.include_usage),
+                media_type="text/event-stream",
             )
-        g = await until_disconnect(request, serving.collect(p))
-        if g is None:
+        gens = await until_disconnect(request, serving.collect(p))
+        if gens is None:
             return Response(status_code=499)
-        return JSONResponse(serving.chat_response(p, g).model_dump())
+        return JSONResponse(responses.chat_response(serving, p, gens).model_dump())
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        serving: OpenAIServing = request.app.state.serving
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidRequestError("send exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            ids = serving.chat_ids(
+                [m.to_template_dict() for m in body.messages], body.add_generation_prompt
+            )
+        else:
+            ids = serving.encode(body.prompt or "", body.add_special_tokens)
+        strs = [serving.fmt.token_str(t) for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=serving.llm.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        serving: OpenAIServing = request.app.state.serving
+        serving.check_model(body.model)
+        vocab = serving.llm.info.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens"
+            )
+        if serving.llm.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer", "tokens")
+        return DetokenizeResponse(prompt=serving.llm.tokenizer.decode(body.tokens))
 
     return app
 

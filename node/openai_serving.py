@@ -1,44 +1,37 @@
 """The two generation endpoints: /v1/completions and /v1/chat/completions.
 
-Each turns an OpenAI request into token ids and `SamplingParams`, checks it against the
-model (context length, vocabulary) before anything is sent to the engine, then either
-streams SSE chunks (`data: {...}` ... `data: [DONE]`) or collects one JSON response.
-Streamed and collected text come from the same incremental detokenizer, so they are equal.
+Each turns an OpenAI request into one engine sequence per choice (a completions batch of
+prompts times `n`), checks it against the model (context length, vocabulary) before
+anything is sent to the engine, then either streams SSE chunks (`data: {...}` ...
+`data: [DONE]`) or collects one JSON response. Streamed and collected text come from the
+same incremental detokenizer, so they are equal.
+
+`n` > 1: the n sequences of a prompt are submitted together with the same prompt, so all
+but the first find its full blocks in the prefix cache (even within one step: the cache
+is written before attention reads it) and compute only the last partial block. With a
+`seed`, choice i samples with seed + i.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from api.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    ChatLogprobToken,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    ErrorInfo,
-    ErrorResponse,
-    PromptTokensDetails,
-    UsageInfo,
-)
-from engine.async_llm import AsyncLLM, RequestDelta, RequestFailedError
+import msgspec
+
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from engine.async_llm import AsyncLLM, RequestDelta
 from engine.config import KVTransferConfig
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import INT64_MIN, SamplingParams
 from engine.tokenizer import apply_chat_template
+from node.logprobs_format import LogprobsFormatter
 from node.metrics import NodeMetrics
 from node.prefill_nodes import PrefillNodes
 
@@ -52,12 +45,25 @@ class ModelNotFoundError(LookupError):
 
 
 @dataclass
+class Choice:
+    """One engine sequence: a prompt and the parameters of one of its `n` samples."""
+
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt_text: str | None = None  # completions with echo: the prompt as sent
+
+
+@dataclass
 class Generation:
-    """Everything one request produced, accumulated from its deltas."""
+    """Everything one choice produced, accumulated from its deltas."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -67,27 +73,24 @@ class Generation:
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.top_logprobs:
+            self.top_logprobs = (self.top_logprobs or []) + delta.top_logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.finish_reason = delta.finish_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
-
-    def usage(self) -> UsageInfo:
-        n = len(self.token_ids)
-        return UsageInfo(
-            prompt_tokens=self.num_prompt_tokens,
-            completion_tokens=n,
-            total_tokens=self.num_prompt_tokens + n,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
-        )
 
 
 @dataclass
 class Prepared:
     request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    choices: list[Choice]
     arrival: float
     remote_prefill: str | None = None  # PD: the prefill node's control address
+    echo: bool = False
+    drop_output: bool = False  # max_tokens=0 with echo: the prompt alone
+    logprobs: bool = False
 
 
 class OpenAIServing:
@@ -109,234 +112,186 @@ class OpenAIServing:
             self.pd.prefill_nodes, self.pd.role
         )
 
+    @property
+    def fmt(self) -> LogprobsFormatter:
+        return LogprobsFormatter(self.llm.tokenizer)
+
     # -- request preparation ------------------------------------------------------------
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ModelNotFoundError(model)
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         if isinstance(prompt, list):
             return prompt
         if self.llm.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
-        return self.llm.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.llm.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> list[int]:
+        if self.llm.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: chat needs one", "messages")
+        try:
+            return apply_chat_template(
+                self.llm.tokenizer, messages, add_generation_prompt=add_generation_prompt, **kw
+            )
+        except Exception as e:  # the template itself may reject a conversation
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {e}", "messages"
+            ) from e
 
     def prepare_completion(self, req: CompletionRequest) -> Prepared:
         arrival = time.monotonic()
-        self._check_model(req.model)
-        ids = self._encode(req.single_prompt())
-        return self._prepare("cmpl", ids, req, req.max_tokens, arrival)
+        self.check_model(req.model)
+        prompts = req.prompts()
+        ids = [self.encode(p) for p in prompts]
+        max_tokens = req.max_tokens or None  # 0 (echo only) is checked as 1
+        p = self._prepare("cmpl", ids, req, max_tokens, arrival)
+        p.echo, p.drop_output = req.echo, req.max_tokens == 0
+        p.logprobs = req.logprobs is not None
+        if req.echo:
+            for c in p.choices:
+                prompt = prompts[c.index // req.n]
+                c.prompt_text = prompt if isinstance(prompt, str) else self._decode(prompt)
+        return p
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
         arrival = time.monotonic()
-        self._check_model(req.model)
+        self.check_model(req.model)
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
         elif not req.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         else:
-            if self.llm.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: chat needs one", "messages")
-            try:
-                ids = apply_chat_template(
-                    self.llm.tokenizer, [m.to_template_dict() for m in req.messages]
-                )
-            except Exception as e:  # the template itself may reject a conversation
-                raise InvalidRequestError(
-                    f"the chat template rejected the messages: {e}", "messages"
-                ) from e
-        return self._prepare("chatcmpl", ids, req, req.requested_max_tokens, arrival)
+            ids = self.chat_ids([m.to_template_dict() for m in req.messages])
+        p = self._prepare("chatcmpl", [ids], req, req.requested_max_tokens, arrival)
+        p.logprobs = req.logprobs
+        return p
 
     def _prepare(
-        self, kind: str, ids: list[int], req, max_tokens: int | None, arrival: float
+        self, kind: str, prompts: list[list[int]], req, max_tokens: int | None, arrival: float
     ) -> Prepared:
-        self.llm.validate_prompt(ids, max_tokens)
-        params = SamplingParams(
-            **req.sampling_kwargs(default_max_tokens=self.llm.max_model_len - len(ids))
+        for ids in prompts:
+            self.llm.validate_prompt(ids, max_tokens)
+        kwargs = req.sampling_kwargs(
+            default_max_tokens=self.llm.max_model_len - max(map(len, prompts))
         )
+        params = SamplingParams(**kwargs)
+        self._check_token_ids(params)
         rid = f"{kind}-{uuid.uuid4().hex}"
-        prefill_node = self._prefill_node(req)
+        # Prompt logprobs are computed where the prompt runs: here (see docs: PD limits).
+        prefill_node = None if params.prompt_logprobs is not None else self._prefill_node(req)
+        choices = []
+        for pi, ids in enumerate(prompts):
+            for i in range(req.n):
+                index = pi * req.n + i
+                choices.append(Choice(index, f"{rid}-{index}", ids, _nth(params, i)))
         logger.info(
-            "request %s: %d prompt tokens, max_tokens=%d, temperature=%s, stream=%s%s",
+            "request %s: %d choice(s), %s prompt tokens, max_tokens=%d, temperature=%s, "
+            "stream=%s%s",
             rid,
-            len(ids),
+            len(choices),
+            "/".join(str(len(x)) for x in prompts),
             params.max_tokens,
             params.temperature,
             req.stream,
             f", prefill on {prefill_node}" if prefill_node else "",
         )
-        return Prepared(rid, ids, params, arrival, prefill_node)
+        return Prepared(rid, choices, arrival, prefill_node)
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.llm.info.vocab_size if self.llm.info else None
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+        ):
+            bad = next((t for t in ids if vocab is not None and not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the vocabulary [0, {vocab})", name
+                )
 
     def _prefill_node(self, req) -> str | None:
         """The prefill node for a PD request: the router's choice if allowed, else in turn."""
         asked = req.kv_transfer_params.prefill_node if req.kv_transfer_params else None
         return self.prefill_nodes.choose(asked)
 
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.llm.tokenizer
+        return tok.decode(ids) if tok is not None else ""
+
     # -- generation ---------------------------------------------------------------------
-    async def _deltas(self, p: Prepared) -> AsyncIterator[RequestDelta]:
-        """The request's deltas, with metrics observed along the way."""
+    async def _deltas(self, p: Prepared, c: Choice) -> AsyncIterator[RequestDelta]:
+        """One choice's deltas, with metrics observed along the way."""
         async with aclosing(
             self.llm.generate(
-                p.request_id, p.prompt_token_ids, p.params, p.arrival, p.remote_prefill
+                c.request_id, c.prompt_token_ids, c.params, p.arrival, p.remote_prefill
             )
         ) as gen:
             async for delta in gen:
                 self.metrics.observe_tokens(delta.ttft_s, delta.itl_s)
                 if delta.finish_reason is not None:
                     self.metrics.observe_finished(
-                        delta.finish_reason, len(p.prompt_token_ids), time.monotonic() - p.arrival
+                        delta.finish_reason,
+                        len(c.prompt_token_ids),
+                        time.monotonic() - p.arrival,
                     )
                     logger.info(
                         "request %s finished (%s): %d tokens",
-                        p.request_id,
+                        c.request_id,
                         delta.finish_reason,
                         delta.num_output_tokens,
                     )
                 yield delta
 
-    async def collect(self, p: Prepared) -> Generation:
-        gen = Generation()
-        async with aclosing(self._deltas(p)) as deltas:
-            async for delta in deltas:
-                gen.add(delta)
-        return gen
+    async def deltas(self, p: Prepared) -> AsyncIterator[tuple[Choice, RequestDelta]]:
+        """Every choice's deltas, interleaved as they arrive. Leaving early (or one choice
+        failing) aborts every choice still running."""
+        if len(p.choices) == 1:
+            c = p.choices[0]
+            async with aclosing(self._deltas(p, c)) as gen:
+                async for delta in gen:
+                    yield c, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
 
-    def completion_response(self, p: Prepared, g: Generation) -> CompletionResponse:
-        return CompletionResponse(
-            id=p.request_id,
-            model=self.model_name,
-            choices=[
-                CompletionChoice(
-                    text=g.text,
-                    logprobs=self._completion_logprobs(g.token_ids, g.logprobs, 0),
-                    finish_reason=g.finish_reason,
-                )
-            ],
-            usage=g.usage(),
-        )
+        async def pump(c: Choice) -> None:
+            try:
+                async with aclosing(self._deltas(p, c)) as gen:
+                    async for delta in gen:
+                        queue.put_nowait((c, delta, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                queue.put_nowait((c, None, e))
+            else:
+                queue.put_nowait((c, None, None))
 
-    def chat_response(self, p: Prepared, g: Generation) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            id=p.request_id,
-            model=self.model_name,
-            choices=[
-                ChatChoice(
-                    message=AssistantMessage(content=g.text),
-                    logprobs=self._chat_logprobs(g.token_ids, g.logprobs),
-                    finish_reason=g.finish_reason,
-                )
-            ],
-            usage=g.usage(),
-        )
-
-    # -- streaming ----------------------------------------------------------------------
-    async def stream_completion(self, p: Prepared, include_usage: bool) -> AsyncIterator[str]:
-        offset = 0
-
-        def chunk(delta: RequestDelta) -> str:
-            nonlocal offset
-            lp = self._completion_logprobs(delta.token_ids, delta.logprobs, offset)
-            offset += len(delta.text)
-            return CompletionResponse(
-                id=p.request_id,
-                model=self.model_name,
-                choices=[
-                    CompletionChoice(
-                        text=delta.text, logprobs=lp, finish_reason=delta.finish_reason
-                    )
-                ],
-            ).model_dump_json()
-
-        def usage_chunk(g: Generation) -> str:
-            return CompletionResponse(
-                id=p.request_id, model=self.model_name, choices=[], usage=g.usage()
-            ).model_dump_json()
-
-        async for event in self._sse(p, include_usage, chunk, usage_chunk, first=None):
-            yield event
-
-    async def stream_chat(self, p: Prepared, include_usage: bool) -> AsyncIterator[str]:
-        def chunk(delta: RequestDelta) -> str:
-            return ChatCompletionChunk(
-                id=p.request_id,
-                model=self.model_name,
-                choices=[
-                    ChatChunkChoice(
-                        delta=DeltaMessage(content=delta.text),
-                        logprobs=self._chat_logprobs(delta.token_ids, delta.logprobs),
-                        finish_reason=delta.finish_reason,
-                    )
-                ],
-            ).model_dump_json()
-
-        def usage_chunk(g: Generation) -> str:
-            return ChatCompletionChunk(
-                id=p.request_id, model=self.model_name, choices=[], usage=g.usage()
-            ).model_dump_json()
-
-        first = ChatCompletionChunk(
-            id=p.request_id,
-            model=self.model_name,
-            choices=[ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))],
-        ).model_dump_json()
-        async for event in self._sse(p, include_usage, chunk, usage_chunk, first=first):
-            yield event
-
-    async def _sse(
-        self,
-        p: Prepared,
-        include_usage: bool,
-        chunk: Callable[[RequestDelta], str],
-        usage_chunk: Callable[[Generation], str],
-        first: str | None,
-    ) -> AsyncIterator[str]:
-        if first is not None:
-            yield f"data: {first}\n\n"
-        g = Generation()
+        tasks = [asyncio.create_task(pump(c)) for c in p.choices]
         try:
-            async with aclosing(self._deltas(p)) as deltas:
-                async for delta in deltas:
-                    g.add(delta)
-                    if delta.text or delta.finish_reason is not None or delta.logprobs:
-                        yield f"data: {chunk(delta)}\n\n"
-        except RequestFailedError as e:
-            logger.error("request %s failed: %s", p.request_id, e)
-            err = ErrorResponse(
-                error=ErrorInfo(message=str(e), type="server_error", code="engine_error")
-            )
-            yield f"data: {err.model_dump_json()}\n\n"
-        else:
-            if include_usage:
-                yield f"data: {usage_chunk(g)}\n\n"
-        yield "data: [DONE]\n\n"
+            running = len(tasks)
+            while running:
+                c, delta, error = await queue.get()
+                if delta is None:
+                    running -= 1
+                    if error is not None:
+                        raise error
+                    continue
+                yield c, delta
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
-    # -- logprobs -----------------------------------------------------------------------
-    def _token_strings(self, token_ids: list[int]) -> list[str]:
-        tok = self.llm.tokenizer
-        if tok is None:
-            return [f"token_id:{t}" for t in token_ids]
-        return [tok.decode([t]) for t in token_ids]
+    async def collect(self, p: Prepared) -> list[Generation]:
+        gens = [Generation() for _ in p.choices]
+        async with aclosing(self.deltas(p)) as deltas:
+            async for c, delta in deltas:
+                gens[c.index].add(delta)
+        return gens
 
-    def _completion_logprobs(
-        self, token_ids: list[int], logprobs: list[float] | None, offset: int
-    ) -> CompletionLogprobs | None:
-        if logprobs is None:
-            return None
-        tokens = self._token_strings(token_ids)
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets)
 
-    def _chat_logprobs(
-        self, token_ids: list[int], logprobs: list[float] | None
-    ) -> ChatLogprobs | None:
-        if logprobs is None:
-            return None
-        return ChatLogprobs(
-            content=[
-                ChatLogprobToken(token=t, logprob=lp, bytes=list(t.encode()))
-                for t, lp in zip(self._token_strings(token_ids), logprobs, strict=True)
-            ]
-        )
+def _nth(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of n: seed + i (wrapped into int64), so the n samples differ."""
+    if i == 0 or params.seed is None:
+        return params
+    seed = (params.seed + i - INT64_MIN) % 2**64 + INT64_MIN
+    return msgspec.structs.replace(params, seed=seed)

@@ -263,7 +263,7 @@ BAD = [
     ("negative max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ("temperature < 0", "/v1/chat/completions", {"messages": CHAT, "temperature": -0.5}, 400, "temperature"),
     ("top_p 0", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ("n > 1", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("n > 16", "/v1/completions", {"prompt": "hi", "n": 17}, 400, "n"),
     ("token outside vocab", "/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt"),
     ("prompt over context", "/v1/completions", {"prompt": CONTEXT_PROMPT}, 400, "prompt"),
     ("prompt + max_tokens over context", "/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),

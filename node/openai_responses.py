@@ -1,0 +1,205 @@
+"""Response bodies and SSE streams of the generation endpoints, from prepared requests
+(`node.openai_serving.Prepared`) and what their choices produced."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from api.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokensDetails,
+    UsageInfo,
+)
+from engine.async_llm import RequestFailedError
+from engine.outputs import TokenLogprobs
+from node.openai_serving import Choice, Generation, OpenAIServing, Prepared
+
+logger = logging.getLogger(__name__)
+
+
+def usage(p: Prepared, gens: list[Generation]) -> UsageInfo:
+    """Each distinct prompt counts once; every choice's output counts."""
+    seen: set[int] = set()
+    prompt = cached = completion = 0
+    for c, g in zip(p.choices, gens):
+        completion += 0 if p.drop_output else len(g.token_ids)
+        if id(c.prompt_token_ids) not in seen:
+            seen.add(id(c.prompt_token_ids))
+            prompt += len(c.prompt_token_ids)
+            cached += g.num_cached_tokens
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _tops(ids: list[int], lps: list[float], top: list[TokenLogprobs] | None):
+    if top is not None:
+        return list(top)
+    return [TokenLogprobs([t], [lp]) for t, lp in zip(ids, lps)]
+
+
+def completion_piece(
+    s: OpenAIServing, p: Prepared, c: Choice, g: Generation, first: bool, offset: int
+) -> tuple[str, CompletionLogprobs | None]:
+    """Text and logprobs of a generation (or of one delta of it, as a Generation): the
+    echoed prompt first when `first`, then the tokens unless `drop_output`."""
+    text, ids, lps, tops = "", [], [], []
+    if first and p.echo:
+        text = c.prompt_text or ""
+        if p.logprobs:
+            plp = g.prompt_logprobs or []
+            ids = list(c.prompt_token_ids)
+            lps = [None, *(e.logprobs[0] for e in plp)]
+            tops = [None, *plp]
+    if not p.drop_output:
+        text += g.text
+        if p.logprobs and g.logprobs is not None:
+            ids += g.token_ids
+            lps += g.logprobs
+            tops += _tops(g.token_ids, g.logprobs, g.top_logprobs)
+    if not p.logprobs:
+        return text, None
+    return text, s.fmt.completion(ids, lps, tops, offset)
+
+
+def completion_response(
+    s: OpenAIServing, p: Prepared, gens: list[Generation]
+) -> CompletionResponse:
+    choices = []
+    for c, g in zip(p.choices, gens):
+        text, lp = completion_piece(s, p, c, g, True, 0)
+        choices.append(
+            CompletionChoice(index=c.index, text=text, logprobs=lp, finish_reason=g.finish_reason)
+        )
+    return CompletionResponse(
+        id=p.request_id, model=s.model_name, choices=choices, usage=usage(p, gens)
+    )
+
+
+def chat_response(s: OpenAIServing, p: Prepared, gens: list[Generation]) -> ChatCompletionResponse:
+    choices = []
+    for c, g in zip(p.choices, gens):
+        lp = None
+        if g.logprobs is not None:
+            lp = s.fmt.chat(g.token_ids, g.logprobs, g.top_logprobs)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=g.text),
+                logprobs=lp,
+                finish_reason=g.finish_reason,
+            )
+        )
+    return ChatCompletionResponse(
+        id=p.request_id, model=s.model_name, choices=choices, usage=usage(p, gens)
+    )
+
+
+async def stream_completion(
+    s: OpenAIServing, p: Prepared, include_usage: bool
+) -> AsyncIterator[str]:
+    offsets = [0] * len(p.choices)
+    started = [False] * len(p.choices)
+
+    def chunk(c: Choice, g: Generation) -> str | None:
+        text, lp = completion_piece(s, p, c, g, not started[c.index], offsets[c.index])
+        started[c.index] = True
+        offsets[c.index] += len(text)
+        if not text and g.finish_reason is None and not (lp and lp.tokens):
+            return None
+        return CompletionResponse(
+            id=p.request_id,
+            model=s.model_name,
+            choices=[
+                CompletionChoice(
+                    index=c.index, text=text, logprobs=lp, finish_reason=g.finish_reason
+                )
+            ],
+        ).model_dump_json()
+
+    def usage_chunk(gens: list[Generation]) -> str:
+        return CompletionResponse(
+            id=p.request_id, model=s.model_name, choices=[], usage=usage(p, gens)
+        ).model_dump_json()
+
+    async for event in _sse(s, p, include_usage, chunk, usage_chunk, first=[]):
+        yield event
+
+
+async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> AsyncIterator[str]:
+    def chunk(c: Choice, g: Generation) -> str | None:
+        if not g.text and g.finish_reason is None and not g.logprobs:
+            return None
+        lp = None
+        if g.logprobs is not None:
+            lp = s.fmt.chat(g.token_ids, g.logprobs, g.top_logprobs)
+        return ChatCompletionChunk(
+            id=p.request_id,
+            model=s.model_name,
+            choices=[
+                ChatChunkChoice(
+                    index=c.index,
+                    delta=DeltaMessage(content=g.text),
+                    logprobs=lp,
+                    finish_reason=g.finish_reason,
+                )
+            ],
+        ).model_dump_json()
+
+    def usage_chunk(gens: list[Generation]) -> str:
+        return ChatCompletionChunk(
+            id=p.request_id, model=s.model_name, choices=[], usage=usage(p, gens)
+        ).model_dump_json()
+
+    first = [
+        ChatCompletionChunk(
+            id=p.request_id,
+            model=s.model_name,
+            choices=[
+                ChatChunkChoice(index=c.index, delta=DeltaMessage(role="assistant", content=""))
+            ],
+        ).model_dump_json()
+        for c in p.choices
+    ]
+    async for event in _sse(s, p, include_usage, chunk, usage_chunk, first=first):
+        yield event
+
+
+async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_chunk, first):
+    for f in first:
+        yield f"data: {f}\n\n"
+    gens = [Generation() for _ in p.choices]
+    try:
+        async with aclosing(s.deltas(p)) as deltas:
+            async for c, delta in deltas:
+                gens[c.index].add(delta)
+                piece = Generation()
+                piece.add(delta)
+                body = chunk(c, piece)
+                if body is not None:
+                    yield f"data: {body}\n\n"
+    except RequestFailedError as e:
+        logger.error("request %s failed: %s", p.request_id, e)
+        err = ErrorResponse(
+            error=ErrorInfo(message=str(e), type="server_error", code="engine_error")
+        )
+        yield f"data: {err.model_dump_json()}\n\n"
+    else:
+        if include_usage:
+            yield f"data: {usage_chunk(gens)}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,242 @@
+"""The OpenAI fields real clients send, through a live node (real SmolLM2, fp32): penalties
+and logit_bias, logprobs/top_logprobs (streamed and not), echo with prompt logprobs, n,
+batch prompts, /tokenize and /detokenize, and strict handling of unknown fields.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from tests.hf_reference import load_hf
+from tests.servers import engine_state, kill_server, start_server, wait_idle
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+KV_BYTES = 128 << 20
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+FRUITS = "A list of fruits: apple, apple, apple,"
+
+
+@pytest.fixture(scope="module")
+def url():
+    u, proc = start_server(
+        ["--model", MODEL, "--kv-cache-bytes", str(KV_BYTES), "--num-threads", "1",
+         "--log-level", "warning"]
+    )  # fmt: skip
+    yield u
+    kill_server(proc)
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    from engine import LLM
+
+    return LLM(MODEL, kv_cache_bytes=KV_BYTES, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def hf(offline):
+    return load_hf(offline.engine.model_dir)
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+# -- strict fields ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/v1/completions", {"prompt": "hi", "logit_bias_typo": {}}, "logit_bias_typo"),
+        ("/v1/chat/completions", {"messages": CHAT, "functions": []}, "functions"),
+        ("/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "x"}}, "audio"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "x": 1}]}, "messages.0.x"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999999]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ("/tokenize", {"prompt": "hi", "messages": CHAT}, "prompt"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ],
+)  # fmt: skip
+def test_unknown_or_out_of_range_fields_are_400_naming_the_field(url, path, body, field):
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_accepted_and_ignored_fields(url, offline):
+    ref = offline.generate("Hello", SamplingParams(temperature=0, max_tokens=5))[0]
+    body = {"prompt": "Hello", "temperature": 0, "max_tokens": 5, "user": "u1", "store": False}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+
+
+# -- tokenize --------------------------------------------------------------------------
+
+
+def test_tokenize_and_detokenize(url, offline):
+    tok = offline.tokenizer
+    r = post(url, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["token_strs"] == [tok.decode([t]) for t in r["tokens"]] and r["max_model_len"] > 0
+    r = post(url, "/tokenize", {"messages": CHAT}).json()
+    assert (
+        r["tokens"]
+        == offline.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)[
+            "input_ids"
+        ]
+    )
+    assert post(url, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == tok.decode(
+        r["tokens"]
+    )
+
+
+# -- penalties -------------------------------------------------------------------------
+
+
+def test_penalties_and_bias_equal_the_offline_engine(client, offline):
+    kw = dict(
+        temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5
+    )
+    ref = offline.generate(FRUITS, SamplingParams(**kw, repetition_penalty=1.2))[0]
+    out = client.completions.create(
+        model=MODEL, prompt=FRUITS, temperature=0, max_tokens=12, frequency_penalty=1.5,
+        presence_penalty=0.5, extra_body={"ignore_eos": True, "repetition_penalty": 1.2},
+    )  # fmt: skip
+    assert out.choices[0].text == ref.text
+    banana = offline.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    forced = client.completions.create(
+        model=MODEL, prompt=FRUITS, temperature=0.7, max_tokens=4, logit_bias={str(banana): 100}
+    )
+    assert forced.choices[0].text == " banana" * 4
+
+
+# -- logprobs --------------------------------------------------------------------------
+
+
+def test_echo_prompt_logprobs_equal_transformers(url, offline, hf):
+    ids = offline.tokenizer.encode(
+        "The quick brown fox jumps over the lazy dog", add_special_tokens=False
+    )
+    body = {"prompt": [ids], "max_tokens": 0, "echo": True, "logprobs": 3, "temperature": 0}
+    choice = post(url, "/v1/completions", body).json()["choices"][0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    lps = choice["logprobs"]
+    assert choice["text"] == offline.tokenizer.decode(ids)
+    assert len(lps["tokens"]) == len(ids) and lps["token_logprobs"][0] is None
+    for j in range(1, len(ids)):
+        assert abs(lps["token_logprobs"][j] - ref[j - 1, ids[j]].item()) < 1e-4
+        top = ref[j - 1].topk(3)
+        want = {offline.tokenizer.decode([t]) for t in top.indices.tolist()}
+        assert want <= set(lps["top_logprobs"][j])
+    # lm-eval's shape: echo + max_tokens=1 + logprobs=1, batch of token-id prompts
+    body = {
+        "prompt": [ids, ids[:5]],
+        "max_tokens": 1,
+        "echo": True,
+        "logprobs": 1,
+        "temperature": 0,
+    }
+    choices = post(url, "/v1/completions", body).json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [len(ids) + 1, 6]
+    assert abs(choices[1]["logprobs"]["token_logprobs"][4] - ref[3, ids[4]].item()) < 1e-4
+
+
+def test_top_logprobs_streamed_equal_non_streamed_equal_transformers(client, offline, hf):
+    kw = dict(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=6, logprobs=True, top_logprobs=5
+    )
+    full = client.chat.completions.create(**kw).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [
+        t
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in full]
+    prompt = offline.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
+    out = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=6))[0]
+    with torch.no_grad():
+        x = torch.tensor([prompt + out.token_ids[:-1]])
+        ref = torch.log_softmax(hf(x).logits[0, len(prompt) - 1 :].float(), dim=-1)
+    for j, t in enumerate(full):
+        top = ref[j].topk(5)
+        assert [a.token for a in t.top_logprobs] == [
+            offline.tokenizer.decode([i]) for i in top.indices.tolist()
+        ]
+        assert max(abs(a.logprob - v) for a, v in zip(t.top_logprobs, top.values.tolist())) < 1e-4
+
+
+# -- n and batches ---------------------------------------------------------------------
+
+
+def test_n4_seeded_reproducible_and_prompt_computed_once(url, client):
+    prompt = "Write a short poem about the sea. " * 8  # several full blocks
+    wait_idle(url)
+    before = engine_state(url)
+    kw = dict(model=MODEL, prompt=prompt, n=4, seed=7, temperature=1.0, max_tokens=8)
+    a = client.completions.create(**kw)
+    after = engine_state(url)
+    b = client.completions.create(**kw)
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert len(texts) == 4 and len(set(texts)) > 1
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]
+    n_prompt = a.usage.prompt_tokens
+    full_blocks = (n_prompt - 1) // 16 * 16
+    hits = after["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    assert hits >= 3 * full_blocks  # choices 2..4 read choice 1's prompt blocks
+    stream = list(client.completions.create(**kw, stream=True))
+    joined = [
+        "".join(c.choices[0].text for c in stream if c.choices and c.choices[0].index == i)
+        for i in range(4)
+    ]
+    assert joined == texts
+    wait_idle(url)
+
+
+def test_batch_prompts_equal_single_requests(client):
+    prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
+    batch = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=6)
+    singles = [
+        client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=6)
+        for p in prompts
+    ]
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [
+        s.choices[0].text for s in singles
+    ]
+    assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+
+def test_nothing_left_behind(url):
+    stats = wait_idle(url)
+    assert stats["kv_blocks_used"] == 0
+    assert json.dumps(engine_state(url))
