@@ -99,16 +99,17 @@ def test_streaming_relay_equals_the_node(node, router):
 
 
 BAD_BODIES = [
-    {"prompt": [1, 2, 3], "n": 2},
+    {"prompt": [1, 2, 3], "n": 17},
     {"prompt": [1, 2, 3], "model": "no-such-model"},
     {"prompt": []},
     {"prompt": "text needs a tokenizer"},
     {"prompt": [1, 2, 5000]},  # outside the vocabulary
     {"prompt": list(range(1, 600))},  # longer than the context
     {"prompt": [1, 2, 3], "max_tokens": 100_000},
-    {"prompt": [1, 2, 3], "echo": True},
+    {"prompt": [1, 2, 3], "max_tokens": 0},  # only with echo
     {"prompt": [1, 2, 3], "temperature": "hot"},
-    {"prompt": [[1, 2], [3, 4]]},
+    {"prompt": [1, 2, 3], "frobnicate": 1},  # unknown field
+    {"prompt": [1, 2, 3], "logit_bias": {"x": 1}},
 ]
 
 
