@@ -1,18 +1,31 @@
-"""DecodeRole: the engine hooks that import prompt KV from prefill nodes."""
+"""DecodeRole: the engine hooks that import prompt KV from prefill nodes.
+
+Each remote prefill is one transfer attempt `(request_id, attempt)`, with an attempt
+number unique on this node, so a retried request (same id) never meets an earlier
+attempt. When an attempt fails (rejected, peer dead, WRITE failed, deadline) the request
+fails over at once: to another live prefill node it has not tried, else it is prefilled
+here (or ends with an error). The failed attempt's blocks stay held, owned by this role,
+until the connector reports `Released` (the prefill node confirmed nothing more lands,
+or the order's deadline plus grace passed). The core never releases them.
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
+from collections.abc import Callable
 
 import msgspec
 
 from engine.core import EngineCore
+from engine.kv_cache_manager import HoldKey
 from engine.model_runner import kv_bytes_per_block
 from engine.outputs import EngineCoreOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from kv_transfer.base import KVConnector, RecvDone, RecvFailed, Released
+from kv_transfer.base import DecodeConnector, RecvDone, RecvFailed, Released
 from kv_transfer.messages import PrefillOrder
 
 logger = logging.getLogger(__name__)
@@ -23,16 +36,25 @@ class DecodeRole:
 
     def __init__(
         self,
-        connector: KVConnector,
+        connector: DecodeConnector,
         transfer_timeout_s: float = 60.0,
         prefill_locally_on_failure: bool = True,
+        prefill_nodes: tuple[str, ...] = (),
+        clock: Callable[[], float] = time.time,
     ):
+        """`prefill_nodes`: where a failed remote prefill may be retried (live ones only).
+        `clock`: the wall clock order deadlines are written in (shared with prefill nodes)."""
         self.connector = connector
         self.transfer_timeout_s = transfer_timeout_s
         self.prefill_locally_on_failure = prefill_locally_on_failure
-        self._held: dict[str, str] = {}  # request id -> hold key, until Released
+        self.prefill_nodes = prefill_nodes
+        self.clock = clock
+        self._attempts = itertools.count(1)
+        self._held: set[HoldKey] = set()  # holds this role owns, until Released
+        self._tried: dict[str, set[str]] = {}  # request id -> prefill nodes tried
         self.num_remote_prefills = 0
         self.num_failures = 0
+        self.num_failovers = 0
         self.bytes_received = 0
         self._block_bytes = 0  # one block, every layer, K and V
 
@@ -54,52 +76,66 @@ class DecodeRole:
         outs: list[EngineCoreOutput] = []
         sched = core.scheduler
         for ev in self.connector.poll():
-            rid = ev.request_id
+            rid, attempt = ev.key
             if isinstance(ev, Released):
-                key = self._held.pop(rid, None)
-                if key is not None:
-                    core.kv.release(key)
+                if ev.key in self._held:
+                    self._held.discard(ev.key)
+                    core.kv.release_hold(ev.key)
                 continue
-            if rid not in sched.remote_waiting:
-                continue  # aborted meanwhile: its blocks are held until Released
+            req = sched.remote_waiting.get(rid)
+            if req is None or req.attempt != attempt:
+                continue  # aborted meanwhile: its hold is released on Released
             if isinstance(ev, RecvDone):
+                self._tried.pop(rid, None)
                 self.bytes_received += ev.num_blocks * self._block_bytes
                 req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob)
-                outs.append(
-                    core.make_output(
-                        req, [ev.first_token], None if ev.logprob is None else [ev.logprob]
-                    )
-                )
+                lp = None if ev.logprob is None else [ev.logprob]
+                outs.append(core.make_output(req, [ev.first_token], lp))
                 if req.is_finished:
                     core.requests.pop(rid, None)
             elif isinstance(ev, RecvFailed):
-                self.num_failures += 1
-                local = self.prefill_locally_on_failure
-                logger.warning(
-                    "request %s: remote prefill failed (%s); %s",
-                    rid,
-                    ev.reason,
-                    "prefilling locally" if local else "ending the request",
-                )
-                self._held[rid] = sched.remote_kv_failed(rid, local, ev.reason)
-                if not local:
-                    req = core.requests.pop(rid)
-                    outs.append(core.make_output(req, []))
+                outs += self._failed(core, req, ev.reason)
         return outs
+
+    def _failed(self, core: EngineCore, req: Request, reason: str) -> list[EngineCoreOutput]:
+        rid = req.request_id
+        self.num_failures += 1
+        failed_node = req.remote_prefill
+        tried = self._tried.setdefault(rid, set())
+        tried.add(failed_node)
+        other = next(
+            (n for n in self.prefill_nodes if n not in tried and self.connector.peer_alive(n)),
+            None,
+        )
+        local = other is not None or self.prefill_locally_on_failure
+        what = f"retrying on {other}" if other else "prefilling locally" if local else "ending it"
+        logger.warning("request %s: remote prefill failed (%s); %s", rid, reason, what)
+        self._held.add(core.scheduler.remote_kv_failed(rid, local, reason))
+        if other is not None:
+            self.num_failovers += 1
+            req.remote_prefill = other  # back in the queue as a remote prefill there
+            return []
+        self._tried.pop(rid, None)
+        if not local:
+            core.requests.pop(rid, None)
+            return [core.make_output(req, [])]
+        return []
 
     def after_schedule(self, core: EngineCore, sched: SchedulerOutput) -> None:
         bs = core.config.cache.block_size
         for req in sched.remote_prefills:
+            req.attempt = next(self._attempts)
             first_block = req.num_computed_tokens // bs
             block_ids = core.kv.get_block_ids(req.request_id)
             order = PrefillOrder(
                 request_id=req.request_id,
+                attempt=req.attempt,
                 prompt_token_ids=req.prompt_token_ids,
                 params=_first_token_params(req),
                 decode_agent=self.connector.local_name,
                 first_block=first_block,
                 dst_block_ids=block_ids[first_block:],
-                expires_in_s=self.transfer_timeout_s,
+                expires_at=self.clock() + self.transfer_timeout_s,
             )
             self.connector.request_prefill(order, req.remote_prefill)
             self.num_remote_prefills += 1
@@ -107,12 +143,17 @@ class DecodeRole:
     def after_step(self, core, sched, finished) -> list[EngineCoreOutput]:
         return []
 
-    def on_abort(self, core: EngineCore, req: Request, hold_key: str | None) -> None:
+    def on_abort(self, core: EngineCore, req: Request, hold_key: HoldKey | None) -> None:
+        self._tried.pop(req.request_id, None)
         if hold_key is None:
             return
-        # Aborted while its KV was in flight: stop the prefill; free on Released.
-        self.connector.cancel(req.request_id)
-        self._held[req.request_id] = hold_key
+        # Aborted while its KV was in flight: stop the prefill; the hold is released
+        # only on Released (the prefill node acknowledged, or deadline plus grace).
+        self._held.add(hold_key)
+        self.connector.cancel(hold_key)
+
+    def claimed_holds(self) -> set[HoldKey]:
+        return self._held
 
     def wait_sockets(self) -> list:
         return self.connector.wait_sockets()

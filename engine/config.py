@@ -105,6 +105,7 @@ class KVTransferConfig:
     prefill_nodes: tuple[str, ...] = ()
     transfer_timeout_s: float = 60.0  # deadline for a prompt's KV to arrive
     abort_grace_s: float = 2.0  # after a deadline or abort, before blocks are reused
+    peer_timeout_s: float = 10.0  # decode: a prefill node silent this long is dead
     on_prefill_failure: str = "local"  # "local": prefill on decode; "error": fail the request
 
     def __post_init__(self) -> None:
@@ -123,6 +124,10 @@ class KVTransferConfig:
         if self.transfer_timeout_s <= 0:
             raise ConfigError(
                 "kv_transfer.transfer_timeout_s", f"must be > 0, got {self.transfer_timeout_s}"
+            )
+        if not self.peer_timeout_s > 0:
+            raise ConfigError(
+                "kv_transfer.peer_timeout_s", f"must be > 0, got {self.peer_timeout_s}"
             )
         if self.abort_grace_s < 0:
             raise ConfigError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +23,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+# (config, arch, model_dir, num_blocks) -> an object with ModelRunner's `kv_cache` and `execute`
+RunnerFactory = Callable[[EngineConfig, ModelArch, str, int], ModelRunner]
 
 
 def eos_token_ids(model_dir: str | Path, arch: ModelArch) -> frozenset[int]:
@@ -48,12 +52,25 @@ class EngineCore:
     request produced; `abort_requests` ends requests and frees their blocks at once.
     """
 
-    def __init__(self, config: EngineConfig, kv_role: KVRole | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_role: KVRole | None = None,
+        *,
+        arch: ModelArch | None = None,
+        runner_factory: RunnerFactory | None = None,
+    ):
+        """`arch` + `runner_factory` replace the model files and `ModelRunner` (a stub
+        runner for protocol simulations); by default both come from `config.model`."""
         self.config = config
         self.kv_role = kv_role
         torch.set_num_threads(config.threads)
-        self.model_dir = resolve_model(config.model.model)
-        self.arch = arch = ModelArch.from_dir(self.model_dir)
+        if arch is None:
+            self.model_dir = resolve_model(config.model.model)
+            arch = ModelArch.from_dir(self.model_dir)
+        else:
+            self.model_dir = Path(config.model.model)
+        self.arch = arch
         cc = config.cache
         per_block = kv_bytes_per_block(arch, cc.block_size, config.model.torch_dtype)
         num_blocks = cc.num_blocks or cc.kv_cache_bytes // per_block
@@ -75,7 +92,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv.pool.record_events = cc.kv_events
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(config, arch, str(self.model_dir), num_blocks)
+        self.runner = (runner_factory or ModelRunner)(config, arch, str(self.model_dir), num_blocks)
         self.requests: dict[str, Request] = {}
         self.generated_tokens = 0
         self.last_step_idle = True
@@ -176,6 +193,10 @@ class EngineCore:
         role = self.kv_role
         outs = role.before_step(self) if role is not None else []
         sched = self.scheduler.schedule()
+        for req, hold_key in sched.dropped_exports:
+            self.requests.pop(req.request_id, None)
+            if role is not None:
+                role.on_abort(self, req, hold_key)
         if role is not None:
             role.after_schedule(self, sched)
         finished: list[Request] = []
@@ -247,11 +268,13 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             generated_tokens=self.generated_tokens,
             num_waiting_for_kv=len(self.scheduler.remote_waiting),
-            kv_blocks_held=sum(len(self.kv.req_blocks[k]) for k in self.kv.held_owners),
+            kv_blocks_held=self.kv.num_held_blocks,
             **(self.kv_role.stats() if self.kv_role is not None else {}),
         )
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
-        if self.kv_role is not None:
-            self.kv_role.check_integrity()
+        """Pool and hold invariants (every hold claimed by a live transfer of the role)."""
+        role = self.kv_role
+        self.kv.check_integrity(role.claimed_holds() if role is not None else ())
+        if role is not None:
+            role.check_integrity()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from engine.block_pool import BlockPool, BlockPoolError, KVBlock
 from engine.request import Request
 
-_HELD = "#held"
+HoldKey = tuple[str, int]  # (request id, transfer attempt)
 
 
 class KVCacheManager:
@@ -15,6 +17,12 @@ class KVCacheManager:
     `allocate_slots` either takes every block the step needs or nothing (returns None);
     `free` releases everything a request holds. A request's blocks cover its first
     `num_computed_tokens + num_new_tokens` tokens after a successful allocation.
+
+    Holds: blocks a KV transfer may still touch after their request ended (a late WRITE
+    into them, an export still reading them) move to `holds`, keyed by (request id,
+    attempt), and leave circulation until `release_hold`. Exactly one party releases a
+    hold: the KV role that claimed it, once it can prove no transfer touches the blocks.
+    `check_integrity(claimed)` raises unless every hold is claimed and every claim held.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
@@ -22,6 +30,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.holds: dict[HoldKey, list[KVBlock]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already registered in cache
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
@@ -107,38 +116,47 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.release(request.request_id)
 
-    def hold(self, request: Request) -> str:
-        """Detach a request's blocks under a new owner key, kept until `release(key)`.
-
-        For blocks that a transfer may still read (export) or write (a late import):
-        they stay out of circulation while the request itself is gone.
-        """
-        key = self.hold_key(request.request_id)
-        self.req_blocks.setdefault(key, []).extend(self.req_blocks.pop(request.request_id, []))
+    def hold(self, request: Request) -> HoldKey:
+        """Move a request's blocks into a hold under (request id, attempt); see the class doc."""
+        key = (request.request_id, request.attempt)
+        if key in self.holds:
+            raise BlockPoolError(f"hold {key} exists already")
+        self.holds[key] = self.req_blocks.pop(request.request_id, [])
         self._num_cached.pop(request.request_id, None)
         return key
 
+    def release_hold(self, key: HoldKey) -> None:
+        """Free the blocks of hold `key` (only its owner may, once no transfer touches them)."""
+        blocks = self.holds.pop(key, None)
+        if blocks is None:
+            raise BlockPoolError(f"no hold {key}")
+        self.pool.free_blocks(list(reversed(blocks)))
+
     def release(self, owner: str) -> None:
-        """Free every block `owner` (a request id or a `hold` key) holds."""
+        """Free every block request `owner` holds."""
         blocks = self.req_blocks.pop(owner, [])
         self._num_cached.pop(owner, None)
         self.pool.free_blocks(list(reversed(blocks)))
 
-    @property
-    def held_owners(self) -> list[str]:
-        return [k for k in self.req_blocks if k.endswith(_HELD)]
+    def hold_block_ids(self, key: HoldKey) -> list[int]:
+        return [b.block_id for b in self.holds.get(key, ())]
 
-    @staticmethod
-    def hold_key(request_id: str) -> str:
-        """The owner key under which `hold` keeps a request's blocks."""
-        return request_id + _HELD
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(v) for v in self.holds.values())
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, claimed: Collection[HoldKey] = ()) -> None:
+        """Pool invariants, block refs == blocks owned, and every hold claimed exactly."""
         self.pool.check_integrity()
-        held = sum(len(v) for v in self.req_blocks.values())
+        held = sum(len(v) for v in self.req_blocks.values()) + self.num_held_blocks
         refs = sum(b.ref_cnt for b in self.pool.blocks)
         if held != refs:
-            raise BlockPoolError(f"requests hold {held} block refs, pool counts {refs}")
+            raise BlockPoolError(f"requests and holds own {held} block refs, pool counts {refs}")
+        claimed = set(claimed)
+        if unclaimed := set(self.holds) - claimed:
+            raise BlockPoolError(f"holds no live transfer claims: {sorted(unclaimed)[:8]}")
+        if missing := claimed - set(self.holds):
+            raise BlockPoolError(f"transfers claim holds that do not exist: {sorted(missing)[:8]}")

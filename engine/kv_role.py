@@ -8,10 +8,12 @@ between steps, so a role never races the scheduler; none may block for long.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
+    from engine.kv_cache_manager import HoldKey
     from engine.outputs import EngineCoreOutput
     from engine.request import Request
     from engine.scheduler import SchedulerOutput
@@ -38,8 +40,15 @@ class KVRole(Protocol):
         """After the model ran: push newly computed blocks, settle finished requests."""
         ...
 
-    def on_abort(self, core: EngineCore, req: Request, hold_key: str | None) -> None:
-        """A request was aborted; `hold_key` names blocks kept until transfers settle."""
+    def on_abort(self, core: EngineCore, req: Request, hold_key: HoldKey | None) -> None:
+        """A request ended early (abort, error, dropped export). `hold_key` names its blocks,
+        kept out of circulation: the role now owns that hold and alone releases it, once
+        no transfer can touch the blocks."""
+        ...
+
+    def claimed_holds(self) -> Collection[HoldKey]:
+        """Every hold this role owns (`check_integrity` asserts they are exactly the KV
+        cache manager's holds)."""
         ...
 
     def wait_sockets(self) -> list:

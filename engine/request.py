@@ -72,6 +72,10 @@ class Request:
         # PD: a prefill order from another node. It yields no output for this node's
         # clients, and its blocks are held after it finishes until the export has ended.
         self.kv_export = False
+        # PD: which transfer attempt fills (decode) or reads (prefill) this request's
+        # blocks; holds are keyed by (request id, attempt), so a retry never meets its
+        # earlier attempt's blocks.
+        self.attempt = 0
         self.error: str | None = None
         # Chain root of the block hashes (cluster/block_hash.py: keyed by model and block size).
         self.hash_root = hash_root if hash_root is not None else root_hash("", block_size)

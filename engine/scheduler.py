@@ -45,6 +45,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     remote_prefills: list[Request] = field(default_factory=list)  # newly waiting for remote KV
+    # prefill node: exports ended because the pool ran out (their blocks are held: an
+    # in-flight WRITE may still read them); the core hands each hold to the KV role
+    dropped_exports: list[tuple[Request, tuple[str, int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +83,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # newest admitted
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim.request_id)
                 if victim is req:
                     break
@@ -156,10 +159,13 @@ class Scheduler:
             self.running.append(req)
         return req
 
-    def remote_kv_failed(self, request_id: str, prefill_locally: bool, reason: str) -> str:
+    def remote_kv_failed(
+        self, request_id: str, prefill_locally: bool, reason: str
+    ) -> tuple[str, int]:
         """The remote prefill failed or timed out. Its blocks may still receive a late write,
         so they are held (not freed) under the returned key until the caller releases them.
-        The request is then prefilled here (at the front of the queue) or ends with an error.
+        The request is then prefilled (at the front of the queue; here, unless the caller
+        sets `remote_prefill` to another prefill node) or ends with an error.
         """
         req = self.remote_waiting.pop(request_id)
         key = self.kv.hold(req)
@@ -173,7 +179,12 @@ class Scheduler:
             req.error = reason
         return key
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        if req.kv_export:  # recomputing into new blocks could race a WRITE of the old ones
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.error = "the prefill node ran out of KV blocks"
+            out.dropped_exports.append((req, self.kv.hold(req)))
+            return
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -197,7 +208,7 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def finish(self, req: Request, status: RequestStatus) -> str | None:
+    def finish(self, req: Request, status: RequestStatus) -> tuple[str, int] | None:
         """End a request (stop, length, abort, error) and free its blocks.
 
         Blocks that a transfer may still touch are held instead (a remote prefill still

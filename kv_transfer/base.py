@@ -1,28 +1,32 @@
 """The KV connector contract: how a prompt's KV gets from a prefill node to a decode node.
 
-A connector has two sides, each driven from its node's engine thread between steps (no
-method blocks; results come back from `poll()` as typed events).
+A connector is one side of a transfer, driven from its node's engine thread between
+steps. No method blocks or raises for a peer's sake: a peer's failure comes back from
+`poll()` as a typed event naming the transfer. Transfers are keyed by
+`TransferKey = (request_id, attempt)`; a retry is a new attempt with new blocks.
 
-Decode side (consumer):
+Decode side (`DecodeConnector`, consumer):
   * `request_prefill(order, prefill_node)`: ask `prefill_node` to compute the prompt and
-    deliver its KV into `order.dst_block_ids`. Exactly one terminal event follows for the
-    request: `RecvDone` (every block landed; decode may use the KV) or `RecvFailed`
-    (rejected, peer error, deadline passed). After `RecvFailed` or `cancel`, the blocks
-    may still receive a late write: keep them out of circulation until `Released`.
-  * `cancel(request_id)`: stop a transfer (client abort, deadline); a `Released` event
-    follows once the prefill node acknowledged, or its deadline plus a grace period passed.
+    deliver its KV into `order.dst_block_ids`. Exactly one of `RecvDone` (every block
+    landed) or `RecvFailed` (rejected, peer dead or unreachable, WRITE failed, deadline)
+    follows for the attempt, and exactly one `Released` (no WRITE of the attempt can land
+    any more: the blocks may be reused); `RecvDone` implies `Released` and comes alone.
+  * `cancel(key)`: stop an attempt (client abort); `Released` follows once the prefill
+    node acknowledged, or at the order's `expires_at` plus a grace period.
+  * `peer_alive(node)`: False while the prefill node misses heartbeats (fail over).
 
-Prefill side (producer):
-  * `poll()` yields `NewOrder` (compute this prompt; push its blocks) and `OrderAborted`.
-  * `send_blocks(request_id, src_block_ids, first_index)`: push finished blocks now
-    (transfer overlaps the rest of the prefill). `first_index` is the prompt-block index
-    of `src_block_ids[0]`; the connector maps it to the decode node's block ids.
-  * `finish(request_id, src_block_ids, first_index, first_token, logprob)`: push the last
-    blocks and, once every block of the request has landed, tell the decode node.
-    A terminal `SendDone` or `SendFailed` follows; only then may the blocks be freed.
-  * `settle_abort(request_id)`: the prefill node dropped an aborted order; the connector
-    acknowledges to the decode node once nothing of the request is in flight, then
-    emits `SendFailed`.
+Prefill side (`PrefillConnector`, producer):
+  * `poll()` yields `NewOrder` (compute this prompt; push its blocks) and `OrderAborted`
+    (the decode node aborted, or the order expired, before it finished).
+  * `send_blocks(key, src_block_ids, first_index)`: push finished blocks now.
+  * `finish(key, src_block_ids, first_index, first_token, logprob)`: push the last blocks
+    and, once every block has landed, tell the decode node.
+  * `end(key, reason)`: the prefill node dropped the attempt (abort, error, out of
+    blocks); the decode node is told once nothing of it is in flight.
+  * `reject(order, reason)`: a `NewOrder` the engine could not take.
+  After `NewOrder`, exactly one `SendDone` or `SendFailed` follows per attempt, once no
+  WRITE of it is in flight (or the order's deadline plus grace passed): only then may the
+  source blocks be reused.
 
 Worker side: `register_kv_cache(kv_cache)` once, before anything else.
 `check_integrity()` raises if any transfer table is inconsistent; `close()` is idempotent.
@@ -38,86 +42,65 @@ import torch
 
 from kv_transfer.messages import PrefillOrder
 
+TransferKey = tuple[str, int]  # (request id, attempt)
+
 
 class RecvDone(msgspec.Struct, frozen=True):
-    request_id: str
+    key: TransferKey
     first_token: int
     logprob: float | None
     num_blocks: int
 
 
 class RecvFailed(msgspec.Struct, frozen=True):
-    request_id: str
+    key: TransferKey
     reason: str
 
 
 class Released(msgspec.Struct, frozen=True):
-    request_id: str
+    key: TransferKey
 
 
 class NewOrder(msgspec.Struct, frozen=True):
     order: PrefillOrder
 
+    @property
+    def key(self) -> TransferKey:
+        return (self.order.request_id, self.order.attempt)
+
 
 class OrderAborted(msgspec.Struct, frozen=True):
-    request_id: str
+    key: TransferKey
+    reason: str
 
 
 class SendDone(msgspec.Struct, frozen=True):
-    request_id: str
+    key: TransferKey
     bytes: int
     descriptors: int
     seconds: float
 
 
 class SendFailed(msgspec.Struct, frozen=True):
-    request_id: str
+    key: TransferKey
     reason: str
 
 
-KVEvent = RecvDone | RecvFailed | Released | NewOrder | OrderAborted | SendDone | SendFailed
+DecodeEvent = RecvDone | RecvFailed | Released
+PrefillEvent = NewOrder | OrderAborted | SendDone | SendFailed
 
 
-class KVConnector(abc.ABC):
-    # -- worker side
+class _Connector(abc.ABC):
     @abc.abstractmethod
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None: ...
-
-    @abc.abstractmethod
-    def poll(self) -> list[KVEvent]: ...
-
-    # -- decode side
-    @abc.abstractmethod
-    def request_prefill(self, order: PrefillOrder, prefill_node: str) -> None: ...
-
-    @abc.abstractmethod
-    def cancel(self, request_id: str) -> None: ...
-
-    # -- prefill side
-    @abc.abstractmethod
-    def send_blocks(self, request_id: str, src_block_ids: list[int], first_index: int) -> None: ...
-
-    @abc.abstractmethod
-    def finish(
-        self,
-        request_id: str,
-        src_block_ids: list[int],
-        first_index: int,
-        first_token: int,
-        logprob: float | None,
-    ) -> None: ...
-
-    @abc.abstractmethod
-    def settle_abort(self, request_id: str) -> None: ...
-
-    # -- both
-    @abc.abstractmethod
-    def has_pending(self) -> bool: ...
 
     @property
     @abc.abstractmethod
     def local_name(self) -> str:
         """This node's name on the data channel (what a peer addresses its writes to)."""
+
+    @abc.abstractmethod
+    def has_pending(self) -> bool: ...
 
     def wait_sockets(self) -> list:
         """ZMQ sockets that become readable when poll() has something new (may be empty)."""
@@ -130,7 +113,45 @@ class KVConnector(abc.ABC):
     def close(self) -> None: ...
 
 
-_REGISTRY: dict[str, Callable[..., KVConnector]] = {}
+class DecodeConnector(_Connector):
+    @abc.abstractmethod
+    def poll(self) -> list[DecodeEvent]: ...
+
+    @abc.abstractmethod
+    def request_prefill(self, order: PrefillOrder, prefill_node: str) -> None: ...
+
+    @abc.abstractmethod
+    def cancel(self, key: TransferKey) -> None: ...
+
+    @abc.abstractmethod
+    def peer_alive(self, prefill_node: str) -> bool: ...
+
+
+class PrefillConnector(_Connector):
+    @abc.abstractmethod
+    def poll(self) -> list[PrefillEvent]: ...
+
+    @abc.abstractmethod
+    def send_blocks(self, key: TransferKey, src_block_ids: list[int], first_index: int) -> None: ...
+
+    @abc.abstractmethod
+    def finish(
+        self,
+        key: TransferKey,
+        src_block_ids: list[int],
+        first_index: int,
+        first_token: int,
+        logprob: float | None,
+    ) -> None: ...
+
+    @abc.abstractmethod
+    def end(self, key: TransferKey, reason: str) -> None: ...
+
+    @abc.abstractmethod
+    def reject(self, order: PrefillOrder, reason: str) -> None: ...
+
+
+_REGISTRY: dict[str, Callable[..., _Connector]] = {}
 
 
 def register_connector(name: str):
@@ -141,9 +162,9 @@ def register_connector(name: str):
     return deco
 
 
-def create_connector(name: str, **kwargs) -> KVConnector:
+def create_connector(name: str, **kwargs) -> DecodeConnector | PrefillConnector:
     if name == "nixl":
         import kv_transfer.nixl_connector  # noqa: F401  (registers itself)
     if name not in _REGISTRY:
         raise ValueError(f"unknown KV connector {name!r}; known: {sorted(_REGISTRY) or ['nixl']}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name](**kwargs)  # type: ignore[return-value]

@@ -1,13 +1,25 @@
 """The PD control protocol between a decode node and a prefill node (msgpack, no pickle).
 
-Decode -> prefill, over ZMQ (decode's DEALER to prefill's ROUTER), in order:
-  `PeerHello` (decode's NIXL metadata, once per connection), `PrefillOrder`, `AbortPrefill`.
-Prefill -> decode, over the same ZMQ connection:
-  `PrefillRejected` (cannot take the order; `need_hello` asks for `PeerHello` first),
-  `AbortAck` (nothing more will be written into that request's blocks).
-Prefill -> decode, as the NIXL notification of the request's last block WRITE, so it is
-delivered only after every block has landed:
+Decode -> prefill, over the control channel (decode's DEALER to prefill's ROUTER):
+  `PeerHello` (decode's data-plane metadata, once per connection), `PrefillOrder`,
+  `AbortPrefill`, `Heartbeat` (while anything is outstanding with that prefill node).
+Prefill -> decode, over the same connection:
+  `PrefillRejected` (the order was not taken; nothing was or will be written;
+  `need_hello` asks for `PeerHello` first), `PrefillFailed` (the prefill ended early:
+  a WRITE failed, the order expired, the prefill node dropped it), `AbortAck` (answer to
+  `AbortPrefill`), `HeartbeatAck`.
+Prefill -> decode, as the data-plane notification of the request's last block WRITE, so
+it is delivered only after every block has landed:
   `PrefillDone` (first sampled token and number of blocks written).
+
+Every per-request message names the transfer by (request_id, attempt): a retried request
+never meets its earlier attempt. A prefill node sends `PrefillRejected`, `PrefillFailed`
+or `AbortAck` only once none of that attempt's WRITEs is in flight: each one proves that
+nothing more will land, so the decode node may reuse the blocks at once.
+
+Deadlines are absolute: `PrefillOrder.expires_at` is a wall-clock time (seconds since the
+epoch, clocks in sync across nodes). The prefill node posts no WRITE after it; the decode
+node reuses the blocks of an attempt it never heard an end of at `expires_at + grace`.
 """
 
 from __future__ import annotations
@@ -23,41 +35,70 @@ class PeerHello(msgspec.Struct, tag=True, kw_only=True):
 
 class PrefillOrder(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
+    attempt: int
     prompt_token_ids: list[int]
     params: SamplingParams  # the prefill node samples the first token with these
     decode_agent: str
     first_block: int  # decode already holds blocks [0, first_block) (its prefix cache)
     dst_block_ids: list[int]  # decode blocks for prompt blocks first_block, first_block+1, ...
-    expires_in_s: float  # the prefill node writes nothing after this long from receipt
+    expires_at: float  # wall clock: the prefill node writes nothing after this
 
 
 class AbortPrefill(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
+    attempt: int
+    expires_at: float  # the order's: an order arriving after its abort is refused until then
+
+
+class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
+    seq: int
 
 
 class PrefillRejected(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
+    attempt: int
     reason: str
     need_hello: bool = False
 
 
+class PrefillFailed(msgspec.Struct, tag=True, kw_only=True):
+    request_id: str
+    attempt: int
+    reason: str
+
+
 class AbortAck(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
+    attempt: int
+
+
+class HeartbeatAck(msgspec.Struct, tag=True, kw_only=True):
+    seq: int
 
 
 class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
+    attempt: int
     first_token: int
     logprob: float | None
-    num_blocks: int  # blocks written for this request, all transfers together
+    num_blocks: int  # blocks written for this attempt, all transfers together
 
 
-ToPrefill = PeerHello | PrefillOrder | AbortPrefill
-ToDecode = PrefillRejected | AbortAck | PrefillDone
+ToPrefill = PeerHello | PrefillOrder | AbortPrefill | Heartbeat
+ToDecode = PrefillRejected | PrefillFailed | AbortAck | HeartbeatAck | PrefillDone
 
 _enc = msgspec.msgpack.Encoder()
 _to_prefill = msgspec.msgpack.Decoder(ToPrefill)
 _to_decode = msgspec.msgpack.Decoder(ToDecode)
+
+
+class MalformedMessage(ValueError):
+    """A control frame that does not decode; `key` is its (request_id, attempt) if readable,
+    so the sender can still be told the order was rejected."""
+
+    def __init__(self, error: str, key: tuple[str, int] | None):
+        super().__init__(error)
+        self.key = key
 
 
 def encode(msg: ToPrefill | ToDecode) -> bytes:
@@ -65,8 +106,27 @@ def encode(msg: ToPrefill | ToDecode) -> bytes:
 
 
 def decode_to_prefill(data: bytes) -> ToPrefill:
-    return _to_prefill.decode(data)
+    """Decode a frame from a decode node; raises `MalformedMessage` (never runs code)."""
+    try:
+        return _to_prefill.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise MalformedMessage(str(e), _readable_key(data)) from None
 
 
 def decode_to_decode(data: bytes) -> ToDecode:
-    return _to_decode.decode(data)
+    try:
+        return _to_decode.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise MalformedMessage(str(e), _readable_key(data)) from None
+
+
+def _readable_key(data: bytes) -> tuple[str, int] | None:
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, ValueError):
+        return None
+    if isinstance(raw, dict):
+        rid, attempt = raw.get("request_id"), raw.get("attempt")
+        if isinstance(rid, str) and isinstance(attempt, int) and not isinstance(attempt, bool):
+            return rid[:256], attempt
+    return None

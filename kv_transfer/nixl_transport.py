@@ -176,6 +176,10 @@ class NixlTransport:
     def peers(self) -> list[str]:
         return list(self._peers)
 
+    def peer_layout(self, peer: str) -> KVLayout:
+        """The KV layout `peer` announced (raises KeyError for an unknown peer)."""
+        return self._peers[peer].layout
+
     # ---- transfers ---------------------------------------------------------------------
 
     def write_blocks(

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Protocol
 
 import msgspec
 
@@ -59,3 +60,43 @@ class TransferHandle:
 
     def __repr__(self) -> str:
         return f"TransferHandle(id={self.id}, peer={self.peer!r}, state={self.state.name})"
+
+
+class DataPlane(Protocol):
+    """What a connector side needs from its data transport (`NixlTransport`, or the
+    simulator's in-memory one); see `kv_transfer.nixl_transport` for the semantics."""
+
+    name: str
+    layout: KVLayout
+
+    def local_metadata(self) -> bytes: ...
+
+    def add_peer(self, metadata: bytes) -> str: ...
+
+    @property
+    def peers(self) -> list[str]: ...
+
+    def peer_layout(self, peer: str) -> KVLayout: ...
+
+    def write_blocks(
+        self,
+        peer: str,
+        src_block_ids: list[int],
+        dst_block_ids: list[int],
+        notif: bytes | None = None,
+    ) -> TransferHandle: ...
+
+    def poll(self, handle: TransferHandle) -> TransferState: ...
+
+    def release(self, handle: TransferHandle) -> None: ...
+
+    def get_notifs(self) -> dict[str, list[bytes]]: ...
+
+    def send_notif(self, peer: str, msg: bytes) -> None: ...
+
+    @property
+    def num_inflight(self) -> int: ...
+
+    def check_integrity(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -71,6 +71,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-timeout", type=float, default=kv.transfer_timeout_s)
     g.add_argument("--kv-abort-grace", type=float, default=kv.abort_grace_s)
     g.add_argument(
+        "--kv-peer-timeout",
+        type=float,
+        default=kv.peer_timeout_s,
+        help="decode role: seconds without an answer before a prefill node counts as dead "
+        "(its requests fail over at once)",
+    )
+    g.add_argument(
         "--on-prefill-failure",
         default=kv.on_prefill_failure,
         choices=["local", "error"],
@@ -142,6 +149,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             prefill_nodes=tuple(args.prefill_node),
             transfer_timeout_s=args.kv_transfer_timeout,
             abort_grace_s=args.kv_abort_grace,
+            peer_timeout_s=args.kv_peer_timeout,
             on_prefill_failure=args.on_prefill_failure,
         ),
         num_threads=args.num_threads,

@@ -17,6 +17,7 @@ def build_kv_role(cfg: KVTransferConfig) -> KVRole | None:
         role=cfg.role,
         control_address=cfg.control_address,
         abort_grace_s=cfg.abort_grace_s,
+        peer_timeout_s=cfg.peer_timeout_s,
     )
     if cfg.role == "prefill":
         from prefill.role import PrefillRole
@@ -28,4 +29,5 @@ def build_kv_role(cfg: KVTransferConfig) -> KVRole | None:
         connector,
         transfer_timeout_s=cfg.transfer_timeout_s,
         prefill_locally_on_failure=cfg.on_prefill_failure == "local",
+        prefill_nodes=cfg.prefill_nodes,
     )

@@ -1,4 +1,11 @@
-"""PrefillRole: the engine hooks that export prompt KV to decode nodes."""
+"""PrefillRole: the engine hooks that export prompt KV to decode nodes.
+
+An order `(request_id, attempt)` runs as the engine request `"{request_id}@{attempt}"`,
+so two attempts of one request never share an engine request or a hold. When the
+request ends (its first token sampled, or early: abort, error, out of blocks) its
+blocks move into a hold that this role owns; it releases the hold only when the
+connector reports `SendDone`/`SendFailed` (no WRITE reads the blocks any more).
+"""
 
 from __future__ import annotations
 
@@ -6,29 +13,42 @@ import logging
 from dataclasses import dataclass
 
 from engine.core import EngineCore
-from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import HoldKey
 from engine.outputs import EngineCoreOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.scheduler import SchedulerOutput
-from kv_transfer.base import KVConnector, NewOrder, OrderAborted, SendDone, SendFailed
+from kv_transfer.base import (
+    NewOrder,
+    OrderAborted,
+    PrefillConnector,
+    SendDone,
+    SendFailed,
+    TransferKey,
+)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Export:
+    key: TransferKey
     first_block: int  # decode holds prompt blocks [0, first_block) already
     next_block: int  # next prompt block to push
     num_blocks: int  # prompt blocks in all
 
 
+def engine_request_id(key: TransferKey) -> str:
+    return f"{key[0]}@{key[1]}"
+
+
 class PrefillRole:
     accepts_remote_prefill = False
 
-    def __init__(self, connector: KVConnector):
+    def __init__(self, connector: PrefillConnector):
         self.connector = connector
-        self._exports: dict[str, _Export] = {}
-        self._held: dict[str, str] = {}  # request id -> hold key until SendDone/SendFailed
+        self._exports: dict[str, _Export] = {}  # engine request id -> export progress
+        self._keys: dict[str, TransferKey] = {}  # engine request id -> transfer key
+        self._held: dict[TransferKey, HoldKey] = {}  # until SendDone/SendFailed
         self.num_orders = 0
         self.bytes_sent = 0
 
@@ -41,36 +61,35 @@ class PrefillRole:
     def before_step(self, core: EngineCore) -> list[EngineCoreOutput]:
         for ev in self.connector.poll():
             if isinstance(ev, NewOrder):
-                self._start(core, ev.order)
+                self._start(core, ev)
             elif isinstance(ev, OrderAborted):
-                self._exports.pop(ev.request_id, None)
-                core.abort_requests([ev.request_id])  # -> on_abort holds the blocks
-                self.connector.settle_abort(ev.request_id)
+                core.end_request(engine_request_id(ev.key), RequestStatus.FINISHED_ABORTED)
             elif isinstance(ev, (SendDone, SendFailed)):
                 if isinstance(ev, SendDone):
                     self.bytes_sent += ev.bytes
-                else:
-                    logger.warning("request %s: KV export ended: %s", ev.request_id, ev.reason)
-                    if ev.request_id in core.requests:  # still computing: stop it
-                        self._exports.pop(ev.request_id, None)
-                        core.abort_requests([ev.request_id])
-                key = self._held.pop(ev.request_id, None)
-                if key is not None:
-                    core.kv.release(key)
+                eid = engine_request_id(ev.key)
+                core.end_request(eid, RequestStatus.FINISHED_ABORTED)  # if still computing
+                self._keys.pop(eid, None)
+                hold = self._held.pop(ev.key, None)
+                if hold is not None:
+                    core.kv.release_hold(hold)
         return []  # prefill-order requests produce nothing for this node's own clients
 
-    def _start(self, core: EngineCore, order) -> None:
-        rid = order.request_id
+    def _start(self, core: EngineCore, ev: NewOrder) -> None:
+        order, key = ev.order, ev.key
+        eid = engine_request_id(key)
         try:
-            req = core.add_request(rid, order.prompt_token_ids, order.params)
-        except InvalidRequestError as e:
-            logger.warning("request %s: prefill order rejected: %s", rid, e)
+            req = core.add_request(eid, order.prompt_token_ids, order.params)
+        except ValueError as e:  # InvalidRequestError: bad token ids, too long, duplicate
+            logger.warning("request %s (attempt %d): prefill order rejected: %s", *key, e)
             self.connector.reject(order, str(e))
             return
         req.kv_export = True
+        req.attempt = key[1]
         bs = core.config.cache.block_size
         n = -(-len(order.prompt_token_ids) // bs)
-        self._exports[rid] = _Export(order.first_block, order.first_block, n)
+        self._exports[eid] = _Export(key, order.first_block, order.first_block, n)
+        self._keys[eid] = key
         self.num_orders += 1
 
     def after_schedule(self, core: EngineCore, sched: SchedulerOutput) -> None:
@@ -80,36 +99,51 @@ class PrefillRole:
         self, core: EngineCore, sched: SchedulerOutput, finished: list[Request]
     ) -> list[EngineCoreOutput]:
         bs = core.config.cache.block_size
-        done = {r.request_id: r for r in finished}
+        done = {r.request_id for r in finished}
         for s in sched.scheduled:
-            rid = s.request.request_id
-            exp = self._exports.get(rid)
+            eid = s.request.request_id
+            exp = self._exports.get(eid)
             if exp is None:
                 continue
             req = s.request
-            # A request that finished this step has its blocks under its hold key.
-            owner = core.kv.hold_key(rid) if rid in done else rid
-            block_ids = core.kv.get_block_ids(owner)
-            if rid in done:
+            if eid in done:  # its blocks are in a hold now: this role owns it
+                hold = (eid, req.attempt)
+                block_ids = core.kv.hold_block_ids(hold)
+                del self._exports[eid]
+                self._held[exp.key] = hold
                 src = block_ids[exp.next_block : exp.num_blocks]
-                first = exp.next_block
-                del self._exports[rid]
-                self._held[rid] = owner
                 lp = req.output_logprobs[0] if req.output_logprobs else None
-                self.connector.finish(rid, src, first, req.output_token_ids[0], lp)
+                self.connector.finish(exp.key, src, exp.next_block, req.output_token_ids[0], lp)
                 continue
             full = min(req.num_computed_tokens // bs, exp.num_blocks)
             if full > exp.next_block:
-                self.connector.send_blocks(rid, block_ids[exp.next_block : full], exp.next_block)
+                block_ids = core.kv.get_block_ids(eid)
+                self.connector.send_blocks(
+                    exp.key, block_ids[exp.next_block : full], exp.next_block
+                )
                 exp.next_block = full
         # Outputs of exported requests are internal: drop them from this step's results.
         return []
 
-    def on_abort(self, core: EngineCore, req: Request, hold_key: str | None) -> None:
-        self._exports.pop(req.request_id, None)
+    def on_abort(self, core: EngineCore, req: Request, hold_key: HoldKey | None) -> None:
+        eid = req.request_id
+        self._exports.pop(eid, None)
+        key = self._keys.get(eid)
+        if key is None:
+            if hold_key is not None:  # not an export we track: nothing reads its blocks
+                core.kv.release_hold(hold_key)
+            return
         if hold_key is not None:
-            self._held[req.request_id] = hold_key
-            self.connector.settle_abort(req.request_id)
+            self._held[key] = hold_key
+        if not self.connector.end(key, req.error or "aborted"):
+            # the connector has settled this attempt already: nothing reads the blocks
+            self._keys.pop(eid, None)
+            if hold_key is not None:
+                del self._held[key]
+                core.kv.release_hold(hold_key)
+
+    def claimed_holds(self) -> set[HoldKey]:
+        return set(self._held.values())
 
     def wait_sockets(self) -> list:
         return self.connector.wait_sockets()
@@ -118,7 +152,7 @@ class PrefillRole:
         return bool(self._held) or self.connector.has_pending()
 
     def owns(self, request_id: str) -> bool:
-        return request_id in self._exports or request_id in self._held
+        return request_id in self._exports or request_id in self._keys
 
     def check_integrity(self) -> None:
         self.connector.check_integrity()

@@ -13,7 +13,7 @@ from decode.role import DecodeRole
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
-from kv_transfer.nixl_connector import NixlConnector
+from kv_transfer.nixl_connector import nixl_connector
 from prefill.role import PrefillRole
 from tests.hf_reference import hf_greedy, load_hf
 
@@ -33,9 +33,11 @@ def make_config(tiny_llama_dir, *, num_blocks=256, budget=32, local_max=4):
 
 class Pair:
     def __init__(self, tiny_llama_dir, timeout_s=10.0, prefill_locally=True, **kw):
-        self.pconn = NixlConnector(node_id="p", role="prefill", control_address="tcp://127.0.0.1:*")
+        self.pconn = nixl_connector(
+            node_id="p", role="prefill", control_address="tcp://127.0.0.1:*"
+        )
         self.prefill = EngineCore(make_config(tiny_llama_dir, **kw), PrefillRole(self.pconn))
-        self.dconn = NixlConnector(node_id="d", role="decode")
+        self.dconn = nixl_connector(node_id="d", role="decode")
         self.drole = DecodeRole(
             self.dconn, transfer_timeout_s=timeout_s, prefill_locally_on_failure=prefill_locally
         )
@@ -102,7 +104,7 @@ def test_only_uncached_blocks_cross(tiny_llama_dir, hf_model):
         p2 = shared + prompts_of([20], seed=3)[0]
         (outs,) = pair.run([p2], GREEDY)
         assert tokens(outs) == hf_greedy(hf_model, p2, 8)
-        layout = pair.dconn.transport.layout
+        layout = pair.dconn.data.layout
         # decode had 40 tokens = 10 blocks cached; 60-token prompt = 15 blocks: 5 cross
         assert (
             pair.prefill.kv_role.bytes_sent - sent_before
@@ -144,12 +146,12 @@ def test_abort_on_decode_frees_prefill(tiny_llama_dir):
         pair.decode.add_request("a", p, GREEDY, remote_prefill=pair.addr)
         deadline = time.monotonic() + 10
         while not (
-            "a" in pair.prefill.requests and pair.prefill.requests["a"].num_computed_tokens >= 8
+            "a@1" in pair.prefill.requests and pair.prefill.requests["a@1"].num_computed_tokens >= 8
         ):
             assert time.monotonic() < deadline
             pair.decode.step()
             pair.prefill.step()
-        assert pair.prefill.requests["a"].num_computed_tokens < 120  # prefill is mid-way
+        assert pair.prefill.requests["a@1"].num_computed_tokens < 120  # prefill is mid-way
         pair.decode.abort_requests(["a"])
         deadline = time.monotonic() + 10
         while pair.decode.has_unfinished or pair.prefill.has_unfinished:
@@ -159,7 +161,7 @@ def test_abort_on_decode_frees_prefill(tiny_llama_dir):
         for core in (pair.decode, pair.prefill):
             core.check_integrity()
             assert core.kv.pool.num_used_blocks == 0
-        assert "a" not in pair.prefill.requests
+        assert "a@1" not in pair.prefill.requests
     finally:
         pair.close()
 

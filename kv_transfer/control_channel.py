@@ -1,0 +1,271 @@
+"""The PD control channel over ZMQ: sockets, bounded non-blocking sends, peer liveness.
+
+Reusable by any connector whose data moves elsewhere (NIXL, LMCache): it carries the
+typed messages of `kv_transfer.messages` and knows nothing about blocks.
+
+Decode side (`DecodeControl`): one DEALER per prefill node, created on first use, at most
+`max_peers` at once; a peer with nothing outstanding is closed after `idle_close_s`.
+`send` never blocks: a frame ZMQ cannot take now (no connection yet, high-water mark)
+waits in the peer's own queue of at most `max_queued` frames, flushed by `tick`; when that
+queue is full, or the address cannot be connected, `send` returns False and the caller
+fails over. `withdraw` takes a queued frame back: such a frame was never sent, so the
+peer never saw it. Liveness: while the caller says a peer is busy (`tick(busy)`), a
+`Heartbeat` goes out every `heartbeat_s`; a peer that has not answered anything for
+`peer_timeout_s` since an unanswered heartbeat is dead (`alive()` is False) until it
+answers again.
+
+Prefill side (`PrefillControl`): one ROUTER; `recv` answers heartbeats itself (so a
+decode node sees this node alive exactly while its engine loop polls) and hands over
+every other message, or a `MalformedMessage`, with the sender's identity. `reply` never
+blocks: ZMQ drops what it cannot deliver, and the decode node's deadlines cover it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from kv_transfer import messages as m
+
+logger = logging.getLogger(__name__)
+
+
+class ZmqDealerLink:
+    """A decode node's connection to one prefill node: a DEALER that never blocks."""
+
+    def __init__(self, ctx: zmq.Context, node: str):
+        self.socket = ctx.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.IMMEDIATE, 1)  # queue in DecodeControl until connected
+        try:
+            self.socket.connect(node)
+        except zmq.ZMQError as e:
+            self.socket.close(linger=0)
+            raise ConnectionError(str(e)) from e
+
+    def send(self, frame: bytes) -> bool:
+        """False when ZMQ cannot take the frame now (no connection, high-water mark)."""
+        try:
+            self.socket.send(frame, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def recv(self) -> bytes | None:
+        return self.socket.recv() if self.socket.poll(0) else None
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class ZmqRouterLink:
+    """A prefill node's control socket: a bound ROUTER whose sends never block."""
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        self.socket = ctx.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv(self) -> list[bytes] | None:
+        return self.socket.recv_multipart() if self.socket.poll(0) else None
+
+    def send(self, ident: bytes, frame: bytes) -> None:
+        try:  # unroutable or full: dropped; the decode node's deadline covers it
+            self.socket.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            logger.warning("control reply dropped: %s", e)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+@dataclass
+class _Peer:
+    link: ZmqDealerLink
+    last_used: float
+    queue: deque[tuple[bytes, tuple[str, int] | None]] = field(default_factory=deque)
+    ping_sent_at: float | None = None  # an unanswered heartbeat went out then
+    last_ping: float = float("-inf")
+    dead: bool = False
+
+
+class DecodeControl:
+    def __init__(
+        self,
+        hello: Callable[[], m.PeerHello],
+        *,
+        heartbeat_s: float = 1.0,
+        peer_timeout_s: float = 10.0,
+        idle_close_s: float = 60.0,
+        max_peers: int = 64,
+        max_queued: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+        connect: Callable[[str], ZmqDealerLink] | None = None,
+    ):
+        """`connect(node)` opens a link (default: a ZMQ DEALER; the simulator passes an
+        in-memory one) and raises ConnectionError if it cannot."""
+        self._ctx = zmq.Context() if connect is None else None
+        self._connect_link = connect or (lambda node: ZmqDealerLink(self._ctx, node))
+        self._hello = hello
+        self.heartbeat_s = heartbeat_s
+        self.peer_timeout_s = peer_timeout_s
+        self.idle_close_s = idle_close_s
+        self.max_peers = max_peers
+        self.max_queued = max_queued
+        self.clock = clock
+        self._peers: dict[str, _Peer] = {}
+        self._seq = 0
+
+    # -- sending -------------------------------------------------------------------------
+    def send(self, node: str, msg: m.ToPrefill, key: tuple[str, int] | None = None) -> bool:
+        """Send or queue `msg`; False when `node` is unreachable or its queue is full."""
+        peer = self._peers.get(node) or self._connect(node)
+        if peer is None:
+            return False
+        peer.last_used = self.clock()
+        if peer.queue or not self._try_send(peer, m.encode(msg)):
+            if len(peer.queue) >= self.max_queued:
+                logger.warning("control queue to %s is full; refusing a message", node)
+                return False
+            peer.queue.append((m.encode(msg), key))
+        return True
+
+    def withdraw(self, node: str, key: tuple[str, int]) -> bool:
+        """Drop the queued (never sent) frames of `key`; True if there were any."""
+        peer = self._peers.get(node)
+        if peer is None:
+            return False
+        before = len(peer.queue)
+        peer.queue = deque(x for x in peer.queue if x[1] != key)
+        return len(peer.queue) != before
+
+    def _try_send(self, peer: _Peer, frame: bytes) -> bool:
+        return peer.link.send(frame)
+
+    def _connect(self, node: str) -> _Peer | None:
+        if len(self._peers) >= self.max_peers and not self._close_one_idle():
+            logger.warning("already %d prefill peers; not connecting to %s", self.max_peers, node)
+            return None
+        try:
+            link = self._connect_link(node)
+        except ConnectionError as e:
+            logger.warning("cannot connect to prefill node %s: %s", node, e)
+            return None
+        peer = _Peer(link, self.clock())
+        self._peers[node] = peer
+        peer.queue.append((m.encode(self._hello()), None))
+        self._flush(peer)
+        return peer
+
+    def _flush(self, peer: _Peer) -> None:
+        while peer.queue and self._try_send(peer, peer.queue[0][0]):
+            peer.queue.popleft()
+
+    # -- receiving, liveness -------------------------------------------------------------
+    def recv(self) -> list[tuple[str, m.ToDecode | m.MalformedMessage]]:
+        out: list[tuple[str, m.ToDecode | m.MalformedMessage]] = []
+        for node, peer in self._peers.items():
+            while (raw := peer.link.recv()) is not None:
+                peer.ping_sent_at, peer.dead = None, False  # any message proves it alive
+                try:
+                    msg = m.decode_to_decode(raw)
+                except m.MalformedMessage as e:
+                    logger.warning("malformed control message from %s: %s", node, e)
+                    out.append((node, e))
+                    continue
+                if not isinstance(msg, m.HeartbeatAck):
+                    out.append((node, msg))
+        return out
+
+    def tick(self, busy: set[str]) -> None:
+        """Flush queues, heartbeat busy peers, mark silent ones dead, close idle ones."""
+        now = self.clock()
+        for node, peer in list(self._peers.items()):
+            self._flush(peer)
+            if node in busy:
+                peer.last_used = now
+                if peer.ping_sent_at is None and now - peer.last_ping >= self.heartbeat_s:
+                    self._seq += 1
+                    peer.last_ping = peer.ping_sent_at = now
+                    self.send(node, m.Heartbeat(seq=self._seq))
+                elif peer.ping_sent_at is not None and not peer.dead:
+                    if now - peer.ping_sent_at > self.peer_timeout_s:
+                        logger.warning("prefill node %s missed heartbeats: dead", node)
+                        peer.dead = True
+            else:
+                peer.ping_sent_at = None
+                if not peer.queue and now - peer.last_used > self.idle_close_s:
+                    self._close(node)
+
+    def alive(self, node: str) -> bool:
+        peer = self._peers.get(node)
+        return peer is None or not peer.dead
+
+    def _close_one_idle(self) -> bool:
+        idle = [(p.last_used, n) for n, p in self._peers.items() if not p.queue]
+        if not idle:
+            return False
+        self._close(min(idle)[1])
+        return True
+
+    def _close(self, node: str) -> None:
+        self._peers.pop(node).link.close()
+        logger.info("closed the control connection to %s", node)
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [p.link.socket for p in self._peers.values() if p.link.socket is not None]
+
+    def close(self) -> None:
+        for node in list(self._peers):
+            self._close(node)
+        if self._ctx is not None:
+            self._ctx.term()
+
+
+class PrefillControl:
+    def __init__(self, address: str, link: ZmqRouterLink | None = None):
+        """`link`: the bound socket (default: a ZMQ ROUTER at `address`)."""
+        self._ctx = zmq.Context() if link is None else None
+        self._link = link or ZmqRouterLink(self._ctx, address)
+        self.address = self._link.address
+        logger.info("prefill control channel on %s", self.address)
+
+    def recv(self) -> list[tuple[bytes, m.ToPrefill | m.MalformedMessage]]:
+        out: list[tuple[bytes, m.ToPrefill | m.MalformedMessage]] = []
+        while (frames := self._link.recv()) is not None:
+            if len(frames) != 2:
+                logger.warning("dropping a control message of %d frames", len(frames))
+                continue
+            ident, raw = frames
+            try:
+                msg = m.decode_to_prefill(raw)
+            except m.MalformedMessage as e:
+                logger.warning("malformed control message: %s", e)
+                out.append((ident, e))
+                continue
+            if isinstance(msg, m.Heartbeat):
+                self.reply(ident, m.HeartbeatAck(seq=msg.seq))
+            else:
+                out.append((ident, msg))
+        return out
+
+    def reply(self, ident: bytes, msg: m.ToDecode) -> None:
+        self._link.send(ident, m.encode(msg))
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self._link.socket] if self._link.socket is not None else []
+
+    def close(self) -> None:
+        self._link.close()
+        if self._ctx is not None:
+            self._ctx.term()

@@ -1,0 +1,217 @@
+"""The decode side of a push connector: order prefills, watch them end, release blocks.
+
+Each attempt `(request_id, attempt)` is in one `RecvState`:
+
+    ORDERED --PrefillDone (all blocks)--------------------------> gone   (RecvDone)
+    ORDERED --rejected / failed / peer dead / deadline--> FAILED          (RecvFailed)
+    ORDERED --cancel (client abort)---------------------> CANCELLED
+    FAILED, CANCELLED --end message from the prefill node, or
+                        expires_at + grace on the shared clock--> gone   (Released)
+
+An order still in the local send queue when its attempt fails or is cancelled was never
+sent: it is withdrawn and released at once. Any end message from the prefill node
+(`PrefillRejected`, `PrefillFailed`, `AbortAck`, a late `PrefillDone`) proves no WRITE of
+that attempt will land, so it releases at once too; a message from another peer about
+the attempt is ignored. The control channel and the data plane are passed in, so the
+same logic runs over ZMQ + NIXL and over the seeded simulator's in-memory transport.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer import messages as m
+from kv_transfer.base import (
+    DecodeConnector,
+    DecodeEvent,
+    RecvDone,
+    RecvFailed,
+    Released,
+    TransferKey,
+)
+from kv_transfer.transfer_types import DataPlane
+
+logger = logging.getLogger(__name__)
+
+
+class RecvState(enum.Enum):
+    ORDERED = "ordered"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class _Attempt:
+    node: str
+    order: m.PrefillOrder
+    state: RecvState = RecvState.ORDERED
+    hello_resent: bool = False
+
+
+class DecodeSide(DecodeConnector):
+    def __init__(
+        self,
+        control_factory: Callable[[Callable[[], m.PeerHello]], object],
+        data_factory: Callable[[torch.Tensor], DataPlane],
+        *,
+        abort_grace_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        """`control_factory(hello)` builds the control channel (`DecodeControl` or a
+        simulated one); `data_factory(kv_cache)` the data plane, on `register_kv_cache`."""
+        self.control = control_factory(self._hello)
+        self._data_factory = data_factory
+        self.data: DataPlane | None = None
+        self.abort_grace_s = abort_grace_s
+        self.clock = clock
+        self._attempts: dict[TransferKey, _Attempt] = {}
+        self._events: list[DecodeEvent] = []
+
+    def _hello(self) -> m.PeerHello:
+        return m.PeerHello(agent_metadata=self._data.local_metadata())
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.data = self._data_factory(kv_cache)
+
+    @property
+    def _data(self) -> DataPlane:
+        if self.data is None:
+            raise RuntimeError("register_kv_cache() must be called first")
+        return self.data
+
+    @property
+    def local_name(self) -> str:
+        return self._data.name
+
+    # -- requests from the decode role ---------------------------------------------------
+    def request_prefill(self, order: m.PrefillOrder, prefill_node: str) -> None:
+        key = (order.request_id, order.attempt)
+        if not self.control.alive(prefill_node):
+            self._events += [RecvFailed(key, f"prefill node {prefill_node} is not answering")]
+            self._events.append(Released(key))
+            return
+        if not self.control.send(prefill_node, order, key):
+            self._events += [RecvFailed(key, f"cannot send to prefill node {prefill_node}")]
+            self._events.append(Released(key))
+            return
+        self._attempts[key] = _Attempt(prefill_node, order)
+        logger.info(
+            "request %s (attempt %d): prefill ordered from %s (%d blocks from block %d)",
+            *key,
+            prefill_node,
+            len(order.dst_block_ids),
+            order.first_block,
+        )
+
+    def cancel(self, key: TransferKey) -> None:
+        att = self._attempts.get(key)
+        if att is None or att.state is not RecvState.ORDERED:
+            return
+        att.state = RecvState.CANCELLED
+        self._stop(key, att)
+
+    def peer_alive(self, prefill_node: str) -> bool:
+        return self.control.alive(prefill_node)
+
+    # -- polling ---------------------------------------------------------------------------
+    def poll(self) -> list[DecodeEvent]:
+        events, self._events = self._events, []
+        for msgs in self._data.get_notifs().values():
+            for raw in msgs:
+                try:
+                    msg = m.decode_to_decode(raw)
+                except m.MalformedMessage as e:
+                    logger.warning("dropping a malformed notification: %s", e)
+                    continue
+                if isinstance(msg, m.PrefillDone):
+                    events += self._on_done(msg)
+        for node, msg in self.control.recv():
+            if not isinstance(msg, m.MalformedMessage):
+                events += self._on_control(node, msg)
+        self.control.tick({a.node for a in self._attempts.values()})
+        now = self.clock()
+        for key, att in list(self._attempts.items()):
+            if att.state is RecvState.ORDERED:
+                if now > att.order.expires_at:
+                    events += self._fail(key, att, f"no KV from {att.node} within the deadline")
+                elif not self.control.alive(att.node):
+                    events += self._fail(key, att, f"prefill node {att.node} is not answering")
+            elif now > att.order.expires_at + self.abort_grace_s:
+                del self._attempts[key]
+                events.append(Released(key))
+        return events
+
+    def _on_done(self, msg: m.PrefillDone) -> list[DecodeEvent]:
+        key = (msg.request_id, msg.attempt)
+        att = self._attempts.pop(key, None)
+        if att is None:
+            return []
+        if att.state is not RecvState.ORDERED:  # every write landed: nothing more will
+            return [Released(key)]
+        expected = len(att.order.dst_block_ids)
+        if msg.num_blocks != expected:
+            reason = f"incomplete KV: {msg.num_blocks} of {expected} blocks"
+            return [RecvFailed(key, reason), Released(key)]
+        return [RecvDone(key, msg.first_token, msg.logprob, msg.num_blocks)]
+
+    def _on_control(self, node: str, msg: m.ToDecode) -> list[DecodeEvent]:
+        if isinstance(msg, (m.PrefillDone, m.HeartbeatAck)):
+            return []  # PrefillDone counts only as a data-plane notification
+        key = (msg.request_id, msg.attempt)
+        att = self._attempts.get(key)
+        if att is None or att.node != node:
+            return []  # stale, or another peer's word about a transfer it does not own
+        if isinstance(msg, m.PrefillRejected) and msg.need_hello and not att.hello_resent:
+            att.hello_resent = True
+            if self.control.send(node, self._hello()) and self.control.send(node, att.order, key):
+                return []
+        del self._attempts[key]
+        if att.state is not RecvState.ORDERED:
+            return [Released(key)]
+        reason = getattr(msg, "reason", "the prefill node ended the transfer")
+        logger.warning("request %s (attempt %d): prefill node %s: %s", *key, node, reason)
+        return [RecvFailed(key, f"prefill node {node}: {reason}"), Released(key)]
+
+    def _fail(self, key: TransferKey, att: _Attempt, reason: str) -> list[DecodeEvent]:
+        logger.warning("request %s (attempt %d): %s", *key, reason)
+        att.state = RecvState.FAILED
+        released = self._stop(key, att)
+        return [RecvFailed(key, reason)] + ([Released(key)] if released else [])
+
+    def _stop(self, key: TransferKey, att: _Attempt) -> bool:
+        """Stop the attempt at the prefill node; True if it never left (released now)."""
+        if self.control.withdraw(att.node, key):
+            del self._attempts[key]
+            if att.state is RecvState.CANCELLED:
+                self._events.append(Released(key))
+            return True
+        abort = m.AbortPrefill(request_id=key[0], attempt=key[1], expires_at=att.order.expires_at)
+        self.control.send(att.node, abort)
+        return False
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def states(self) -> dict[TransferKey, RecvState]:
+        return {k: a.state for k, a in self._attempts.items()}
+
+    def wait_sockets(self) -> list:
+        return self.control.sockets()
+
+    def has_pending(self) -> bool:
+        return bool(self._attempts or self._events)
+
+    def check_integrity(self) -> None:
+        if self.data is not None:
+            self.data.check_integrity()
+            if self.data.num_inflight:
+                raise RuntimeError(f"a decode side posted {self.data.num_inflight} WRITEs")
+
+    def close(self) -> None:
+        self.control.close()
+        if self.data is not None:
+            self.data.close()

@@ -1,0 +1,326 @@
+"""The prefill side of a push connector: take orders, WRITE blocks, end every attempt.
+
+Each attempt `(request_id, attempt)` is in one `SendState`:
+
+    COMPUTING --finish()---------------------------> FINISHING --last WRITE DONE--> gone (SendDone)
+    COMPUTING, FINISHING --AbortPrefill / a WRITE failed / end() / expires_at--> ENDING
+    ENDING --no WRITE in flight--> gone (SendFailed; AbortAck or PrefillFailed to decode)
+    any state --expires_at + grace--> gone (SendFailed; pending WRITEs released)
+
+So every state ends by the order's deadline plus grace, on the wall clock the order's
+`expires_at` refers to. No WRITE is posted after `expires_at`. The decode node hears of
+an early end as soon as nothing of the attempt is in flight (`PrefillFailed`/`AbortAck`),
+so it fails over at once instead of waiting out its deadline.
+
+Peers are validated: a `PeerHello` whose layout does not match ours marks that peer bad
+(its orders are rejected with the reason), and every order passes `order_problem` (block
+ids in range and unique, counts that match the prompt, a sane deadline) before the
+engine sees it. A malformed frame with a readable (request_id, attempt) is rejected.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kv_transfer import messages as m
+from kv_transfer.base import (
+    NewOrder,
+    OrderAborted,
+    PrefillConnector,
+    PrefillEvent,
+    SendDone,
+    SendFailed,
+    TransferKey,
+)
+from kv_transfer.order_check import order_problem
+from kv_transfer.transfer_types import DataPlane, TransferHandle, TransferState
+
+logger = logging.getLogger(__name__)
+
+MAX_TOMBSTONES = 100_000  # aborts of orders not seen yet, remembered until their deadline
+
+
+class SendState(enum.Enum):
+    COMPUTING = "computing"
+    FINISHING = "finishing"
+    ENDING = "ending"
+
+
+@dataclass
+class _Send:
+    order: m.PrefillOrder
+    ident: bytes
+    state: SendState = SendState.COMPUTING
+    handles: list[TransferHandle] = field(default_factory=list)
+    blocks_sent: int = 0
+    final: tuple[list[int], list[int], m.PrefillDone] | None = None
+    final_posted: bool = False
+    reply: m.ToDecode | None = None  # what the decode node hears when ENDING completes
+    started: float = field(default_factory=time.perf_counter)
+
+
+class PrefillSide(PrefillConnector):
+    def __init__(
+        self,
+        control,
+        data_factory: Callable[[torch.Tensor], DataPlane],
+        *,
+        grace_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ):
+        """`control`: a `PrefillControl` (or the simulator's); `data_factory(kv_cache)`
+        builds the data plane on `register_kv_cache`."""
+        self.control = control
+        self._data_factory = data_factory
+        self.data: DataPlane | None = None
+        self.grace_s = grace_s
+        self.clock = clock
+        self._sends: dict[TransferKey, _Send] = {}
+        self._agents: dict[bytes, str] = {}  # control identity -> its data-plane agent
+        self._bad_peers: dict[bytes, str] = {}  # control identity -> why it is refused
+        self._tombstones: dict[TransferKey, float] = {}  # aborted before seen -> expires_at
+        self._events: list[PrefillEvent] = []
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.data = self._data_factory(kv_cache)
+
+    @property
+    def _data(self) -> DataPlane:
+        if self.data is None:
+            raise RuntimeError("register_kv_cache() must be called first")
+        return self.data
+
+    @property
+    def local_name(self) -> str:
+        return self._data.name
+
+    @property
+    def control_address(self) -> str:
+        return self.control.address
+
+    # -- calls from the prefill role -----------------------------------------------------
+    def send_blocks(self, key: TransferKey, src_block_ids: list[int], first_index: int) -> None:
+        s = self._sends.get(key)
+        if s is None or s.state is not SendState.COMPUTING or not src_block_ids:
+            return
+        if self.clock() > s.order.expires_at:
+            return self._end(key, s, "the order expired")
+        src, dst = self._map(s, src_block_ids, first_index)
+        if self._post(key, s, src, dst, None):
+            s.blocks_sent += len(src)
+
+    def _post(self, key, s: _Send, src: list[int], dst: list[int], notif: bytes | None) -> bool:
+        try:
+            s.handles.append(self._data.write_blocks(s.order.decode_agent, src, dst, notif))
+        except ValueError as e:  # e.g. the peer was dropped meanwhile
+            self._end(key, s, f"cannot post a WRITE: {e}")
+            return False
+        return True
+
+    def finish(self, key, src_block_ids, first_index, first_token, logprob) -> None:
+        s = self._sends.get(key)
+        if s is None or s.state is not SendState.COMPUTING:
+            return
+        src, dst = self._map(s, src_block_ids, first_index)
+        done = m.PrefillDone(
+            request_id=key[0],
+            attempt=key[1],
+            first_token=first_token,
+            logprob=logprob,
+            num_blocks=s.blocks_sent + len(src),
+        )
+        s.final, s.state = (src, dst, done), SendState.FINISHING
+        self._events += self._progress(key, s)
+
+    def end(self, key: TransferKey, reason: str) -> bool:
+        """The engine dropped the attempt; False if it has ended here already."""
+        s = self._sends.get(key)
+        if s is None:
+            return False
+        if s.state is not SendState.ENDING:
+            self._end(key, s, reason)
+        return True
+
+    def reject(self, order: m.PrefillOrder, reason: str) -> None:
+        s = self._sends.pop((order.request_id, order.attempt), None)
+        if s is not None:
+            self.control.reply(s.ident, _rejected(order.request_id, order.attempt, reason))
+
+    def _end(self, key: TransferKey, s: _Send, reason: str) -> None:
+        logger.warning("request %s (attempt %d): prefill ends early: %s", *key, reason)
+        if s.state is SendState.COMPUTING:
+            self._events.append(OrderAborted(key, reason))
+        s.state = SendState.ENDING
+        if s.reply is None:
+            s.reply = m.PrefillFailed(request_id=key[0], attempt=key[1], reason=reason)
+
+    @staticmethod
+    def _map(s: _Send, src: list[int], first_index: int) -> tuple[list[int], list[int]]:
+        o = s.order
+        start = first_index - o.first_block
+        if start < 0 or start + len(src) > len(o.dst_block_ids):
+            raise ValueError(f"request {o.request_id}: blocks outside the ordered range")
+        return src, o.dst_block_ids[start : start + len(src)]
+
+    # -- polling ---------------------------------------------------------------------------
+    def poll(self) -> list[PrefillEvent]:
+        events, self._events = self._events, []
+        for ident, msg in self.control.recv():
+            events += self._on_message(ident, msg)
+        now = self.clock()
+        for key, until in list(self._tombstones.items()):
+            if now > until:
+                del self._tombstones[key]
+        for key, s in list(self._sends.items()):
+            if now > s.order.expires_at + self.grace_s:
+                events += self._close(key, s, "the order's deadline and grace passed")
+                continue
+            if now > s.order.expires_at and not s.final_posted and s.state is not SendState.ENDING:
+                self._end(key, s, "the order expired before it finished")
+            events += self._progress(key, s)
+        events, self._events = events + self._events, []
+        return events
+
+    def _on_message(self, ident: bytes, msg) -> list[PrefillEvent]:
+        if isinstance(msg, m.MalformedMessage):
+            if msg.key is not None:
+                self.control.reply(ident, _rejected(*msg.key, f"malformed message: {msg}"))
+            return []
+        if isinstance(msg, m.PeerHello):
+            self._on_hello(ident, msg)
+        elif isinstance(msg, m.PrefillOrder):
+            return self._on_order(ident, msg)
+        elif isinstance(msg, m.AbortPrefill):
+            key = (msg.request_id, msg.attempt)
+            s = self._sends.get(key)
+            if s is None or s.ident != ident:
+                if s is None and len(self._tombstones) < MAX_TOMBSTONES:
+                    self._tombstones[key] = msg.expires_at  # the order may still arrive
+                self.control.reply(ident, m.AbortAck(request_id=key[0], attempt=key[1]))
+            else:
+                s.reply = m.AbortAck(request_id=key[0], attempt=key[1])
+                if s.state is not SendState.ENDING:
+                    self._end(key, s, "aborted by the decode node")
+        return []
+
+    def _on_hello(self, ident: bytes, msg: m.PeerHello) -> None:
+        try:
+            name = self._data.add_peer(msg.agent_metadata)
+        except Exception as e:  # a bad peer is refused, never trusted
+            logger.warning("refusing a decode peer: %s", e)
+            self._bad_peers[ident] = f"peer refused: {e}"
+            return
+        self._bad_peers.pop(ident, None)
+        self._agents[ident] = name
+        logger.info("decode peer %s introduced itself", name)
+
+    def _on_order(self, ident: bytes, order: m.PrefillOrder) -> list[PrefillEvent]:
+        key = (order.request_id, order.attempt)
+        if ident in self._bad_peers:
+            self.control.reply(ident, _rejected(*key, self._bad_peers[ident]))
+            return []
+        if self._agents.get(ident) != order.decode_agent:
+            hello = _rejected(*key, "unknown decode agent")
+            hello.need_hello = True
+            self.control.reply(ident, hello)
+            return []
+        problem = order_problem(
+            order,
+            block_size=self._data.layout.block_size,
+            peer_num_blocks=self._data.peer_layout(order.decode_agent).num_blocks,
+            now=self.clock(),
+        )
+        if problem is None and key in self._sends:
+            problem = "duplicate (request id, attempt)"
+        if problem is None and key in self._tombstones:
+            problem = "aborted before the order arrived"
+        if problem is not None:
+            logger.warning("request %s (attempt %d): order rejected: %s", *key, problem)
+            self.control.reply(ident, _rejected(*key, problem))
+            return []
+        self._sends[key] = _Send(order, ident)
+        return [NewOrder(order)]
+
+    def _progress(self, key: TransferKey, s: _Send) -> list[PrefillEvent]:
+        t = self._data
+        states = [t.poll(h) for h in s.handles]
+        if TransferState.FAILED in states and s.state is not SendState.ENDING:
+            self._end(key, s, "a block WRITE to the decode node failed")
+        if s.state is SendState.ENDING:
+            if TransferState.PENDING in states:
+                return []  # wait for in-flight writes; bounded by expires_at + grace
+            self.control.reply(s.ident, s.reply)
+            return self._close(key, s, s.reply.reason if hasattr(s.reply, "reason") else "aborted")
+        if s.state is SendState.FINISHING and not s.final_posted:
+            if any(x is not TransferState.DONE for x in states):
+                return []
+            src, dst, done = s.final
+            s.final_posted = True
+            if src:
+                self._post(key, s, src, dst, m.encode(done))
+            else:
+                try:
+                    t.send_notif(s.order.decode_agent, m.encode(done))
+                except RuntimeError as e:
+                    self._end(key, s, str(e))
+                    return self._progress(key, s)
+                return self._sent(key, s)
+            return self._progress(key, s)
+        if s.final_posted and t.poll(s.handles[-1]) is TransferState.DONE:
+            return self._sent(key, s)
+        return []
+
+    def _sent(self, key: TransferKey, s: _Send) -> list[PrefillEvent]:
+        nbytes = sum(h.stats.bytes for h in s.handles)
+        descs = sum(h.stats.descriptors for h in s.handles)
+        self._drop(key, s)
+        secs = time.perf_counter() - s.started
+        logger.info("request %s (attempt %d): pushed %d B in %.3f s", *key, nbytes, secs)
+        return [SendDone(key, nbytes, descs, secs)]
+
+    def _close(self, key: TransferKey, s: _Send, reason: str) -> list[PrefillEvent]:
+        events: list[PrefillEvent] = []
+        if s.state is SendState.COMPUTING:
+            events.append(OrderAborted(key, reason))
+        self._drop(key, s)
+        return events + [SendFailed(key, reason)]
+
+    def _drop(self, key: TransferKey, s: _Send) -> None:
+        for h in s.handles:
+            self._data.release(h)
+        del self._sends[key]
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def states(self) -> dict[TransferKey, SendState]:
+        return {k: s.state for k, s in self._sends.items()}
+
+    def wait_sockets(self) -> list:
+        return self.control.sockets()
+
+    def has_pending(self) -> bool:
+        return bool(self._sends or self._events)
+
+    def check_integrity(self) -> None:
+        if self.data is None:
+            return
+        self.data.check_integrity()
+        tracked = sum(len(s.handles) for s in self._sends.values())
+        if self.data.num_inflight != tracked:
+            raise RuntimeError(f"{self.data.num_inflight} transfers in flight, {tracked} tracked")
+
+    def close(self) -> None:
+        for key, s in list(self._sends.items()):
+            self._drop(key, s)
+        self.control.close()
+        if self.data is not None:
+            self.data.close()
+
+
+def _rejected(rid: str, attempt: int, reason: str) -> m.PrefillRejected:
+    return m.PrefillRejected(request_id=rid, attempt=attempt, reason=reason)

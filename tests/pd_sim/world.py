@@ -1,0 +1,256 @@
+"""The simulated world: one clock, one seeded RNG, an in-memory control network and an
+in-memory data plane (WRITEs that copy block bytes when they land).
+
+Faults are all drawn from the world's RNG, so a seed reproduces a run exactly:
+control messages are delayed (hence reordered) and dropped; WRITEs are delayed, fail
+(scribbling garbage into their destination), and may still land after their sender died.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from kv_transfer.kv_layout import KVLayout
+from kv_transfer.transfer_types import (
+    PeerMetadata,
+    TransferHandle,
+    TransferState,
+    TransferStats,
+)
+
+
+@dataclass
+class Faults:
+    ctl_delay: float = 0.02  # max control message delay (s)
+    ctl_drop: float = 0.0  # probability a control message is lost
+    write_delay: float = 0.05  # max WRITE latency (s)
+    write_fail: float = 0.0  # probability a WRITE fails
+    notif_delay: float = 0.01
+
+
+class Inbox:
+    """Messages that become readable at their delivery time (delays reorder them)."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self._heap: list[tuple[float, int, object]] = []
+
+    def put(self, payload: object, delay: float) -> None:
+        heapq.heappush(self._heap, (self.world.now + delay, next(self.world.seq), payload))
+
+    def pop_ready(self) -> object | None:
+        if self._heap and self._heap[0][0] <= self.world.now:
+            return heapq.heappop(self._heap)[2]
+        return None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+class World:
+    def __init__(self, seed: int, faults: Faults | None = None):
+        self.rng = random.Random(seed)
+        self.faults = faults or Faults()
+        self.now = 1000.0
+        self.seq = itertools.count()
+        self.routers: dict[str, SimRouterLink] = {}  # control address -> prefill link
+        self.planes: dict[str, SimData] = {}  # agent name -> data plane
+        self.writes: list[SimWrite] = []  # posted, not yet landed or failed
+        self.on_post = None  # callback(write) when a WRITE is posted (tags its attempt)
+        self.on_land = None  # callback(write) just before a WRITE's bytes land
+        self.landed = 0
+        self.failed = 0
+
+    def clock(self) -> float:
+        return self.now
+
+    def delay(self, hi: float) -> float:
+        return self.rng.uniform(0.0, hi)
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        for w in [w for w in self.writes if w.at <= self.now]:
+            self.writes.remove(w)
+            w.complete()
+
+
+# -- control network ------------------------------------------------------------------------
+
+
+class SimDealerLink:
+    """Decode -> one prefill node. Refuses sends while the node is unreachable (like a
+    ZMQ DEALER with IMMEDIATE before it connects); a killed node swallows them."""
+
+    socket = None
+
+    def __init__(self, world: World, node: str, ident: bytes):
+        if node not in world.routers:
+            raise ConnectionError(f"no route to {node}")
+        self.world, self.router, self.ident = world, world.routers[node], ident
+        self.inbox = Inbox(world)
+        self.router.dealers[ident] = self
+
+    def send(self, frame: bytes) -> bool:
+        r, f = self.router, self.world.faults
+        if r.unreachable_until > self.world.now:
+            return False
+        if not r.dead and self.world.rng.random() >= f.ctl_drop:
+            r.inbox.put((self.ident, frame), self.world.delay(f.ctl_delay))
+        return True
+
+    def recv(self) -> bytes | None:
+        return self.inbox.pop_ready()
+
+    def close(self) -> None:
+        pass
+
+
+class SimRouterLink:
+    socket = None
+
+    def __init__(self, world: World, address: str):
+        self.world, self.address = world, address
+        self.inbox = Inbox(world)
+        self.dealers: dict[bytes, SimDealerLink] = {}
+        self.dead = False
+        self.unreachable_until = 0.0
+        world.routers[address] = self
+
+    def recv(self) -> list[bytes] | None:
+        got = self.inbox.pop_ready()
+        return None if got is None else list(got)
+
+    def send(self, ident: bytes, frame: bytes) -> None:
+        f = self.world.faults
+        dealer = self.dealers.get(ident)
+        if dealer is not None and not self.dead and self.world.rng.random() >= f.ctl_drop:
+            dealer.inbox.put(frame, self.world.delay(f.ctl_delay))
+
+    def close(self) -> None:
+        pass
+
+
+# -- data plane -------------------------------------------------------------------------------
+
+
+@dataclass
+class SimWrite:
+    plane: SimData
+    peer: SimData
+    src: list[int]
+    dst: list[int]
+    notif: bytes | None
+    handle: TransferHandle
+    at: float  # when it lands (or fails)
+    fails: bool
+    key: tuple[str, int] | None = None  # the decode attempt it writes for (set by harness)
+    cancelled: bool = False
+
+    def complete(self) -> None:
+        if self.cancelled:
+            return
+        world = self.plane.world
+        if self.fails:
+            for d in self.dst[: 1 + len(self.dst) // 2]:  # a failed WRITE leaves garbage
+                self.peer.kv[:, :, d] = -7.0
+            self.handle.state = TransferState.FAILED
+            world.failed += 1
+            return
+        if world.on_land is not None:
+            world.on_land(self)
+        self.peer.kv[:, :, self.dst] = self.plane.kv[:, :, self.src]
+        self.handle.state = TransferState.DONE
+        self.handle.stats.seconds = 0.0
+        world.landed += 1
+        if self.notif is not None:
+            self.peer.notifs.put(
+                (self.plane.name, self.notif), world.delay(world.faults.notif_delay)
+            )
+
+
+class SimData:
+    """A node's data plane; the same contract as `NixlTransport` (see `DataPlane`)."""
+
+    def __init__(self, world: World, name: str, kv: torch.Tensor):
+        self.world, self.name, self.kv = world, name, kv
+        self.layout = KVLayout.from_tensor(kv)
+        self._peers: dict[str, KVLayout] = {}
+        self.notifs = Inbox(world)
+        self._inflight: dict[int, SimWrite | None] = {}
+        self._ids = itertools.count()
+        world.planes[name] = self
+
+    def local_metadata(self) -> bytes:
+        return msgspec.msgpack.encode(PeerMetadata(self.name, b"sim", self.layout))
+
+    def add_peer(self, metadata: bytes) -> str:
+        md = msgspec.msgpack.decode(metadata, type=PeerMetadata)
+        self.layout.check_compatible(md.layout)
+        if md.agent_name not in self.world.planes:
+            raise ValueError(f"unknown agent {md.agent_name!r}")
+        self._peers[md.agent_name] = md.layout
+        return md.agent_name
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def peer_layout(self, peer: str) -> KVLayout:
+        return self._peers[peer]
+
+    def write_blocks(self, peer, src_block_ids, dst_block_ids, notif=None) -> TransferHandle:
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}")
+        src, dst = list(src_block_ids), list(dst_block_ids)
+        if not src or len(src) != len(dst) or len(set(dst)) != len(dst):
+            raise ValueError("bad block lists")
+        for ids, n in ((src, self.layout.num_blocks), (dst, self._peers[peer].num_blocks)):
+            if any(not 0 <= b < n for b in ids):
+                raise ValueError("block id out of range")
+        f = self.world.faults
+        h = TransferHandle(next(self._ids), peer, TransferStats(bytes=len(src), descriptors=1))
+        fails = self.world.rng.random() < f.write_fail
+        w = SimWrite(self, self.world.planes[peer], src, dst, notif, h, 0.0, fails)
+        w.at = self.world.now + self.world.delay(f.write_delay)
+        self._inflight[h.id] = w
+        self.world.writes.append(w)
+        if self.world.on_post is not None:
+            self.world.on_post(w)
+        return h
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        return handle.state
+
+    def release(self, handle: TransferHandle) -> None:
+        w = self._inflight.pop(handle.id)
+        if handle.state is TransferState.PENDING:  # cancelled: it never lands
+            w.cancelled = True
+            handle.state = TransferState.FAILED
+            if w in self.world.writes:
+                self.world.writes.remove(w)
+        handle.released = True
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        out: dict[str, list[bytes]] = {}
+        while (got := self.notifs.pop_ready()) is not None:
+            out.setdefault(got[0], []).append(got[1])
+        return out
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self.world.planes[peer].notifs.put((self.name, msg), self.world.delay(0.01))
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    def check_integrity(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
