@@ -52,6 +52,7 @@ class DecodeRole:
         self._attempts = itertools.count(1)
         self._held: set[HoldKey] = set()  # holds this role owns, until Released
         self._tried: dict[str, set[str]] = {}  # request id -> prefill nodes tried
+        self._outs: list[EngineCoreOutput] = []  # produced in after_schedule, sent after_step
         self.num_remote_prefills = 0
         self.num_failures = 0
         self.num_failovers = 0
@@ -127,21 +128,29 @@ class DecodeRole:
             req.attempt = next(self._attempts)
             first_block = req.num_computed_tokens // bs
             block_ids = core.kv.get_block_ids(req.request_id)
-            order = PrefillOrder(
-                request_id=req.request_id,
-                attempt=req.attempt,
-                prompt_token_ids=req.prompt_token_ids,
-                params=_first_token_params(req),
-                decode_agent=self.connector.local_name,
-                first_block=first_block,
-                dst_block_ids=block_ids[first_block:],
-                expires_at=self.clock() + self.transfer_timeout_s,
-            )
+            try:
+                order = PrefillOrder(
+                    request_id=req.request_id,
+                    attempt=req.attempt,
+                    prompt_token_ids=req.prompt_token_ids,
+                    params=_first_token_params(req),
+                    decode_agent=self.connector.local_name,
+                    first_block=first_block,
+                    dst_block_ids=block_ids[first_block:],
+                    expires_at=self.clock() + self.transfer_timeout_s,
+                )
+            except ValueError as e:  # confined to this request: nothing was sent
+                self._outs += self._failed(core, req, f"cannot order its prefill: {e}")
+                key = (req.request_id, req.attempt)
+                self._held.discard(key)
+                core.kv.release_hold(key)
+                continue
             self.connector.request_prefill(order, req.remote_prefill)
             self.num_remote_prefills += 1
 
     def after_step(self, core, sched, finished) -> list[EngineCoreOutput]:
-        return []
+        outs, self._outs = self._outs, []
+        return outs
 
     def on_abort(self, core: EngineCore, req: Request, hold_key: HoldKey | None) -> None:
         self._tried.pop(req.request_id, None)

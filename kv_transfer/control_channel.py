@@ -11,8 +11,8 @@ queue is full, or the address cannot be connected, `send` returns False and the 
 fails over. `withdraw` takes a queued frame back: such a frame was never sent, so the
 peer never saw it. Liveness: while the caller says a peer is busy (`tick(busy)`), a
 `Heartbeat` goes out every `heartbeat_s`; a peer that has not answered anything for
-`peer_timeout_s` since an unanswered heartbeat is dead (`alive()` is False) until it
-answers again.
+`peer_timeout_s` since an unanswered heartbeat is dead (`alive()` is False); it keeps
+getting heartbeats and is alive again as soon as it answers one.
 
 Prefill side (`PrefillControl`): one ROUTER; `recv` answers heartbeats itself (so a
 decode node sees this node alive exactly while its engine loop polls) and hands over
@@ -184,24 +184,31 @@ class DecodeControl:
         return out
 
     def tick(self, busy: set[str]) -> None:
-        """Flush queues, heartbeat busy peers, mark silent ones dead, close idle ones."""
+        """Flush queues, heartbeat busy (and dead) peers, mark silent ones dead, close
+        connections with nothing outstanding for `idle_close_s`."""
         now = self.clock()
         for node, peer in list(self._peers.items()):
             self._flush(peer)
             if node in busy:
                 peer.last_used = now
-                if peer.ping_sent_at is None and now - peer.last_ping >= self.heartbeat_s:
-                    self._seq += 1
-                    peer.last_ping = peer.ping_sent_at = now
-                    self.send(node, m.Heartbeat(seq=self._seq))
-                elif peer.ping_sent_at is not None and not peer.dead:
-                    if now - peer.ping_sent_at > self.peer_timeout_s:
-                        logger.warning("prefill node %s missed heartbeats: dead", node)
-                        peer.dead = True
-            else:
-                peer.ping_sent_at = None
-                if not peer.queue and now - peer.last_used > self.idle_close_s:
-                    self._close(node)
+            elif not peer.queue and now - peer.last_used > self.idle_close_s:
+                self._close(node)
+                continue
+            elif not peer.dead:
+                peer.ping_sent_at = None  # nothing outstanding: no answer expected
+                continue
+            # busy, or dead: heartbeat until it answers (a dead peer may come back)
+            if now - peer.last_ping >= self.heartbeat_s:
+                self._seq += 1
+                peer.last_ping = now
+                if peer.ping_sent_at is None:
+                    peer.ping_sent_at = now
+                if not peer.queue:  # never queued: a peer that cannot take it is silent
+                    self._try_send(peer, m.encode(m.Heartbeat(seq=self._seq)))
+            if peer.ping_sent_at is not None and not peer.dead:
+                if now - peer.ping_sent_at > self.peer_timeout_s:
+                    logger.warning("prefill node %s missed heartbeats: dead", node)
+                    peer.dead = True
 
     def alive(self, node: str) -> bool:
         peer = self._peers.get(node)
