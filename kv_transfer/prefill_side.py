@@ -260,6 +260,9 @@ class PrefillSide(PrefillConnector):
         if s.state is SendState.FINISHING and not s.final_posted:
             if any(x is not TransferState.DONE for x in states):
                 return []
+            if self.clock() > s.order.expires_at:  # a long step ran past it: post nothing
+                self._end(key, s, "the order expired before its last WRITE")
+                return self._progress(key, s)
             src, dst, done = s.final
             s.final_posted = True
             if src:

@@ -88,6 +88,7 @@ class Cluster:
                 runner_factory=StubRunner,
             )
             self.prefills[addr], self.routers[addr] = core, router
+            core.runner.on_execute = self._long_step
         self.dside = DecodeSide(
             lambda hello: DecodeControl(
                 hello,
@@ -114,6 +115,10 @@ class Cluster:
         w.on_post = self._tag_write
         w.on_land = self._check_landing
         self.steps = 0
+
+    def _long_step(self) -> None:
+        if self.world.faults.step_time:
+            self.world.advance(self.world.delay(self.world.faults.step_time))
 
     # -- driving ---------------------------------------------------------------------------
     def submit(self, rid: str, prompt: list[int], max_tokens: int, node: str | None = None):

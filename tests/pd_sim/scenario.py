@@ -17,6 +17,7 @@ def run_seed(seed: int) -> Cluster:
         ctl_drop=rng.choice([0.0, 0.0, 0.02, 0.1]),
         write_delay=rng.choice([0.0, 0.02, 0.1, 0.4]),
         write_fail=rng.choice([0.0, 0.0, 0.05, 0.2]),
+        step_time=rng.choice([0.0, 0.0, 0.05, 0.5]),
     )
     c = Cluster(
         seed,

@@ -65,8 +65,11 @@ class StubRunner:
         self.block_size = config.cache.block_size
         self.kv_cache = torch.zeros((1, 2, num_blocks, self.block_size, 1, 1))
         self.node = model_dir
+        self.on_execute = None  # the simulator lets time pass here (a long step)
 
     def execute(self, sched, block_ids):
+        if self.on_execute is not None:
+            self.on_execute()
         bs = self.block_size
         sampled = {}
         kv = self.kv_cache.numpy()[0, :, :, :, 0, 0]  # [2 (K, V), blocks, bs]

@@ -32,6 +32,7 @@ class Faults:
     write_delay: float = 0.05  # max WRITE latency (s)
     write_fail: float = 0.0  # probability a WRITE fails
     notif_delay: float = 0.01
+    step_time: float = 0.0  # max time a prefill step's model execution takes (s)
 
 
 class Inbox:
