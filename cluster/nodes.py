@@ -119,6 +119,7 @@ def node_settings(
         settings["kv_connector"] = g.connector.kind
         settings["kv_transfer_timeout"] = g.connector.transfer_timeout_s
         settings["kv_abort_grace"] = g.connector.abort_grace_s
+        settings["kv_peer_timeout"] = g.connector.peer_timeout_s
     if node.role == "decode":
         peers = group_nodes(cfg, "prefill") if prefill_nodes is None else prefill_nodes
         settings["prefill_node"] = [p.control_address for p in peers]
