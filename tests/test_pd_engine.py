@@ -191,3 +191,68 @@ def test_admission_needs_room_for_the_whole_prompt(tiny_llama_dir, hf_model):
         pair.decode.check_integrity()
     finally:
         pair.close()
+
+
+def test_hostile_decode_peer_is_rejected_over_real_nixl(tiny_llama_dir, hf_model):
+    """Used to raise inside the prefill engine loop (killing a shared prefill node): a peer
+    with another KV layout, and orders with out-of-range or duplicate block ids."""
+    import torch
+    import zmq
+
+    from kv_transfer import messages as m
+    from kv_transfer.nixl_transport import NixlTransport
+
+    pair = Pair(tiny_llama_dir)
+    ctx = zmq.Context()
+    agents = []
+    try:
+
+        def hostile(name, block_size):
+            kv = torch.zeros(2, 2, 16, block_size, 2, 16)
+            agent = NixlTransport(name, kv, progress_thread=False)
+            agents.append(agent)
+            sock = ctx.socket(zmq.DEALER)
+            sock.connect(pair.addr)
+            sock.send(m.encode(m.PeerHello(agent_metadata=agent.local_metadata())))
+            return agent, sock
+
+        def order(agent, dst):
+            return m.encode(
+                m.PrefillOrder(
+                    request_id="evil",
+                    attempt=len(dst),
+                    prompt_token_ids=list(range(3, 3 + 4 * len(dst))),
+                    params=GREEDY,
+                    decode_agent=agent.name,
+                    first_block=0,
+                    dst_block_ids=dst,
+                    expires_at=time.time() + 60,
+                )
+            )
+
+        def reply(sock):
+            deadline = time.monotonic() + 30
+            while not sock.poll(0):
+                assert time.monotonic() < deadline
+                pair.prefill.step()
+            return m.decode_to_decode(sock.recv())
+
+        wrong, s1 = hostile("evil-layout", block_size=8)
+        s1.send(order(wrong, [0, 1]))
+        r = reply(s1)
+        assert isinstance(r, m.PrefillRejected) and "incompatible KV layouts" in r.reason
+        right, s2 = hostile("evil-ids", block_size=4)
+        for dst, why in (([0, 99], "outside"), ([3, 3], "duplicate"), ([-1, 0], "outside")):
+            s2.send(order(right, dst))
+            r = reply(s2)
+            assert isinstance(r, m.PrefillRejected) and why in r.reason, r
+        assert not pair.prefill.requests and pair.prefill.kv.pool.num_used_blocks == 0
+        prompts = prompts_of([30, 17], seed=9)  # the prefill node still serves honest peers
+        for p, outs in zip(prompts, pair.run(prompts, GREEDY)):
+            assert tokens(outs) == hf_greedy(hf_model, p, 8)
+        pair.prefill.check_integrity()
+    finally:
+        for a in agents:
+            a.close()
+        ctx.destroy(linger=0)
+        pair.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -319,6 +320,26 @@ def test_openai_client_raises_on_bad_input(client):
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=-3)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
+
+
+def test_health_reports_a_stuck_engine(server, url, client, offline):
+    """/health checks the engine loop answers: a stopped engine process is a 503 (it used
+    to stay 200 while the engine thread was blocked), and a 200 again once it runs."""
+    _, proc = server
+    kids = descendants(proc.pid)
+    for pid in kids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        r = httpx.get(f"{url}/health", timeout=120)  # waits out the 10 s liveness deadline
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_unresponsive"
+    finally:
+        for pid in kids:
+            os.kill(pid, signal.SIGCONT)
+    assert httpx.get(f"{url}/health", timeout=120).status_code == 200
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=8))[0]
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=8)
+    assert out.choices[0].message.content == ref.text
 
 
 # -- shutdown (keep last: it stops the module's server) -------------------------------------
