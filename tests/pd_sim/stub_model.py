@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model_arch import ModelArch
+from engine.sampler import Sampled
 
 VOCAB = 512
 EOS = 2
@@ -91,5 +92,5 @@ class StubRunner:
             kv[0, blocks[start:], offs[start:]] = values[start:]
             kv[1, blocks[start:], offs[start:]] = values[start:] + 1
             if s.samples:
-                sampled[req.request_id] = (next_token(int(values[-1])), None)
+                sampled[req.request_id] = Sampled(next_token(int(values[-1])))
         return sampled, {}
