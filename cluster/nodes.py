@@ -114,6 +114,7 @@ def node_settings(
         "advertise_url": node.url,
         "heartbeat_s": cfg.launcher.heartbeat_s,
         "node_ttl_s": cfg.launcher.node_ttl_s,
+        "drain_timeout_s": cfg.launcher.drain_timeout_s,
     }
     if g.connector is not None:
         settings["kv_connector"] = g.connector.kind
@@ -147,6 +148,7 @@ def router_argv(
     r = cfg.router
     argv = [sys.executable, "-m", "pdserve", "router", "--host", r.host, "--port", str(r.port)]
     argv += ["--model", cfg.model.name, "--cluster", cfg.cluster, "--log-level", log_level]
+    argv += ["--drain-timeout-s", str(cfg.launcher.drain_timeout_s)]
     if cfg.model.served_name:
         argv += ["--served-model-name", cfg.model.served_name]
     for key in ROUTER_OPTIONS:

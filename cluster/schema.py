@@ -183,7 +183,10 @@ class LauncherSection(Section):
         600.0, gt=0, description="a process not healthy by then fails the launch"
     )
     drain_timeout_s: float = Field(
-        30.0, ge=0, description="on stop: in-flight requests get this long before SIGKILL"
+        30.0,
+        ge=0,
+        description="on stop: each process stops accepting and gives in-flight requests "
+        "this long (router first, then nodes); SIGKILL 10 s after it",
     )
     heartbeat_s: float = Field(1.0, gt=0, description="nodes refresh their registry record")
     node_ttl_s: float = Field(5.0, gt=0, description="a silent node leaves the registry")

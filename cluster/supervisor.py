@@ -24,6 +24,9 @@ from cluster.schema import RestartSection
 logger = logging.getLogger(__name__)
 
 
+KILL_MARGIN_S = 10.0  # after the drain timeout, before SIGKILL: shutdown hooks, exit
+
+
 class Handle(Protocol):
     pid: int | None
 
@@ -72,6 +75,7 @@ class Supervisor:
         drain_timeout_s: float,
         say: Callable[[str], None] = print,
         on_change: Callable[[], None] = lambda: None,
+        kill_margin_s: float = KILL_MARGIN_S,
     ):
         self.stages = stages
         self.restart = restart
@@ -79,6 +83,7 @@ class Supervisor:
         self.drain_timeout_s = drain_timeout_s
         self.say = say
         self.on_change = on_change
+        self.kill_margin_s = kill_margin_s
         self.stop_requested = False
 
     @property
@@ -178,7 +183,8 @@ class Supervisor:
             running = [s for s in stage if s.handle.pid is not None]
             for svc in running:
                 svc.handle.signal(signal.SIGTERM)
-            deadline = time.monotonic() + self.drain_timeout_s
+            # The processes drain for drain_timeout_s themselves; SIGKILL only past that.
+            deadline = time.monotonic() + self.drain_timeout_s + self.kill_margin_s
             for svc in running:
                 svc.handle.stop(max(0.0, deadline - time.monotonic()))
                 svc.set("stopped")

@@ -104,6 +104,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--node-ttl-s", type=float, default=5.0, help="registry record TTL (> heartbeat)"
     )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=5.0,
+        help="on SIGTERM: stop accepting, give in-flight requests this long, then exit",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -178,7 +184,7 @@ def serve(args: argparse.Namespace) -> None:
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=args.drain_timeout_s,
             access_log=False,
         )
     finally:

@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     p.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
     p.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s)
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=5.0,
+        help="on SIGTERM: stop accepting, give in-flight requests this long, then exit",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -94,6 +100,6 @@ def run(args: argparse.Namespace) -> None:
         host=config.host,
         port=config.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=args.drain_timeout_s,
         access_log=False,
     )

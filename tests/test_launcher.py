@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import redis
@@ -141,12 +142,29 @@ def test_killed_node_is_restarted_rejoins_and_serves(launch):
             time.sleep(1)
 
 
-def test_sigterm_leaves_no_process(launch):
+def test_sigterm_drains_in_flight_requests_and_leaves_no_process(launch):
     pids = descendants(launch.proc.pid)
     recorded = {s["pid"] for s in launch.state()["services"]}
     assert recorded <= pids and len(recorded) == 4  # redis-server, 2 nodes, router
     assert len(pids) > len(recorded)  # the nodes' engine processes too
-    launch.proc.send_signal(signal.SIGTERM)
+    # A request streaming when SIGTERM arrives runs to its end: the router drains first.
+    body = {"messages": QUESTION, "temperature": 0, "max_tokens": 64, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    events = []
+    url = f"{launch.service('router')['url']}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 2:
+                launch.proc.send_signal(signal.SIGTERM)
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text.startswith("The capital of France is Paris.")
     assert launch.proc.wait(120) == 0
     deadline = time.monotonic() + 30
     while (left := {p for p in pids if alive(p)}) and time.monotonic() < deadline:

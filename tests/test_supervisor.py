@@ -24,7 +24,12 @@ def service(tmp_path: Path, name: str, code: str, healthy=lambda: True) -> Servi
 def supervisor(stages, **restart) -> tuple[Supervisor, list[str]]:
     said: list[str] = []
     sup = Supervisor(
-        stages, RestartSection(**restart), startup_timeout_s=60, drain_timeout_s=2, say=said.append
+        stages,
+        RestartSection(**restart),
+        startup_timeout_s=60,
+        drain_timeout_s=2,
+        say=said.append,
+        kill_margin_s=0,
     )
     return sup, said
 
