@@ -133,7 +133,10 @@ class DecodeSide(DecodeConnector):
                     events += self._on_done(msg)
         for node, msg in self.control.recv():
             if not isinstance(msg, m.MalformedMessage):
-                events += self._on_control(node, msg)
+                try:
+                    events += self._on_control(node, msg)
+                except Exception:  # a bug met by one peer message: drop it, keep serving
+                    logger.exception("control message %s from %s failed", type(msg).__name__, node)
         self.control.tick({a.node for a in self._attempts.values()})
         now = self.clock()
         for key, att in list(self._attempts.items()):

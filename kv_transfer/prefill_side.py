@@ -172,7 +172,14 @@ class PrefillSide(PrefillConnector):
     def poll(self) -> list[PrefillEvent]:
         events, self._events = self._events, []
         for ident, msg in self.control.recv():
-            events += self._on_message(ident, msg)
+            try:
+                events += self._on_message(ident, msg)
+            except Exception:  # a bug met by one peer message: reject it, keep serving
+                logger.exception("control message %s from a peer failed", type(msg).__name__)
+                if isinstance(msg, m.PrefillOrder):
+                    key = (msg.request_id, msg.attempt)
+                    self._sends.pop(key, None)
+                    self.control.reply(ident, _rejected(*key, "internal error"))
         now = self.clock()
         for key, until in list(self._tombstones.items()):
             if now > until:

@@ -80,8 +80,8 @@ class PrefillRole:
         eid = engine_request_id(key)
         try:
             req = core.add_request(eid, order.prompt_token_ids, order.params)
-        except ValueError as e:  # InvalidRequestError: bad token ids, too long, duplicate
-            logger.warning("request %s (attempt %d): prefill order rejected: %s", *key, e)
+        except Exception as e:  # InvalidRequestError (bad ids, too long, duplicate), or a bug
+            logger.warning("request %s (attempt %d): prefill order rejected: %r", *key, e)
             self.connector.reject(order, str(e))
             return
         req.kv_export = True

@@ -28,7 +28,10 @@ class InvariantViolation(AssertionError):
 @dataclass
 class Timing:
     transfer_timeout_s: float = 1.0
-    abort_grace_s: float = 0.3
+    # The protocol's one timing assumption: the grace covers the longest prefill step (a
+    # prefill node cancels late WRITEs only between steps) plus the longest WRITE latency
+    # plus how long a cancelled WRITE may still land. The sweep's faults stay within it.
+    abort_grace_s: float = 1.5
     peer_timeout_s: float = 0.4
     heartbeat_s: float = 0.1
     dt: float = 0.02

@@ -35,6 +35,9 @@ class Faults:
     step_time: float = 0.0  # max time a prefill step's model execution takes (s)
 
 
+CANCEL_WINDOW_S = 0.1  # a cancelled WRITE may still land this long after (grace covers it)
+
+
 class Inbox:
     """Messages that become readable at their delivery time (delays reorder them)."""
 
@@ -230,11 +233,16 @@ class SimData:
 
     def release(self, handle: TransferHandle) -> None:
         w = self._inflight.pop(handle.id)
-        if handle.state is TransferState.PENDING:  # cancelled: it never lands
-            w.cancelled = True
+        if handle.state is TransferState.PENDING:
             handle.state = TransferState.FAILED
-            if w in self.world.writes:
-                self.world.writes.remove(w)
+            # Cancelling is not instant: data already on the wire may still land shortly.
+            if self.world.rng.random() < 0.5:
+                w.at, w.notif = min(w.at, self.world.now + CANCEL_WINDOW_S), None
+                w.handle = TransferHandle(-1, w.handle.peer, w.handle.stats)  # sender let go
+            else:
+                w.cancelled = True
+                if w in self.world.writes:
+                    self.world.writes.remove(w)
         handle.released = True
 
     def get_notifs(self) -> dict[str, list[bytes]]:
