@@ -197,10 +197,28 @@ class Cluster:
         for addr, core in self.prefills.items():
             if addr not in self.dead:
                 core.check_integrity()
+        # prefill steps may stretch a tick (the clock moves while they execute)
+        now = self.world.now
+        slack = 2 * self.t.dt + self.world.faults.step_time * len(self.prefills)
+        for key, att in self.dside._attempts.items():  # every decode state ends in time
+            end = att.order.expires_at + (
+                0 if att.state.value == "ordered" else self.t.abort_grace_s
+            )
+            if now > end + slack:
+                raise InvariantViolation(f"decode attempt {key} still {att.state} past {end}")
+        step = self.world.faults.step_time
+        for addr, core in self.prefills.items():  # and every prefill state (once it runs)
+            if addr in self.dead or self.stalled_until.get(addr, 0) > now - self.t.dt:
+                continue
+            for key, st in core.kv_role.connector._sends.items():
+                end = st.order.expires_at + self.t.abort_grace_s / 2 + step
+                if now > end + slack:
+                    raise InvariantViolation(f"prefill attempt {key} still {st.state} past {end}")
+        # a request may queue behind blocks held by failed attempts: a looser overall bound
         bound = self.t.transfer_timeout_s + self.t.abort_grace_s
-        limit = (len(self.addrs) + 1) * (bound + 4 * self.t.dt) + 3.0
+        limit = 2 * (len(self.addrs) + 1) * (bound + 4 * self.t.dt) + 3.0
         for rid, tr in self.reqs.items():
-            if tr.finish is None and self.world.now > tr.arrival + limit:
+            if tr.finish is None and now > tr.arrival + limit:
                 raise InvariantViolation(f"request {rid} not ended {limit:.1f} s after arrival")
 
     def check_final(self) -> None:
