@@ -50,6 +50,25 @@ def port_overrides(config: Path) -> list[str]:
     return sets
 
 
+def tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds used so far by `root` and its live descendants."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0))[1]
+        todo += [c for c, (ppid, _) in stats.items() if ppid == pid]
+    return total / tick
+
+
 def one_run(config: Path, timeout_s: float) -> dict:
     run_root = Path(tempfile.mkdtemp(prefix="pdserve-startup-"))
     sets = [*port_overrides(config), f"launcher.run_dir={run_root}", "launcher.log_level=warning"]
@@ -60,7 +79,7 @@ def one_run(config: Path, timeout_s: float) -> dict:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     up: dict[str, float] = {}
     state: dict = {}
-    answer, t_answer = None, None
+    answer, t_answer, cpu_s = None, None, 0.0
     try:
         while t_answer is None:
             if proc.poll() is not None:
@@ -82,6 +101,7 @@ def one_run(config: Path, timeout_s: float) -> dict:
                     if r.status_code == 200:
                         answer = r.json()["choices"][0]["message"]["content"]
                         t_answer = time.monotonic() - t0
+                        cpu_s = tree_cpu_s(proc.pid)
                         break
                 except httpx.HTTPError:
                     pass
@@ -95,6 +115,9 @@ def one_run(config: Path, timeout_s: float) -> dict:
         "first_answer_s": round(t_answer, 2),
         "answer": answer,
         "healthy_at_s": up,
+        # CPU time every process of the cluster used until then: on an otherwise idle box
+        # with N cores, startup cannot be faster than cpu_s / N.
+        "cpu_s_to_first_answer": round(cpu_s, 1),
         "stop_s": round(stop_s, 2),
         "launcher_exit_code": code,
         "load_average_1m_at_end": os.getloadavg()[0],

@@ -24,7 +24,7 @@ import httpx
 from cluster.checks import ports_in_use
 from cluster.config_file import ConfigFileError, Issue
 from cluster.embedded_redis import EmbeddedRedis, _free_port
-from cluster.nodes import NodeSpec, cluster_nodes, router_argv, serve_argv
+from cluster.nodes import NodeSpec, cluster_nodes, router_argv, router_env, serve_argv
 from cluster.process import ManagedProcess
 from cluster.schema import ClusterConfig
 from cluster.supervisor import LaunchError, Service, Supervisor
@@ -150,7 +150,7 @@ def router_stage(
     url = f"http://{'127.0.0.1' if r.host in ('0.0.0.0', '') else r.host}:{r.port}"
     argv = router_argv(cfg, state.redis_url, nodes, cfg.launcher.log_level)
     state.router_url = url
-    return [[_service("router", "router", argv, url, run_dir)]]
+    return [[_service("router", "router", argv, url, run_dir, env=router_env(cfg))]]
 
 
 def local_services(
@@ -168,8 +168,10 @@ def local_services(
     return stages + router_stage(cfg, nodes, run_dir, state)
 
 
-def _service(name: str, kind: str, argv: list[str], url: str, run_dir: Path) -> Service:
-    proc = ManagedProcess(argv, run_dir / f"{name}.log")
+def _service(
+    name: str, kind: str, argv: list[str], url: str, run_dir: Path, env: dict | None = None
+) -> Service:
+    proc = ManagedProcess(argv, run_dir / f"{name}.log", env=env)
     return Service(name, kind, proc, http_healthy(url), url, str(proc.log_path))
 
 

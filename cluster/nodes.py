@@ -8,6 +8,7 @@ the launchers. Nodes are named `prefill-0..N-1` and `decode-0..N-1`.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -153,13 +154,19 @@ def router_argv(
         argv += ["--served-model-name", cfg.model.served_name]
     for key in ROUTER_OPTIONS:
         argv += [f"--{key.replace('_', '-')}", str(getattr(r, key))]
-    if r.api_key:
-        argv += ["--api-key", r.api_key]
     if redis_url:
         argv += ["--redis-url", redis_url]
     for node in nodes:
         argv += [f"--{node.role}", node.url]
     return argv
+
+
+def router_env(cfg: ClusterConfig) -> dict[str, str]:
+    """The router's environment: the API key travels here, not on its command line."""
+    env = dict(os.environ)
+    if cfg.router.api_key:
+        env["PDSERVE_API_KEY"] = cfg.router.api_key  # router/cli.py API_KEY_ENV
+    return env
 
 
 # router section keys passed as `pdserve router --KEY VALUE`

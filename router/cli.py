@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from router.config import POLICIES, RouterConfig, RouterConfigError
 
 logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.overlap_weight,
         help="kv_aware: weight of blocks to compute",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/ (default: ${API_KEY_ENV}, which "
+        "keeps the key out of the process list)",
+    )
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)

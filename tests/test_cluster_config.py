@@ -228,9 +228,9 @@ def test_docs_reference_is_up_to_date():
     assert updated_text(text) == text, "run: pdserve config docs --write"
 
 
-def test_every_router_flag_comes_from_yaml(tmp_path):
-    from cluster.nodes import router_argv
-    from router.cli import add_arguments, config_from_args
+def test_every_router_flag_comes_from_yaml(tmp_path, monkeypatch):
+    from cluster.nodes import router_argv, router_env
+    from router.cli import API_KEY_ENV, add_arguments, config_from_args
 
     router = (
         "router:\n  port: 9000\n  prefill_policy: round_robin\n  decode_policy: least_loaded\n"
@@ -242,9 +242,11 @@ def test_every_router_flag_comes_from_yaml(tmp_path):
         "  name: smollm2-135m-instruct", "  name: smollm2-135m-instruct\n  served_name: m"
     )
     cfg = load_config(write(tmp_path, text))
+    argv = router_argv(cfg, "redis://127.0.0.1:1", cluster_nodes(cfg), "warning")
+    assert "k" not in argv  # the API key goes by environment, not the process list
+    monkeypatch.setenv(API_KEY_ENV, router_env(cfg)[API_KEY_ENV])
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    argv = router_argv(cfg, "redis://127.0.0.1:1", cluster_nodes(cfg), "warning")
     assert argv[1:4] == ["-m", "pdserve", "router"]
     got = config_from_args(parser.parse_args(argv[4:]))
     section = cfg.router.model_dump(exclude={"enabled"})
