@@ -4,6 +4,7 @@ even a process that ignores SIGTERM and the child it started."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from cluster.process import ManagedProcess
 from cluster.schema import RestartSection
 from cluster.supervisor import LaunchError, Service, Supervisor
-from tests.servers import alive
+from tests.servers import ROOT, alive
 
 
 def service(tmp_path: Path, name: str, code: str, healthy=lambda: True) -> Service:
@@ -98,3 +99,28 @@ def test_stop_kills_the_group_even_when_sigterm_is_ignored(tmp_path):
     assert 2.0 <= time.monotonic() - t0 < 30  # the drain timeout, then SIGKILL
     assert not alive(stubborn.handle.pid) and not alive(child)
     assert stubborn.state == "stopped"
+
+
+def test_children_die_with_a_killed_launcher(tmp_path):
+    """PR_SET_PDEATHSIG: even a SIGKILLed launcher leaves no orphan behind."""
+    launcher_code = (
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from cluster.process import ManagedProcess\n"
+        "child = ManagedProcess([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        f"                     {str(tmp_path / 'child.log')!r})\n"
+        "child.start()\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", launcher_code], stdout=subprocess.PIPE, text=True
+    )
+    child = int(launcher.stdout.readline())
+    assert alive(child)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while alive(child):
+        assert time.monotonic() < deadline, "the child outlived its killed launcher"
+        time.sleep(0.05)
