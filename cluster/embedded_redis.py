@@ -29,7 +29,10 @@ def _free_port(host: str) -> int:
 
 
 def _port_free(host: str, port: int) -> bool:
+    """No listener on the port (connections of a stopped server in TIME_WAIT do not count:
+    redis-server binds with SO_REUSEADDR, so a restart on the same port works)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
