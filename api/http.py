@@ -7,6 +7,7 @@ status, whether it comes from a node or from the router.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -21,7 +22,20 @@ from api.errors import InvalidRequestError
 from api.protocol import ErrorInfo, ErrorResponse
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
 T = TypeVar("T")
+
+
+def trace_id(headers) -> str | None:
+    """The request's trace id: `X-Request-Id` (if sane: 1-96 of [A-Za-z0-9._:-]), with
+    `.N` appended for `X-Attempt: N` > 0 (a router's retry). None if no usable header."""
+    given = headers.get("x-request-id")
+    if not given or not _REQUEST_ID.fullmatch(given):
+        return None
+    attempt = headers.get("x-attempt", "0")
+    if attempt.isdigit() and 0 < int(attempt) < 100:
+        return f"{given}.{int(attempt)}"
+    return given
 
 
 def error_response(

@@ -24,6 +24,7 @@ from api.http import (
     BodySizeLimitMiddleware,
     add_error_handlers,
     error_response,
+    trace_id,
     until_disconnect,
 )
 from api.protocol import (
@@ -154,7 +155,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving: OpenAIServing = request.app.state.serving
-        p = serving.prepare_completion(body)
+        p = serving.prepare_completion(body, trace_id(request.headers))
         if body.stream:
             return AbortOnDisconnectResponse(
                 responses.stream_completion(serving, p, body.include_usage),
@@ -168,7 +169,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving: OpenAIServing = request.app.state.serving
-        p = serving.prepare_chat(body)
+        p = serving.prepare_chat(body, trace_id(request.headers))
         if body.stream:
             return AbortOnDisconnectResponse(
                 responses.stream_chat(serving, p, body.include_usage),

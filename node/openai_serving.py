@@ -140,13 +140,14 @@ class OpenAIServing:
                 f"the chat template rejected the messages: {e}", "messages"
             ) from e
 
-    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+    def prepare_completion(self, req: CompletionRequest, trace: str | None = None) -> Prepared:
+        """`trace`: the caller's request id (a router's X-Request-Id), kept in ours."""
         arrival = time.monotonic()
         self.check_model(req.model)
         prompts = req.prompts()
         ids = [self.encode(p) for p in prompts]
         max_tokens = req.max_tokens or None  # 0 (echo only) is checked as 1
-        p = self._prepare("cmpl", ids, req, max_tokens, arrival)
+        p = self._prepare("cmpl", ids, req, max_tokens, arrival, trace)
         p.echo, p.drop_output = req.echo, req.max_tokens == 0
         p.logprobs = req.logprobs is not None
         if req.echo:
@@ -155,7 +156,7 @@ class OpenAIServing:
                 c.prompt_text = prompt if isinstance(prompt, str) else self._decode(prompt)
         return p
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+    def prepare_chat(self, req: ChatCompletionRequest, trace: str | None = None) -> Prepared:
         arrival = time.monotonic()
         self.check_model(req.model)
         if req.prompt_token_ids is not None:
@@ -164,12 +165,18 @@ class OpenAIServing:
             raise InvalidRequestError("messages must not be empty", "messages")
         else:
             ids = self.chat_ids([m.to_template_dict() for m in req.messages])
-        p = self._prepare("chatcmpl", [ids], req, req.requested_max_tokens, arrival)
+        p = self._prepare("chatcmpl", [ids], req, req.requested_max_tokens, arrival, trace)
         p.logprobs = req.logprobs
         return p
 
     def _prepare(
-        self, kind: str, prompts: list[list[int]], req, max_tokens: int | None, arrival: float
+        self,
+        kind: str,
+        prompts: list[list[int]],
+        req,
+        max_tokens: int | None,
+        arrival: float,
+        trace: str | None = None,
     ) -> Prepared:
         for ids in prompts:
             self.llm.validate_prompt(ids, max_tokens)
@@ -178,7 +185,8 @@ class OpenAIServing:
         )
         params = SamplingParams(**kwargs)
         self._check_token_ids(params)
-        rid = f"{kind}-{uuid.uuid4().hex}"
+        # unique even if a caller reuses its id: the trace id is for logs, not for keys
+        rid = f"{kind}-{trace}-{uuid.uuid4().hex[:8]}" if trace else f"{kind}-{uuid.uuid4().hex}"
         # Prompt logprobs are computed where the prompt runs: here (see docs: PD limits).
         prefill_node = None if params.prompt_logprobs is not None else self._prefill_node(req)
         choices = []

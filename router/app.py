@@ -105,7 +105,8 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving: RouterServing = request.app.state.serving
         tokens = serving.completion_tokens(body)
-        return await serving.handle("completions", body, tokens, body.max_tokens, request)
+        # max_tokens 0 (echo only) is checked as 1, as on a node
+        return await serving.handle("completions", body, tokens, body.max_tokens or None, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -5,15 +5,14 @@ never reaches a node: the OpenAI schema, the model name, unsupported fields, the
 against the context length and vocabulary the nodes report. The node gets token ids
 (`prompt` for completions, `prompt_token_ids` for chat), the client's sampling fields and,
 for a PD decode node, `kv_transfer_params.prefill_node` = the chosen prefill node's control
-address; a client's own `kv_transfer_params` are dropped (clients never choose where a node
-connects). `X-Request-Id` (the client's, if it sent a sane one, else a new one) goes to
+address; a client that names a prefill node itself gets a 400 (clients never choose where a
+node connects). `X-Request-Id` (the client's, if it sent a sane one, else a new one) goes to
 every node with `X-Attempt`; a retry is a new attempt on another node.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,8 +22,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from api.errors import InvalidRequestError
-from api.http import AbortOnDisconnectResponse, error_response
+from api.http import AbortOnDisconnectResponse, error_response, trace_id
 from api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from api.sampling_rules import INT32_MAX, check_sampling_values
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.relay import (
@@ -40,8 +40,6 @@ from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
-
 
 class ModelNotFoundError(LookupError):
     def __init__(self, model: str):
@@ -53,10 +51,10 @@ class NoNodeError(RuntimeError):
 
 
 def request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id")
-    if given and _REQUEST_ID.fullmatch(given):
-        return given
-    return uuid.uuid4().hex
+    """The client's `X-Request-Id` if it sent a sane one (the attempt suffix dropped), else
+    a new one."""
+    given = trace_id({"x-request-id": request.headers.get("x-request-id")})
+    return given or uuid.uuid4().hex
 
 
 class RouterServing:
@@ -101,13 +99,16 @@ class RouterServing:
                 f"the chat template rejected the messages: {e}", "messages"
             ) from e
 
-    def check_prompt(self, tokens: list[int], max_tokens: int | None) -> None:
-        """What a node would reject, checked against the limits nodes report (same messages)."""
+    def check_prompt(self, tokens: list[int], max_tokens: int | None) -> tuple[int, int] | None:
+        """What a node would reject, checked against the limits nodes report (same messages).
+
+        Returns the (max_model_len, vocab_size) it checked against; None when no node has
+        been seen yet (then the node checks)."""
         if not tokens:
             raise InvalidRequestError("the prompt is empty", "prompt")
         limits = self.selector.view.limits()
         if limits is None:
-            return  # no node seen yet: the node checks
+            return None
         max_len, vocab = limits
         n = len(tokens)
         if n >= max_len:
@@ -127,6 +128,22 @@ class RouterServing:
             raise InvalidRequestError(
                 f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
             )
+        return limits
+
+    @staticmethod
+    def check_sampling(req, tokens: list[int], limits: tuple[int, int] | None) -> dict:
+        """The node's sampling checks, in its order: API fields, value rules, token ids."""
+        max_len, vocab = limits if limits is not None else (None, None)
+        default = max_len - len(tokens) if max_len is not None else INT32_MAX
+        kwargs = req.sampling_kwargs(default_max_tokens=default)
+        check_sampling_values(kwargs)
+        for name in ("stop_token_ids", "logit_bias"):
+            bad = next((t for t in kwargs.get(name) or () if vocab and not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(
+                    f"token id {bad} is outside the vocabulary [0, {vocab})", name
+                )
+        return kwargs
 
     # -- dispatch ---------------------------------------------------------------------------
     async def handle(
@@ -137,9 +154,15 @@ class RouterServing:
         max_tokens: int | None,
         request: Request,
     ) -> Response:
-        self.check_prompt(tokens, max_tokens)
-        # Sampling fields this API cannot honour fail here, before any node is chosen.
-        req.sampling_kwargs(default_max_tokens=1)
+        if req.kv_transfer_params is not None and req.kv_transfer_params.prefill_node:
+            raise InvalidRequestError(
+                "the router chooses the prefill node; do not send one",
+                "kv_transfer_params.prefill_node",
+            )
+        limits = self.check_prompt(tokens, max_tokens)
+        kwargs = self.check_sampling(req, tokens, limits)
+        # Prompt logprobs are computed where the prompt runs: the decode node, locally.
+        local_only = kwargs.get("prompt_logprobs") is not None
         rid = request_id(request)
         body = req.model_dump(exclude_unset=True, exclude={"kv_transfer_params"})
         if route == "chat":
@@ -153,7 +176,7 @@ class RouterServing:
         excluded: set[str] = set()
         last: AttemptFailed | None = None
         for attempt in range(self.config.max_retries + 1):
-            decision = await self.selector.select(tokens, excluded)
+            decision = await self.selector.select(tokens, excluded, remote_ok=not local_only)
             if decision is None:
                 break
             self._observe_decision(decision)

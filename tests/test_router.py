@@ -7,6 +7,7 @@ node, retries on another node when the first cannot serve, and stops using a dea
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -82,19 +83,22 @@ def test_completions_equal_the_node(node, router):
 
 
 def test_streaming_relay_equals_the_node(node, router):
-    body = {"prompt": [9, 8, 7, 6, 5, 4], "max_tokens": 6, "temperature": 0, "stream": True}
+    body = {"prompt": [9, 8, 7, 6, 5, 4], "max_tokens": 6, "temperature": 0, "stream": True,
+            "logprobs": 0, "ignore_eos": True}  # fmt: skip
     direct, _ = stream_text(node[0], "/v1/completions", body)
     routed, _ = stream_text(router, "/v1/completions", body)
     assert routed[-1] == direct[-1] == "data: [DONE]"
-    texts = [__import__("json").loads(e[6:])["choices"][0]["text"] for e in routed[:-1]]
-    assert "".join(texts) == "".join(
-        __import__("json").loads(e[6:])["choices"][0]["text"] for e in direct[:-1]
-    )
+
+    def tokens(events: list[str]) -> list[str]:
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        return [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+
+    assert tokens(routed) == tokens(direct) and len(tokens(routed)) == 6
     # usage is relayed only when asked for
     with_usage, _ = stream_text(
         router, "/v1/completions", {**body, "stream_options": {"include_usage": True}}
     )
-    last = __import__("json").loads(with_usage[-2][6:])
+    last = json.loads(with_usage[-2][6:])
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
 
 
@@ -110,7 +114,27 @@ BAD_BODIES = [
     {"prompt": [1, 2, 3], "temperature": "hot"},
     {"prompt": [1, 2, 3], "frobnicate": 1},  # unknown field
     {"prompt": [1, 2, 3], "logit_bias": {"x": 1}},
+    {"prompt": [1, 2, 3], "logit_bias": {"5000": 1}},  # outside the vocabulary
+    {"prompt": [1, 2, 3], "stop_token_ids": [5000]},
+    {"prompt": [1, 2, 3], "temperature": float("nan")},
+    {"prompt": [1, 2, 3], "temperature": -1},
+    {"prompt": [1, 2, 3], "top_p": 0},
+    {"prompt": [1, 2, 3], "seed": 2**70},
+    {"prompt": [1, 2, 3], "stop": [""]},
+    {"prompt": [1, 2, 3], "max_tokens": 1.5},
+    {"prompt": [1, 2, 3], "min_tokens": 9, "max_tokens": 4},
+    {"prompt": [1, 2, 3], "presence_penalty": 3},
 ]
+
+
+def post_raw(url: str, body: dict, timeout: float) -> httpx.Response:
+    """POST `body` as JSON that may hold NaN (httpx's own encoder refuses it)."""
+    return httpx.post(
+        f"{url}/v1/completions",
+        content=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+        timeout=timeout,
+    )
 
 
 def test_bad_input_gets_the_node_error_bodies_without_touching_a_node(node, router):
@@ -118,7 +142,8 @@ def test_bad_input_gets_the_node_error_bodies_without_touching_a_node(node, rout
     # Pause the node: a request that reached it would hang, not answer.
     os.kill(proc.pid, signal.SIGSTOP)
     try:
-        routed = [httpx.post(f"{router}/v1/completions", json=b, timeout=10) for b in BAD_BODIES]
+        routed = [post_raw(router, b, 10) for b in BAD_BODIES]
+        steer = post_raw(router, {"prompt": [1], "kv_transfer_params": {"prefill_node": "x"}}, 10)
         chat = httpx.post(
             f"{router}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}]},
@@ -132,7 +157,7 @@ def test_bad_input_gets_the_node_error_bodies_without_touching_a_node(node, rout
         )
     finally:
         os.kill(proc.pid, signal.SIGCONT)
-    direct = [httpx.post(f"{url}/v1/completions", json=b, timeout=60) for b in BAD_BODIES]
+    direct = [post_raw(url, b, 60) for b in BAD_BODIES]
     for body, r, d in zip(BAD_BODIES, routed, direct):
         assert 400 <= d.status_code < 500, (body, d.text)
         assert (r.status_code, r.json()) == (d.status_code, d.json()), body
@@ -144,6 +169,9 @@ def test_bad_input_gets_the_node_error_bodies_without_touching_a_node(node, rout
         f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert (bad_json.status_code, bad_json.json()) == (d_json.status_code, d_json.json())
+    # Clients never choose the prefill node: the router says so.
+    assert steer.status_code == 400
+    assert steer.json()["error"]["param"] == "kv_transfer_params.prefill_node"
 
 
 def test_api_key_and_cluster_view(node, tiny_llama_dir):
