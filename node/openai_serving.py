@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 import msgspec
 
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.sampling_rules import INT64_MIN
 from engine.async_llm import AsyncLLM, RequestDelta
 from engine.config import KVTransferConfig
 from engine.errors import InvalidRequestError
 from engine.outputs import TokenLogprobs
-from engine.sampling_params import INT64_MIN, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 from node.logprobs_format import LogprobsFormatter
 from node.metrics import NodeMetrics
