@@ -11,8 +11,8 @@ Writer (`KVIndexPublisher`, in the node's HTTP process, never on the engine loop
 output batches hand it the hashes that entered and left the prefix cache; a task flushes
 them in one pipeline every `flush_interval_s`. If Redis fails, the buffer is dropped and
 the set is rebuilt from a snapshot of the engine's cache once Redis answers again.
-Reader (`prefix_hits`, in the router): one pipelined round trip of SMISMEMBER per
-candidate node gives how many leading blocks of a prompt each node holds.
+Reader (`PrefixHits`, in the router): one round trip (a server-side script over every
+candidate's set) gives how many leading blocks of a prompt each node holds.
 """
 
 from __future__ import annotations
@@ -120,31 +120,48 @@ class KVIndexPublisher:
         logger.info("KV index %s rebuilt with %d blocks", self.key, len(hashes))
 
 
-async def prefix_hits(
-    redis: Redis,
-    keys: ClusterKeys,
-    nodes: Sequence[NodeRecord],
-    chain_of: Callable[[NodeRecord], list[bytes]],
-) -> dict[str, int]:
-    """Per node id, how many leading blocks of its prompt chain the node holds.
+# KEYS: index sets; ARGV: a prompt's hash chain. Per set, how many leading hashes it holds:
+# one SISMEMBER of the first block (most nodes lack it), else one SMISMEMBER of all.
+_LEADING_HITS = """
+local out = {}
+for k = 1, #KEYS do
+  local n = 0
+  if redis.call('SISMEMBER', KEYS[k], ARGV[1]) == 1 then
+    local found = redis.call('SMISMEMBER', KEYS[k], unpack(ARGV))
+    while n < #found and found[n + 1] == 1 do n = n + 1 end
+  end
+  out[k] = n
+end
+return out
+"""
 
-    `chain_of(node)` gives the prompt's hash chain under the node's model and block size.
-    One pipelined round trip; raises RedisError/OSError if Redis is unreachable.
+
+class PrefixHits:
+    """Router-side reader: per node, how many leading blocks of a prompt it holds.
+
+    One round trip per distinct chain (one per model and block size in the cluster, so
+    usually one): a server-side script walks each node's set, so only one integer per node
+    crosses the wire (EVALSHA; redis-py reloads the script after a Redis restart).
     """
-    asked = [(n, chain_of(n)) for n in nodes]
-    asked = [(n, c) for n, c in asked if c]
-    if not asked:
-        return {}
-    pipe = redis.pipeline(transaction=False)
-    for node, chain in asked:
-        pipe.smismember(keys.kv(node.node_id, node.epoch), chain)
-    results = await pipe.execute()
-    hits: dict[str, int] = {}
-    for (node, _), found in zip(asked, results):
-        n = 0
-        for present in found:
-            if not present:
-                break
-            n += 1
-        hits[node.node_id] = n
-    return hits
+
+    def __init__(self, redis: Redis, keys: ClusterKeys):
+        self.keys = keys
+        self._script = redis.register_script(_LEADING_HITS)
+
+    async def __call__(
+        self, nodes: Sequence[NodeRecord], chain_of: Callable[[NodeRecord], list[bytes]]
+    ) -> dict[str, int]:
+        """`chain_of(node)`: the prompt's chain under the node's model and block size.
+        Raises RedisError/OSError if Redis is unreachable."""
+        groups: dict[tuple[str, int], list[NodeRecord]] = {}
+        for node in nodes:
+            groups.setdefault((node.model, node.block_size), []).append(node)
+        hits: dict[str, int] = {}
+        for members in groups.values():
+            chain = chain_of(members[0])
+            if not chain:
+                continue
+            keys = [self.keys.kv(n.node_id, n.epoch) for n in members]
+            counts = await self._script(keys=keys, args=chain)
+            hits.update((n.node_id, int(c)) for n, c in zip(members, counts))
+        return hits

@@ -10,6 +10,7 @@ its circuit breaker allows it, and it serves the router's model. Each node has O
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from dataclasses import dataclass, field
 
@@ -84,6 +85,8 @@ class ClusterView:
     def __init__(self, config: RouterConfig):
         self.config = config
         self.nodes: dict[str, NodeState] = {}
+        # One TLS context for every node client (building one costs ~0.1 s of CPU).
+        self._ssl = ssl.create_default_context()
         for url in config.prefill_urls:
             self._add(url, "prefill")
         for url in config.decode_urls:
@@ -100,6 +103,7 @@ class ClusterView:
                     base_url=url,
                     timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                    verify=self._ssl,
                 ),
                 breaker=CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s),
                 static_role=static_role,

@@ -3,8 +3,8 @@
 1. Candidates: usable decode-capable nodes (decode or colocated) and usable prefill nodes,
    minus the nodes a failed earlier attempt excluded.
 2. If either role's policy is `kv_aware` and Redis is up, read from the KV index, in one
-   pipelined round trip, how many leading blocks of the prompt each candidate holds (the
-   chain is hashed once per distinct model and block size, cluster/block_hash.py).
+   round trip, how many leading blocks of the prompt each candidate holds (the chain is
+   hashed once per distinct model and block size, cluster/block_hash.py).
 3. Pick the decode node. A colocated node, or a decode node whose own cache leaves an
    uncached suffix of at most its `local_prefill_max_tokens`, prefills locally (no
    prefill node); otherwise pick the prefill node.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from cluster.block_hash import hash_prompt_blocks, root_hash
-from cluster.kv_index import prefix_hits
+from cluster.kv_index import PrefixHits
 from cluster.registry import NodeRecord
 from router.config import RouterConfig
 from router.membership import Membership
@@ -49,6 +49,8 @@ class Selector:
         self.kv_aware = "kv_aware" in (config.decode_policy, config.prefill_policy)
         self.mean_prompt_blocks = 8.0  # running mean, for queue estimates
         self._roots: dict[tuple[str, int], bytes] = {}
+        self._hits: PrefixHits | None = None
+        self._hits_redis = None
 
     def _root(self, model: str, block_size: int) -> bytes:
         key = (model, block_size)
@@ -71,10 +73,10 @@ class Selector:
             return chains[key]
 
         by_id = {n.record.node_id: n for n in nodes}
+        if self._hits is None or self._hits_redis is not redis:
+            self._hits, self._hits_redis = PrefixHits(redis, self.membership.keys), redis
         try:
-            hits = await prefix_hits(
-                redis, self.membership.keys, [n.record for n in nodes], chain_of
-            )
+            hits = await self._hits([n.record for n in nodes], chain_of)
         except (RedisError, OSError) as e:
             logger.warning("KV index lookup failed (%s): load-only routing", e)
             self.membership.redis_ok = False
