@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from kv_transfer import messages as m
@@ -92,6 +94,7 @@ class DecodeSide(DecodeConnector):
     # -- requests from the decode role ---------------------------------------------------
     def request_prefill(self, order: m.PrefillOrder, prefill_node: str) -> None:
         key = (order.request_id, order.attempt)
+        order = msgspec.structs.replace(order, nonce=secrets.randbits(63))
         if not self.control.alive(prefill_node):
             self._events += [RecvFailed(key, f"prefill node {prefill_node} is not answering")]
             self._events.append(Released(key))
@@ -122,7 +125,7 @@ class DecodeSide(DecodeConnector):
     # -- polling ---------------------------------------------------------------------------
     def poll(self) -> list[DecodeEvent]:
         events, self._events = self._events, []
-        for msgs in self._data.get_notifs().values():
+        for agent, msgs in self._data.get_notifs().items():
             for raw in msgs:
                 try:
                     msg = m.decode_to_decode(raw)
@@ -130,7 +133,7 @@ class DecodeSide(DecodeConnector):
                     logger.warning("dropping a malformed notification: %s", e)
                     continue
                 if isinstance(msg, m.PrefillDone):
-                    events += self._on_done(msg)
+                    events += self._on_done(agent, msg)
         for node, msg in self.control.recv():
             if not isinstance(msg, m.MalformedMessage):
                 try:
@@ -150,11 +153,15 @@ class DecodeSide(DecodeConnector):
                 events.append(Released(key))
         return events
 
-    def _on_done(self, msg: m.PrefillDone) -> list[DecodeEvent]:
+    def _on_done(self, agent: str, msg: m.PrefillDone) -> list[DecodeEvent]:
         key = (msg.request_id, msg.attempt)
-        att = self._attempts.pop(key, None)
+        att = self._attempts.get(key)
         if att is None:
             return []
+        if msg.nonce != att.order.nonce:  # not from the node we ordered from
+            logger.warning("request %s (attempt %d): ignoring a forged done from %s", *key, agent)
+            return []
+        del self._attempts[key]
         if att.state is not RecvState.ORDERED:  # every write landed: nothing more will
             return [Released(key)]
         expected = len(att.order.dst_block_ids)

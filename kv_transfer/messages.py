@@ -42,6 +42,7 @@ class PrefillOrder(msgspec.Struct, tag=True, kw_only=True):
     first_block: int  # decode already holds blocks [0, first_block) (its prefix cache)
     dst_block_ids: list[int]  # decode blocks for prompt blocks first_block, first_block+1, ...
     expires_at: float  # wall clock: the prefill node writes nothing after this
+    nonce: int = 0  # set by the decode side; PrefillDone must echo it
 
 
 class AbortPrefill(msgspec.Struct, tag=True, kw_only=True):
@@ -82,6 +83,7 @@ class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     first_token: int
     logprob: float | None
     num_blocks: int  # blocks written for this attempt, all transfers together
+    nonce: int = 0  # the order's: a notification from anyone else is ignored
 
 
 ToPrefill = PeerHello | PrefillOrder | AbortPrefill | Heartbeat

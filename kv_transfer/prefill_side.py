@@ -134,6 +134,7 @@ class PrefillSide(PrefillConnector):
             first_token=first_token,
             logprob=logprob,
             num_blocks=s.blocks_sent + len(src),
+            nonce=s.order.nonce,
         )
         s.final, s.state = (src, dst, done), SendState.FINISHING
         self._events += self._progress(key, s)

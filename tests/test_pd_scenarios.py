@@ -186,6 +186,21 @@ def test_5_hostile_peer_is_rejected_and_prefill_keeps_serving(what, dst, block_s
     assert c.reqs["ok"].tokens == expected_output(PROMPT, 3)
 
 
+def test_5_forged_done_from_another_agent_is_ignored():
+    """A PrefillDone must echo the order's nonce: another agent cannot declare KV complete."""
+    c = Cluster(faults=Faults(write_delay=0.3), num_prefill=1)
+    evil = SimData(c.world, "evil", torch.zeros(1, 2, 8, 4, 1, 1))
+    c.submit("a", PROMPT, 2)
+    step_until(c, lambda: pending_writes(c, ("a", 1)))
+    forged = m.PrefillDone(request_id="a", attempt=1, first_token=7, logprob=None, num_blocks=10)
+    evil.send_notif("d", m.encode(forged))
+    step_until(c, lambda: c.world.now > c.reqs["a"].arrival + 0.2)
+    assert c.dside.states()[("a", 1)] is RecvState.ORDERED  # still waiting for the real one
+    c.run_until_idle()
+    c.check_final()
+    assert c.reqs["a"].tokens == expected_output(PROMPT, 2)
+
+
 def test_6_failed_write_reaches_decode_at_once():
     c = Cluster(faults=Faults(write_fail=1.0, write_delay=0.05), num_prefill=1)
     c.submit("a", PROMPT, 2)
