@@ -43,6 +43,7 @@ from kv_transfer.transfer_types import DataPlane, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
 
+MAX_DECODE_PEERS = 256  # data-plane peers this node loads (each costs NIXL state)
 MAX_TOMBSTONES = 100_000  # aborts of orders not seen yet, remembered until their deadline
 
 
@@ -218,15 +219,23 @@ class PrefillSide(PrefillConnector):
         return []
 
     def _on_hello(self, ident: bytes, msg: m.PeerHello) -> None:
+        if ident not in self._agents and len(self._agents) >= MAX_DECODE_PEERS:
+            logger.warning("refusing a decode peer: already %d", MAX_DECODE_PEERS)
+            self._refuse(ident, f"peer refused: this node takes {MAX_DECODE_PEERS} peers")
+            return
         try:
             name = self._data.add_peer(msg.agent_metadata)
         except Exception as e:  # a bad peer is refused, never trusted
             logger.warning("refusing a decode peer: %s", e)
-            self._bad_peers[ident] = f"peer refused: {e}"
+            self._refuse(ident, f"peer refused: {e}")
             return
         self._bad_peers.pop(ident, None)
         self._agents[ident] = name
         logger.info("decode peer %s introduced itself", name)
+
+    def _refuse(self, ident: bytes, reason: str) -> None:
+        if len(self._bad_peers) < MAX_TOMBSTONES:  # beyond: its orders still need a hello
+            self._bad_peers[ident] = reason
 
     def _on_order(self, ident: bytes, order: m.PrefillOrder) -> list[PrefillEvent]:
         key = (order.request_id, order.attempt)

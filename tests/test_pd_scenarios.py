@@ -142,11 +142,13 @@ def test_4_engine_thread_never_blocks_on_a_dead_peer():
         side.close()
 
 
-def _hostile_link(c: Cluster, block_size: int = 4, num_blocks: int = 64) -> SimDealerLink:
+def _hostile_link(
+    c: Cluster, block_size: int = 4, num_blocks: int = 64, name: str = "evil"
+) -> SimDealerLink:
     kv = torch.zeros(1, 2, num_blocks, block_size, 1, 1)
-    SimData(c.world, "evil", kv)
-    link = SimDealerLink(c.world, c.addrs[0], b"evil")
-    md = msgspec.msgpack.encode(PeerMetadata("evil", b"", c.world.planes["evil"].layout))
+    SimData(c.world, name, kv)
+    link = SimDealerLink(c.world, c.addrs[0], name.encode())
+    md = msgspec.msgpack.encode(PeerMetadata(name, b"", c.world.planes[name].layout))
     link.send(m.encode(m.PeerHello(agent_metadata=md)))
     return link
 
@@ -184,6 +186,25 @@ def test_5_hostile_peer_is_rejected_and_prefill_keeps_serving(what, dst, block_s
     c.run_until_idle()
     c.check_final()
     assert c.reqs["ok"].tokens == expected_output(PROMPT, 3)
+
+
+def test_5_prefill_node_takes_a_bounded_number_of_decode_peers(monkeypatch):
+    import kv_transfer.prefill_side as ps
+
+    monkeypatch.setattr(ps, "MAX_DECODE_PEERS", 2)
+    c = Cluster(num_prefill=1)
+    c.submit("ok", PROMPT, 2)  # the honest decode node is peer 1
+    c.run_until_idle()
+    links = [_hostile_link(c, name=f"evil{i}") for i in range(2)]
+    for i, link in enumerate(links):
+        link.send(m.encode(_order("h", i, dst=list(range(10)), prompt=PROMPT,
+                                  agent=f"evil{i}", now=c.world.now)))  # fmt: skip
+    got: list = []
+    step_until(c, lambda: got.extend(x for ln in links for x in iter(ln.recv, None)) or got)
+    (refused,) = [m.decode_to_decode(x) for x in got]  # whichever hello came second
+    assert isinstance(refused, m.PrefillRejected) and "takes 2 peers" in refused.reason
+    c.run_until_idle()
+    assert c.prefills[c.addrs[0]].kv_role.num_orders == 2  # "ok" and the admitted peer's
 
 
 def test_5_forged_done_from_another_agent_is_ignored():
