@@ -24,7 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set router.port=9000 (repeatable)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="the launcher's own log level (its processes use launcher.log_level)",
+    )
 
 
 def run(args: argparse.Namespace) -> None:
