@@ -89,10 +89,23 @@ def test_2_unreachable_or_invalid_prefill_address_fails_that_request_only():
 
 
 def test_3_nan_temperature_is_refused_at_the_boundary():
+    """Clients: a 400 (test_server.py hostile values; the engine survives a row that still
+    fails: test_request_validation.py). Peers: an order carrying NaN is rejected by key."""
     with pytest.raises(ValueError):
         SamplingParams(temperature=math.nan)
-    # the engine-level and HTTP-level proofs: test_request_validation.py
-    # (test_engine_survives_a_request_whose_sampling_fails), test_server.py (hostile values)
+    c = Cluster(num_prefill=1)
+    link = _hostile_link(c)
+    raw = msgspec.to_builtins(_order("n", 1, dst=list(range(10)), prompt=PROMPT,
+                                     agent="evil", now=c.world.now))  # fmt: skip
+    raw["params"]["temperature"] = math.nan
+    link.send(msgspec.msgpack.encode(raw))
+    (r,) = _replies(c, link, 1)
+    assert isinstance(r, m.PrefillRejected) and (r.request_id, r.attempt) == ("n", 1)
+    assert "temperature" in r.reason
+    c.submit("ok", PROMPT, 2)
+    c.run_until_idle()
+    c.check_final()
+    assert c.reqs["ok"].tokens == expected_output(PROMPT, 2)
 
 
 def test_4_dead_prefill_node_fails_over_at_once_and_blocks_free_when_provable():
