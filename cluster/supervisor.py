@@ -104,7 +104,10 @@ class Supervisor:
                 if self.stop_requested:
                     raise LaunchError("stopped by a signal during startup")
                 for svc in stage:
+                    was = svc.state
                     self._check_starting(svc, fail=True)
+                    if svc.state != was:
+                        self.on_change()  # cluster.json shows each process as it comes up
                 if time.monotonic() >= next_progress:
                     waiting = [f"{s.name} ({s.state})" for s in stage if s.state != "up"]
                     elapsed = time.monotonic() - t0
