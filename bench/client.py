@@ -34,6 +34,9 @@ class RequestRecord:
     ttft: float | None = None  # first content chunk, seconds after start
     e2e: float | None = None  # last event, seconds after start
     chunk_times: list[float] = field(default_factory=list)  # content chunks, after start
+    chunk_tokens: list[int] = field(
+        default_factory=list
+    )  # tokens listed per chunk (logprobs), else 0
     output_tokens: int = 0
     output_tokens_source: str = "none"  # usage | tokenizer | chunks
     ok: bool = False
@@ -92,18 +95,21 @@ def request_body(cfg: EndpointConfig, req: BenchRequest) -> dict:
     return body
 
 
-def _chunk_content(event: dict, is_chat: bool) -> tuple[str, bool]:
-    """The chunk's text, and whether it carries output (text, or tokens in its logprobs:
-    a model without a tokenizer streams empty text with `logprobs` requested)."""
-    text, tokens = "", False
+def _chunk_content(event: dict, is_chat: bool) -> tuple[str, int]:
+    """The chunk's text and its token count when it lists them (logprobs), else 0.
+
+    A chunk carries output if it has text or tokens: a model without a tokenizer streams
+    empty text, but with `logprobs` requested each chunk still lists its tokens.
+    """
+    text, tokens = "", 0
     for choice in event.get("choices") or []:
         if is_chat:
             text += (choice.get("delta") or {}).get("content") or ""
         else:
             text += choice.get("text") or ""
         lp = choice.get("logprobs") or {}
-        tokens = tokens or bool(lp.get("tokens") or lp.get("content"))
-    return text, bool(text) or tokens
+        tokens += len(lp.get("tokens") or lp.get("content") or [])
+    return text, tokens
 
 
 def _error_message(event_or_body) -> str:
@@ -157,11 +163,12 @@ async def send_request(
                     return _fail(rec, start, "other", f"unparseable event: {data[:200]}")
                 if "error" in event and not event.get("choices"):
                     return _fail(rec, start, "server_error", _error_message(event))
-                piece, has_output = _chunk_content(event, cfg.is_chat)
-                if has_output:
+                piece, n_tokens = _chunk_content(event, cfg.is_chat)
+                if piece or n_tokens:
                     if rec.ttft is None:
                         rec.ttft = now
                     rec.chunk_times.append(now)
+                    rec.chunk_tokens.append(n_tokens)
                     text += piece
                 rec.e2e = now
                 if event.get("usage"):
