@@ -70,7 +70,7 @@ def plot_serve(report: dict, stem: Path) -> list[Path]:
         written.append(_save(fig, plt, stem, "_sweep"))
     stage_runs = [r for r in runs if r["metrics"].get("ttft_stages_ms")]
     if stage_runs:
-        names = sorted({n for r in stage_runs for n in r["metrics"]["ttft_stages_ms"]})
+        names = list(dict.fromkeys(n for r in stage_runs for n in r["metrics"]["ttft_stages_ms"]))
         fig, ax = plt.subplots(figsize=(2.5 + 1.2 * len(stage_runs), 4.5))
         labels = [str(r["request_rate"]) for r in stage_runs]
         bottom = np.zeros(len(stage_runs))

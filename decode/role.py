@@ -90,6 +90,7 @@ class DecodeRole:
                 self._tried.pop(rid, None)
                 self.bytes_received += ev.num_blocks * self._block_bytes
                 req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob)
+                req.kv_done_time, req.prefill_node_s = time.monotonic(), ev.prefill_node_s
                 lp = None if ev.logprob is None else [ev.logprob]
                 outs.append(core.make_output(req, [ev.first_token], lp))
                 if req.is_finished:
@@ -145,6 +146,7 @@ class DecodeRole:
                 self._held.discard(key)
                 core.kv.release_hold(key)
                 continue
+            req.kv_order_time = time.monotonic()
             self.connector.request_prefill(order, req.remote_prefill)
             self.num_remote_prefills += 1
 

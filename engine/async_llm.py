@@ -20,7 +20,7 @@ from engine.core_proc import RoleFactory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.messages import EngineAddresses, Ready
-from engine.outputs import TokenLogprobs
+from engine.outputs import RequestTimings, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
 
@@ -46,6 +46,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     ttft_s: float | None = None  # set on the delta carrying the first token
     itl_s: list[float] = field(default_factory=list)  # gaps between later token arrivals
+    timings: RequestTimings | None = None  # engine-side TTFT stages, with the first token
 
 
 class AsyncLLM:
@@ -132,6 +133,8 @@ class AsyncLLM:
                             delta.itl_s.append(t - last_token_time)
                         last_token_time = t
                     delta.token_ids.extend(out.new_token_ids)
+                    if out.timings is not None:
+                        delta.timings = out.timings
                     if delta.logprobs is not None and out.new_logprobs:
                         delta.logprobs.extend(out.new_logprobs)
                     if out.new_top_logprobs:

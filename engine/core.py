@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from engine.kv_role import KVRole
 from engine.model_arch import ModelArch
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.outputs import EngineCoreOutput, EngineStats, TokenLogprobs
+from engine.outputs import EngineCoreOutput, EngineStats, RequestTimings, TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -193,6 +194,10 @@ class EngineCore:
         role = self.kv_role
         outs = role.before_step(self) if role is not None else []
         sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
         for req, hold_key in sched.dropped_exports:
             self.requests.pop(req.request_id, None)
             if role is not None:
@@ -238,6 +243,9 @@ class EngineCore:
         logprobs: list[float] | None = None,
         top: list[TokenLogprobs] | None = None,
     ) -> EngineCoreOutput:
+        timings = None
+        if tokens and not req.timings_sent:  # the first token: report where its time went
+            timings, req.timings_sent = self.first_token_timings(req), True
         prompt_lps = None
         if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             if tokens or req.is_finished:
@@ -252,7 +260,27 @@ class EngineCore:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=req.error,
+            timings=timings,
         )
+
+    @staticmethod
+    def first_token_timings(req: Request) -> RequestTimings:
+        """The TTFT stages of `req`, whose first token is going out now."""
+        now = time.monotonic()
+        t = RequestTimings()
+        start = req.arrival_time
+        if req.kv_order_time is not None:
+            t.decode_admission_s = req.kv_order_time - req.arrival_time
+            start = req.kv_order_time
+            if req.kv_done_time is not None:  # the prefill node computed the prompt
+                queue, compute = req.prefill_node_s or (0.0, 0.0)
+                t.prefill_queue_s, t.prefill_compute_s = queue, compute
+                t.kv_transfer_s = req.kv_done_time - req.kv_order_time - queue - compute
+                t.first_decode_step_s = now - req.kv_done_time
+                return t
+        scheduled = req.first_scheduled_time if req.first_scheduled_time is not None else now
+        t.queue_s, t.prefill_s = scheduled - start, now - scheduled
+        return t
 
     # -- introspection ---------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -13,6 +13,35 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     logprobs: list[float]
 
 
+class RequestTimings(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Where a request's time to first token went inside the engine(s), in seconds.
+
+    Sent once, with the request's first token. A locally prefilled request has `queue`
+    and `prefill`; a PD request `decode_admission` (arrival -> prefill order sent),
+    `prefill_queue` and `prefill_compute` (measured on the prefill node), `kv_transfer`
+    (order sent -> done received, minus the prefill node's two: the order's trip, the last
+    WRITEs and the done notification) and `first_decode_step` (done received -> token out).
+    A PD request prefilled here after its remote prefill failed has `decode_admission`,
+    `queue` (order sent -> scheduled here) and `prefill`.
+    """
+
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_admission_s: float | None = None
+    prefill_queue_s: float | None = None
+    prefill_compute_s: float | None = None
+    kv_transfer_s: float | None = None
+    first_decode_step_s: float | None = None
+
+    def stages(self) -> dict[str, float]:
+        """Stage name (without `_s`) -> seconds, in request order, for the stages present."""
+        return {
+            f.removesuffix("_s"): v
+            for f in self.__struct_fields__
+            if (v := getattr(self, f)) is not None
+        }
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
     """What one step produced for one request.
 
@@ -30,6 +59,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    timings: RequestTimings | None = None  # with the first token only
 
     @property
     def finished(self) -> bool:

@@ -55,6 +55,12 @@ class Request:
         self.block_size = block_size
         self.eos_token_ids = eos_token_ids
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # Time-to-first-token stages (engine clock, time.monotonic); see RequestTimings.
+        self.first_scheduled_time: float | None = None
+        self.kv_order_time: float | None = None  # PD decode: prefill order sent
+        self.kv_done_time: float | None = None  # PD decode: every KV block landed
+        self.prefill_node_s: tuple[float, float] | None = None  # PD: its queue, compute
+        self.timings_sent = False
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []

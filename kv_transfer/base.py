@@ -50,6 +50,7 @@ class RecvDone(msgspec.Struct, frozen=True):
     first_token: int
     logprob: float | None
     num_blocks: int
+    prefill_node_s: tuple[float, float] = (0.0, 0.0)  # the prefill node's queue, compute
 
 
 class RecvFailed(msgspec.Struct, frozen=True):
@@ -142,7 +143,10 @@ class PrefillConnector(_Connector):
         first_index: int,
         first_token: int,
         logprob: float | None,
-    ) -> None: ...
+        prefill_node_s: tuple[float, float] = (0.0, 0.0),
+    ) -> None:
+        """Push the last blocks, then tell decode (with this node's queue and compute
+        seconds, `prefill_node_s`, for the TTFT breakdown)."""
 
     @abc.abstractmethod
     def end(self, key: TransferKey, reason: str) -> None: ...

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -168,7 +169,10 @@ class DecodeSide(DecodeConnector):
         if msg.num_blocks != expected:
             reason = f"incomplete KV: {msg.num_blocks} of {expected} blocks"
             return [RecvFailed(key, reason), Released(key)]
-        return [RecvDone(key, msg.first_token, msg.logprob, msg.num_blocks)]
+        timing = (msg.prefill_queue_s, msg.prefill_compute_s)
+        if not all(math.isfinite(x) and 0 <= x < 1e6 for x in timing):
+            timing = (0.0, 0.0)  # only ever reported, so a bad value is just dropped
+        return [RecvDone(key, msg.first_token, msg.logprob, msg.num_blocks, timing)]
 
     def _on_control(self, node: str, msg: m.ToDecode) -> list[DecodeEvent]:
         if isinstance(msg, (m.PrefillDone, m.HeartbeatAck)):

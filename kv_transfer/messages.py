@@ -84,6 +84,10 @@ class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     logprob: float | None
     num_blocks: int  # blocks written for this attempt, all transfers together
     nonce: int = 0  # the order's: a notification from anyone else is ignored
+    # The prefill node's share of the time to first token (its clock, so durations only):
+    # order received -> first scheduled, first scheduled -> first token sampled.
+    prefill_queue_s: float = 0.0
+    prefill_compute_s: float = 0.0
 
 
 ToPrefill = PeerHello | PrefillOrder | AbortPrefill | Heartbeat

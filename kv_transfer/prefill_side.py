@@ -124,7 +124,9 @@ class PrefillSide(PrefillConnector):
             return False
         return True
 
-    def finish(self, key, src_block_ids, first_index, first_token, logprob) -> None:
+    def finish(
+        self, key, src_block_ids, first_index, first_token, logprob, prefill_node_s=(0.0, 0.0)
+    ) -> None:
         s = self._sends.get(key)
         if s is None or s.state is not SendState.COMPUTING:
             return
@@ -136,6 +138,8 @@ class PrefillSide(PrefillConnector):
             logprob=logprob,
             num_blocks=s.blocks_sent + len(src),
             nonce=s.order.nonce,
+            prefill_queue_s=prefill_node_s[0],
+            prefill_compute_s=prefill_node_s[1],
         )
         s.final, s.state = (src, dst, done), SendState.FINISHING
         self._events += self._progress(key, s)

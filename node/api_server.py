@@ -164,7 +164,8 @@ def build_app(
         gens = await until_disconnect(request, serving.collect(p))
         if gens is None:
             return Response(status_code=499)
-        return JSONResponse(responses.completion_response(serving, p, gens).model_dump())
+        body = responses.completion_response(serving, p, gens).model_dump()
+        return JSONResponse(body | _timings_field(serving, gens))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -178,7 +179,8 @@ def build_app(
         gens = await until_disconnect(request, serving.collect(p))
         if gens is None:
             return Response(status_code=499)
-        return JSONResponse(responses.chat_response(serving, p, gens).model_dump())
+        body = responses.chat_response(serving, p, gens).model_dump()
+        return JSONResponse(body | _timings_field(serving, gens))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
@@ -212,6 +214,12 @@ def build_app(
         return DetokenizeResponse(prompt=serving.llm.tokenizer.decode(body.tokens))
 
     return app
+
+
+def _timings_field(serving: OpenAIServing, gens) -> dict:
+    """`pdserve_timings` of the first choice, for a non-streamed response body."""
+    t = serving.server_timings(gens[0]) if gens else None
+    return {"pdserve_timings": t} if t is not None else {}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -180,6 +181,15 @@ async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> Asy
         yield event
 
 
+def with_timings(body_json: str, timings: dict | None) -> str:
+    """A chunk's JSON with `pdserve_timings` added (unchanged without timings)."""
+    if timings is None:
+        return body_json
+    body = json.loads(body_json)
+    body["pdserve_timings"] = timings
+    return json.dumps(body, separators=(",", ":"))
+
+
 async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_chunk, first):
     for f in first:
         yield f"data: {f}\n\n"
@@ -192,6 +202,8 @@ async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_
                 piece.add(delta)
                 body = chunk(c, piece)
                 if body is not None:
+                    if delta.finish_reason is not None:
+                        body = with_timings(body, s.server_timings(gens[c.index]))
                     yield f"data: {body}\n\n"
     except RequestFailedError as e:
         logger.error("request %s failed: %s", p.request_id, e)

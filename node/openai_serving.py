@@ -29,7 +29,7 @@ from api.sampling_rules import INT64_MIN
 from engine.async_llm import AsyncLLM, RequestDelta
 from engine.config import KVTransferConfig
 from engine.errors import InvalidRequestError
-from engine.outputs import TokenLogprobs
+from engine.outputs import RequestTimings, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 from node.logprobs_format import LogprobsFormatter
@@ -68,8 +68,14 @@ class Generation:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    ttft_s: float | None = None  # this node's arrival -> first token at its frontend
+    timings: RequestTimings | None = None
 
     def add(self, delta: RequestDelta) -> None:
+        if delta.ttft_s is not None:
+            self.ttft_s = delta.ttft_s
+        if delta.timings is not None:
+            self.timings = delta.timings
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
@@ -112,6 +118,18 @@ class OpenAIServing:
         self.prefill_nodes = prefill_nodes or PrefillNodes.configured(
             self.pd.prefill_nodes, self.pd.role
         )
+
+    def server_timings(self, g: Generation) -> dict | None:
+        """`pdserve_timings` (docs/benchmarks.md, "Server timings"): where this request's
+        first-token time went on this node: the engine's stages (`RequestTimings`) plus
+        `frontend`, the rest of this node's TTFT (tokenizing, the hops to and from the
+        engine process, detokenizing)."""
+        if g.timings is None or g.ttft_s is None:
+            return None
+        stages = g.timings.stages()
+        stages = {"frontend": g.ttft_s - sum(stages.values()), **stages}
+        return {"node": self.pd.node_id, "role": self.pd.role, "ttft_s": g.ttft_s,
+                "stages": stages}  # fmt: skip
 
     @property
     def fmt(self) -> LogprobsFormatter:

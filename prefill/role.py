@@ -113,7 +113,10 @@ class PrefillRole:
                 self._held[exp.key] = hold
                 src = block_ids[exp.next_block : exp.num_blocks]
                 lp = req.output_logprobs[0] if req.output_logprobs else None
-                self.connector.finish(exp.key, src, exp.next_block, req.output_token_ids[0], lp)
+                t = core.first_token_timings(req)  # its arrival here = the order's
+                timing = (t.queue_s or 0.0, t.prefill_s or 0.0)
+                first = req.output_token_ids[0]
+                self.connector.finish(exp.key, src, exp.next_block, first, lp, timing)
                 continue
             full = min(req.num_computed_tokens // bs, exp.num_blocks)
             if full > exp.next_block:

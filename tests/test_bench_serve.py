@@ -71,6 +71,56 @@ def test_short_run_against_a_node(node, tmp_path):
         assert (stem.parent / (stem.name + suffix)).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_ttft_stages_from_a_node(node, tmp_path):
+    report = _bench(tmp_path, node, "--num-prompts", "3", "--input-len", "40", "--output-len",
+                    "3", "--extra-body", '{"logprobs": 0}', "--no-plots")  # fmt: skip
+    for r in report["runs"][0]["requests"]:
+        t = r["server_timings"]
+        assert t["role"] == "colocated" and list(t["stages"]) == ["frontend", "queue", "prefill"]
+        assert all(v >= 0 for v in t["stages"].values())
+        assert sum(t["stages"].values()) == pytest.approx(t["ttft_s"])
+        assert r["ttft"] >= t["ttft_s"]  # the client sees the server's TTFT and more
+    stages = report["runs"][0]["metrics"]["ttft_stages_ms"]
+    assert set(stages) == {"frontend", "queue", "prefill", "client_overhead"}
+
+
+@pytest.fixture(scope="module")
+def pd_pair(tiny_llama_dir):
+    ctl = f"tcp://127.0.0.1:{free_port()}"
+    common = ["--model", tiny_llama_dir, "--log-level", "warning"]
+    p_url, p_proc = start_server([*common, "--role", "prefill", "--kv-control", ctl])
+    d_url, d_proc = start_server([*common, "--role", "decode", "--prefill-node", ctl])
+    yield p_url, d_url
+    kill_server(d_proc)
+    kill_server(p_proc)
+
+
+def test_pd_ttft_breakdown_and_counters_of_both_nodes(pd_pair, tmp_path):
+    p_url, d_url = pd_pair
+    report = _bench(
+        tmp_path, d_url, "--num-prompts", "4", "--input-len", "64", "--output-len", "4",
+        "--request-rate", "inf", "--extra-body", '{"logprobs": 0}',
+        "--metrics-url", d_url + "/metrics", "--metrics-url", p_url + "/metrics",
+    )  # fmt: skip
+    run = report["runs"][0]
+    assert run["metrics"]["completed"] == 4
+    pd_stages = ["decode_admission", "prefill_queue", "prefill_compute", "kv_transfer",
+                 "first_decode_step"]  # fmt: skip
+    for r in run["requests"]:
+        t = r["server_timings"]
+        assert t["role"] == "decode" and list(t["stages"]) == ["frontend", *pd_stages]
+        assert all(t["stages"][s] >= 0 for s in pd_stages), t
+        assert t["stages"]["prefill_compute"] > 0
+        assert sum(t["stages"].values()) == pytest.approx(t["ttft_s"])
+    assert set(run["metrics"]["ttft_stages_ms"]) >= set(pd_stages)
+    delta = run["server_counters"]["delta"]
+    assert delta[d_url + "/metrics"]["pdserve_pd_remote_prefills_total"] == 4
+    assert delta[p_url + "/metrics"]["pdserve_pd_orders_total"] == 4
+    sent = delta[p_url + "/metrics"]["pdserve_kv_sent_bytes_total"]
+    assert sent > 0 and delta[d_url + "/metrics"]["pdserve_kv_received_bytes_total"] == sent
+    assert (tmp_path / "r_stages.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_connection_refused_is_counted_and_reported(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     report = _bench(tmp_path, url, "--num-prompts", "3", "--input-len", "4", "--output-len", "2")
