@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 class BlockPoolError(RuntimeError):
     pass
@@ -83,6 +85,49 @@ class BlockPool:
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)
+        return out
+
+    def get_new_blocks_in_runs(self, n: int, after: int | None = None) -> list[KVBlock]:
+        """Like `get_new_blocks`, but as few runs of consecutive block ids as possible.
+
+        For blocks a KV transfer moves: a run is one descriptor per layer and K/V, so a
+        request held in a few runs on both nodes transfers like one contiguous WRITE.
+        Free blocks without prefix-cache content are used first while there are enough
+        (cached ones only when needed); the run continuing block `after` (the request's
+        last block) comes first, then the longest runs. Costs O(free blocks): use it for
+        the blocks that cross the wire, not for every decode step.
+        """
+        if n > len(self._free):
+            raise BlockPoolError(f"asked for {n} blocks, only {len(self._free)} free")
+        if n == 0:
+            return []
+        ids = np.fromiter(self._free, dtype=np.int64, count=len(self._free))
+        cached = np.fromiter(
+            (b.block_id for b in self._cached.values() if b.ref_cnt == 0), dtype=np.int64
+        )
+        if cached.size and ids.size - cached.size >= n:
+            ids = np.setdiff1d(ids, cached, assume_unique=True)  # sorted
+        else:
+            ids.sort()
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(ids) != 1) + 1))
+        lengths = np.diff(np.concatenate((starts, [ids.size])))
+        order = np.argsort(-lengths, kind="stable")  # longest first, then lowest id
+        if after is not None:
+            i = int(np.searchsorted(ids, after + 1))
+            if i < ids.size and ids[i] == after + 1:
+                run = int(np.searchsorted(starts, i, side="right")) - 1
+                starts[run], lengths[run] = i, lengths[run] - (i - starts[run])
+                order = np.concatenate(([run], order[order != run]))
+        out: list[KVBlock] = []
+        for r in order:
+            first, take = int(starts[r]), min(int(lengths[r]), n - len(out))
+            for block_id in ids[first : first + take].tolist():
+                block = self._free.pop(block_id)
+                self._evict(block)
+                block.ref_cnt = 1
+                out.append(block)
+            if len(out) == n:
+                break
         return out
 
     def touch(self, blocks: list[KVBlock]) -> None:

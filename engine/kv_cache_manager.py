@@ -80,7 +80,9 @@ class KVCacheManager:
         `computed_blocks` (from `get_computed_blocks`, first scheduling only) are taken
         as the request's leading blocks; `request.num_computed_tokens` must already count them.
         `cache=False` keeps the new blocks out of the prefix cache (their KV comes from
-        elsewhere later: call `cache_blocks` once it has landed).
+        elsewhere later: call `cache_blocks` once it has landed). Blocks a KV transfer
+        moves (`cache=False` on a decode node, a prefill node's `kv_export` requests) are
+        taken in runs of consecutive ids, so the transfer needs few descriptors.
         """
         computed_blocks = computed_blocks or []
         need = self.blocks_needed(request, num_new_tokens, len(computed_blocks))
@@ -93,7 +95,11 @@ class KVCacheManager:
             self.pool.touch(computed_blocks)
             blocks.extend(computed_blocks)
             self._num_cached[request.request_id] = len(computed_blocks)
-        new_blocks = self.pool.get_new_blocks(need)
+        if request.kv_export or not cache:  # PD: these blocks cross the wire, keep them in runs
+            after = blocks[-1].block_id if blocks else None
+            new_blocks = self.pool.get_new_blocks_in_runs(need, after)
+        else:
+            new_blocks = self.pool.get_new_blocks(need)
         blocks.extend(new_blocks)
         if cache:
             self.cache_blocks(request, request.num_computed_tokens + num_new_tokens)

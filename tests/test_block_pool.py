@@ -102,3 +102,75 @@ def test_allocation_is_all_or_nothing():
     assert kv.allocate_slots(r, 12) is None
     assert kv.num_free_blocks == 2 and kv.get_block_ids("a") == []
     kv.check_integrity()
+
+
+def _fragmented_pool() -> BlockPool:
+    """16 blocks; free in LRU order 1, 3, 5, then 9..15 (a run of 7), then 0 (0-1: a run)."""
+    pool = BlockPool(16)
+    blocks = pool.get_new_blocks(16)
+    pool.free_blocks([blocks[i] for i in (1, 3, 5)])
+    pool.free_blocks(blocks[9:])
+    pool.free_blocks([blocks[0]])
+    return pool
+
+
+def test_blocks_in_runs_take_the_longest_run_not_the_lru_order():
+    pool = _fragmented_pool()
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [1, 3, 5, 9]  # LRU: scattered
+    pool = _fragmented_pool()
+    got = pool.get_new_blocks_in_runs(4)
+    assert [b.block_id for b in got] == [9, 10, 11, 12]
+    assert all(b.ref_cnt == 1 for b in got)
+    pool.check_integrity()
+    # more than the longest run: the rest comes from the next longest runs
+    got = pool.get_new_blocks_in_runs(6)
+    assert [b.block_id for b in got] == [13, 14, 15, 0, 1, 3]
+    pool.check_integrity()
+    with pytest.raises(BlockPoolError, match="only 1 free"):
+        pool.get_new_blocks_in_runs(2)
+
+
+def test_blocks_in_runs_continue_after_the_last_block():
+    pool = _fragmented_pool()
+    assert [b.block_id for b in pool.get_new_blocks_in_runs(3, after=10)] == [11, 12, 13]
+    assert [b.block_id for b in pool.get_new_blocks_in_runs(3, after=13)] == [14, 15, 0]
+    pool.check_integrity()
+
+
+def test_blocks_in_runs_spare_cached_blocks_while_uncached_suffice():
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(8)
+    h = hash_block_tokens(ROOT, [1, 2, 3, 4])
+    pool.cache_full_block(blocks[0], h, [1, 2, 3, 4])
+    pool.free_blocks(blocks)
+    got = pool.get_new_blocks_in_runs(7)
+    assert sorted(b.block_id for b in got) == list(range(1, 8))
+    assert pool.get_cached_block(h, [1, 2, 3, 4]) is blocks[0]  # still cached
+    pool.free_blocks(got)
+    got = pool.get_new_blocks_in_runs(8)  # now it needs the cached block too
+    assert [b.block_id for b in got] == list(range(8))
+    assert pool.get_cached_block(h, [1, 2, 3, 4]) is None and pool.num_cached_blocks == 0
+    pool.check_integrity()
+
+
+def test_pd_allocations_are_runs_on_a_fragmented_pool():
+    kv = KVCacheManager(16, 4, enable_caching=False)
+    params = SamplingParams(max_tokens=1)
+    one = [Request(f"r{i}", [i] * 4, params, 4) for i in range(16)]
+    for r in one:  # one block each: r{i} holds block i
+        kv.allocate_slots(r, 4)
+    for i in (1, 3, 5, *range(9, 16), 0):  # the same free order as _fragmented_pool
+        kv.free(one[i])
+    remote = Request("d", list(range(100, 124)), params, 4)  # 6 blocks, KV from a peer
+    assert kv.allocate_slots(remote, 24, cache=False) is not None
+    assert kv.get_block_ids("d") == [9, 10, 11, 12, 13, 14]
+    export = Request("p", list(range(200, 208)), params, 4)
+    export.kv_export = True  # a prefill order: chunk by chunk, the run continues
+    kv.allocate_slots(export, 4)
+    export.num_computed_tokens = 4
+    kv.allocate_slots(export, 4)
+    assert kv.get_block_ids("p") == [0, 1]
+    local = Request("c", list(range(300, 304)), params, 4)
+    kv.allocate_slots(local, 4)
+    assert kv.get_block_ids("c") == [3]  # everything else keeps the LRU order
+    kv.check_integrity()
