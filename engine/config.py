@@ -13,7 +13,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str = "smollm2-135m-instruct"  # built-in name, HF directory or .gguf path
-    dtype: str = "float32"
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
     kernel_backend: str | None = None  # "torch" | "triton"; None picks by device
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -29,13 +29,20 @@ class ModelConfig:
         return self.served_model_name or self.model
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype in use: the configured one, else bf16 on CUDA and fp32 on CPU."""
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
     def torch_dtype(self):
         import torch
 
-        return getattr(torch, self.dtype)
+        return getattr(torch, self.dtype_name)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError("model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError("model.device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")

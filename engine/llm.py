@@ -36,7 +36,7 @@ class LLM:
         self,
         model: str = "smollm2-135m-instruct",
         *,
-        dtype: str = "float32",
+        dtype: str | None = None,  # None: bfloat16 on CUDA, float32 on CPU
         device: str = "cpu",
         kernel_backend: str | None = None,
         max_model_len: int | None = None,

@@ -9,22 +9,26 @@ prompt logprobs, at its prompt positions in the same forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from types import ModuleType
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.model_arch import ModelArch
 from engine.models import get_model_class
 from engine.models.cpu_linear import onednn_available
-from engine.models.rope import build_cos_sin_cache
 from engine.request import Request
 from engine.sampler import Sampled, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
+from engine.warmup import warm_up_kernels
 from engine.weights import load_model_weights
-from kernels.ops import default_backend, get_ops
+from kernels.ops import default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +40,55 @@ def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> 
     return arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
 
 
+def build_model(arch: ModelArch, ops: ModuleType, device: torch.device, dtype: torch.dtype):
+    """The model with uninitialised weights, allocated once on `device` in `dtype`.
+
+    Built under the meta device and cast there, so no fp32 copy of the weights ever
+    exists on the device (on a GPU that would double the memory needed to load).
+    """
+    with torch.device("meta"):
+        model = get_model_class(arch.architectures)(arch, ops)
+    return model.to(dtype).to_empty(device=device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`cpu`, or `cuda[:N]` with the index filled in and checked against this machine."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError("model.device", f"{name!r}: no CUDA device on this machine")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            "model.device", f"{name!r}: this machine has {torch.cuda.device_count()} GPU(s)"
+        )
+    return torch.device("cuda", index)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, model_dir: str, num_blocks: int):
         mc = config.model
-        self.device = torch.device(mc.device)
+        self.device = resolve_device(mc.device)
         self.dtype = mc.torch_dtype
         self.block_size = config.cache.block_size
         self.kernel_backend = mc.kernel_backend or default_backend(mc.device)
+        reason = unsupported_head_dim(self.kernel_backend, arch.head_dim)
+        if reason is not None:  # refuse at load, not at the first forward pass
+            raise ConfigError("head_dim", f"{reason} (from {model_dir}/config.json)")
         ops = get_ops(self.kernel_backend)
+        if self.device.type == "cuda":
+            # Triton launches on the current device: make it ours (cuda:1 must not run
+            # its kernels on GPU 0 with pointers into GPU 1). `execute` also guards it.
+            torch.cuda.set_device(self.device)
         torch.manual_seed(mc.seed)
-        with torch.device("meta"):
-            model = get_model_class(arch.architectures)(arch, ops)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = build_model(arch, ops, self.device, self.dtype)
         load_model_weights(model, model_dir)
-        attn = model.model.layers[0].self_attn
-        model.cos_sin = build_cos_sin_cache(arch).to(self.device)  # fp32
+        model.init_rope(self.device)  # fp32
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):
             logger.info("oneDNN GEMMs for %d wide projections", model.use_onednn())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
+        attn = model.model.layers[0].self_attn
         self.kv_cache = torch.zeros(
             (
                 arch.num_hidden_layers,
@@ -66,20 +101,54 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        # Recorded after each step's forward pass: its KV writes are done once it is.
+        self._step_done = torch.cuda.Event() if self.device.type == "cuda" else None
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB, kernels=%s",
+            "KV cache: %d blocks x %d tokens, %.1f MiB, kernels=%s, %s %s",
             num_blocks,
             self.block_size,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.kernel_backend,
+            self.device,
+            mc.dtype_name,
         )
+        if self.device.type == "cuda":
+            self.warm_up()
 
-    @torch.inference_mode()
+    def device_guard(self):
+        """Makes this runner's GPU the current device (Triton launches there); CPU: no-op."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return contextlib.nullcontext()
+
+    def wait_step_done(self) -> None:
+        """Block until the last step's kernels, KV cache writes included, have finished.
+
+        Call before posting NIXL WRITEs of that step's blocks: the NIC reads device memory
+        directly and is not ordered after work queued on a CUDA stream. No-op on CPU.
+        """
+        if self._step_done is not None:
+            self._step_done.synchronize()
+
+    def warm_up(self) -> None:
+        """Compile every kernel variant serving will use (engine/warmup.py)."""
+        t0 = time.perf_counter()
+        with self.device_guard():
+            warm_up_kernels(self.model, self.kv_cache, self.block_size)
+        logger.info("warm-up: kernels compiled in %.1f s", time.perf_counter() - t0)
+
     def execute(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]]
     ) -> tuple[dict[str, Sampled], dict[str, str]]:
         """Run one step. Returns ({request_id: sampled} for rows that sample,
         {request_id: error} for rows whose sampling failed)."""
+        with self.device_guard():
+            return self._execute(out, block_ids)
+
+    @torch.inference_mode()
+    def _execute(
+        self, out: SchedulerOutput, block_ids: dict[str, list[int]]
+    ) -> tuple[dict[str, Sampled], dict[str, str]]:
         rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         if not rows:
             return {}, {}
@@ -125,6 +194,8 @@ class ModelRunner:
             self.kv_cache,
             meta,
         )
+        if self._step_done is not None:
+            self._step_done.record()
         for i, s in enumerate(rows):
             if s.request.wants_prompt_logprobs:
                 self._prompt_logprobs(s.request, hidden[cu[i] : cu[i + 1]], s.num_new_tokens)

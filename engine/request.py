@@ -87,9 +87,7 @@ class Request:
         self.hash_root = hash_root if hash_root is not None else root_hash("", block_size)
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
-        self.generator: torch.Generator | None = None
-        if sampling_params.torch_seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.torch_seed)
+        self._generator: torch.Generator | None = None
         self.processes_logits = sampling_params.processes_logits
 
     @property
@@ -99,6 +97,19 @@ class Request:
             self.sampling_params.prompt_logprobs is not None
             and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
         )
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """The seeded generator, on the device sampling runs on (None if no seed is set).
+
+        Made on first use, on the logits' device: `torch.multinomial` on CUDA
+        probabilities rejects a CPU generator. The stream continues across steps.
+        """
+        seed = self.sampling_params.torch_seed
+        if seed is None:
+            return None
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device).manual_seed(seed)
+        return self._generator
 
     @property
     def num_tokens(self) -> int:

@@ -42,7 +42,9 @@ def sample(
     for i, r in enumerate(reqs):
         if not r.sampling_params.greedy:
             try:
-                tokens[i] = _sample_row(processed[i], r.sampling_params, r.generator)
+                tokens[i] = _sample_row(
+                    processed[i], r.sampling_params, r.generator(processed.device)
+                )
             except (RuntimeError, ValueError) as e:
                 errors[i] = f"sampling failed: {e}"
     for i, r in enumerate(reqs):

@@ -10,6 +10,11 @@ from __future__ import annotations
 from types import ModuleType
 
 BACKENDS = ("torch", "triton")
+# Launch buckets of the Triton attention kernels (kernels.triton_attention), here so the
+# engine can plan its warm-up without importing triton.
+DECODE_MAX_SPLITS = 32  # decode split-K: a power of two up to this
+DECODE_MIN_SPLIT_KEYS = 256  # a split gets at least this many keys
+PREFILL_BLOCK_M = (16, 64)  # query rows per prefill program: chunks <= 32 rows, longer
 
 
 def get_ops(name: str) -> ModuleType:
@@ -22,6 +27,22 @@ def get_ops(name: str) -> ModuleType:
 
         return triton_ops
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKENDS}")
+
+
+def unsupported_head_dim(backend: str, head_dim: int) -> str | None:
+    """Why `backend` cannot run attention heads of `head_dim`, or None if it can.
+
+    Rotary embedding rotates the two halves of a head, so it must be even; the Triton
+    kernels tile a head in one power-of-two block (16 to 256, what fits on chip).
+    """
+    if head_dim < 2 or head_dim % 2:
+        return f"{head_dim} is not an even number (rotary embedding rotates its two halves)"
+    if backend == "triton" and (head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1)):
+        return (
+            f"{head_dim} is not supported by the triton kernels (a power of two from 16 "
+            "to 256); model.kernel_backend: torch runs any even head_dim"
+        )
+    return None
 
 
 def default_backend(device: str) -> str:

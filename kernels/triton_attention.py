@@ -11,6 +11,12 @@ of its GQA group as the rows of one tile, so each K/V byte is read once per grou
 more than one split, every split writes a normalised partial output and its log-sum-exp,
 and `_decode_reduce_kernel` merges them. Split boundaries come from the block table's
 capacity (M * bs), never from `context_lens`, so the launch needs no device-to-host sync.
+
+Compiled variants: what changes from step to step (batch, block-table width, split count
+and length) is passed as runtime arguments that Triton does not specialise on, and the
+split count is bucketed to a power of two, so one model compiles two decode variants
+(split or not), one reduce and two prefill tiles; `ModelRunner.warm_up` compiles them all
+at start instead of during the first requests.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.ops import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_KEYS, PREFILL_BLOCK_M
+
 _LOG2E = 1.4426950408889634
+MAX_SPLITS = DECODE_MAX_SPLITS
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -53,13 +62,13 @@ def _dot(a, b, UPCAST: tl.constexpr):
 # ---------------------------------------------------------------------------- decode
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "split_len", "num_splits"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     qk_scale, stride_qb, stride_qh, stride_bt, stride_ob, stride_oh,
-    stride_kn, stride_kb, stride_kh, split_len,
+    stride_kn, stride_kb, stride_kh, split_len, num_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -96,28 +105,28 @@ def _decode_kernel(
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
-        # mid_o: [B, H, NUM_SPLITS, D] fp32, mid_lse: [B, H, NUM_SPLITS] fp32 (base 2).
-        row = (b * (tl.num_programs(1) * G) + heads) * NUM_SPLITS + split  # [BLOCK_G]
+        # mid_o: [B, H, num_splits, D] fp32, mid_lse: [B, H, num_splits] fp32 (base 2).
+        row = (b * (tl.num_programs(1) * G) + heads) * num_splits + split  # [BLOCK_G]
         tl.store(mid_o_ptr + row[:, None] * D + d[None, :], o, mask=g_mask[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh, num_splits,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    row = (b * H + h) * NUM_SPLITS + s
-    s_mask = s < NUM_SPLITS
+    row = (b * H + h) * num_splits + s
+    s_mask = s < num_splits
     lse = tl.load(mid_lse_ptr + row, mask=s_mask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits (lse = -inf) weigh 0
     o = tl.load(mid_o_ptr + row[:, None] * D + d[None, :], mask=s_mask[:, None], other=0.0)
@@ -126,10 +135,29 @@ def _decode_reduce_kernel(
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int) -> int:
-    """Enough (sequence, KV head, split) programs to fill a large GPU, >= 256 keys each."""
+    """Enough (sequence, KV head, split) programs to fill a large GPU, >= 256 keys each,
+    rounded down to a power of two (1, 2, 4, ... MAX_SPLITS)."""
     target_programs = 512
     want = triton.cdiv(target_programs, max(batch * num_kv_heads, 1))
-    return max(1, min(want, triton.cdiv(max_context, 256), 32))
+    want = max(1, min(want, triton.cdiv(max_context, DECODE_MIN_SPLIT_KEYS), MAX_SPLITS))
+    return 1 << (want.bit_length() - 1)
+
+
+def decode_split(capacity: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split): splits of whole BLOCK_N tiles covering `capacity` keys,
+    with splits that would be empty dropped."""
+    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
+    return triton.cdiv(capacity, split_len), split_len
+
+
+def decode_constexprs(
+    group: int, head_dim: int, block_size: int, block_n: int, num_splits: int, upcast: bool
+) -> dict:
+    """The compile-time arguments of one decode launch: a kernel variant per distinct dict."""
+    return dict(
+        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head_dim, BS=block_size,
+        BLOCK_N=block_n, SPLIT=num_splits > 1, UPCAST=upcast,
+    )  # fmt: skip
 
 
 def decode_attention(
@@ -161,8 +189,8 @@ def decode_attention(
     capacity = block_tables.shape[1] * bs
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, capacity)
-    split_len = triton.cdiv(triton.cdiv(capacity, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(capacity, split_len)  # drop splits that would be empty
+    assert 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in [1, {MAX_SPLITS}]"
+    num_splits, split_len = decode_split(capacity, num_splits, block_n)
     group = h // hkv
     if num_splits > 1:
         mid_o = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
@@ -173,15 +201,14 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse,
         scale * _LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), split_len,
-        G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=d, BS=bs,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=not q.is_cuda,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), split_len, num_splits,
+        **decode_constexprs(group, d, bs, block_n, num_splits, upcast=not q.is_cuda),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(b, h)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            H=h, D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_splits,
+            H=h, D=d, BLOCK_S=MAX_SPLITS,
         )  # fmt: skip
     return out
 
@@ -201,7 +228,7 @@ def paged_decode_attention(
 # ---------------------------------------------------------------------------- prefill
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, lens_ptr, out_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
@@ -284,7 +311,7 @@ def paged_prefill_attention(
     if t == 0 or b == 0:
         return out
     max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    block_m = 64 if max_q_len > 32 else 16
+    block_m = PREFILL_BLOCK_M[1] if max_q_len > 32 else PREFILL_BLOCK_M[0]
     block_n = 64 if d <= 64 else 32
     grid = (triton.cdiv(max_q_len, block_m), b, h)
     _prefill_kernel[grid](

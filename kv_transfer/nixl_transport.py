@@ -299,6 +299,11 @@ class NixlTransport:
         return msgspec.structs.replace(self._totals)
 
     @property
+    def registered_memory(self) -> str:
+        """The memory type NIXL registered the KV tensor as: "DRAM_SEG" or "VRAM_SEG"."""
+        return self._reg.getType().name
+
+    @property
     def num_inflight(self) -> int:
         """Handles posted and not yet released (any state)."""
         return len(self._inflight)

@@ -100,6 +100,8 @@ class PrefillRole:
     ) -> list[EngineCoreOutput]:
         bs = core.config.cache.block_size
         done = {r.request_id for r in finished}
+        if any(s.request.request_id in self._exports for s in sched.scheduled):
+            core.runner.wait_step_done()  # the NIC must not read blocks still being written
         for s in sched.scheduled:
             eid = s.request.request_id
             exp = self._exports.get(eid)

@@ -32,6 +32,7 @@ def greedy_tokens(model_dir: str, backend: str, prompts: list[list[int]]) -> lis
     llm = LLM(
         model_dir,
         device=DEVICE,
+        dtype="float32",  # token-exact comparison (the CUDA default is bfloat16)
         kernel_backend=backend,
         block_size=4,
         num_blocks=96,

@@ -115,8 +115,14 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("cos_sin", build_cos_sin_cache(cfg), persistent=False)
+        # [max_pos, head_dim] fp32, filled by `init_rope` once the model is on its device
+        # (the model is built under the meta device, and `.to(bf16)` would round it).
+        self.register_buffer("cos_sin", torch.empty(0, cfg.head_dim), persistent=False)
         self.lm_head_onednn: OneDNNLinear | None = None
+
+    def init_rope(self, device: torch.device) -> None:
+        """Compute the RoPE table (fp32, whatever the model's dtype) on `device`."""
+        self.cos_sin = build_cos_sin_cache(self.config).to(device)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

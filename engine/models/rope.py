@@ -8,7 +8,14 @@ from engine.model_arch import ModelArch
 
 
 def build_cos_sin_cache(arch: ModelArch) -> torch.Tensor:
-    """[max_position_embeddings, head_dim] fp32: cos in the first half, sin in the second."""
+    """[max_position_embeddings, head_dim] fp32 on the CPU: cos in the first half, sin in
+    the second. Computed on the CPU even inside a `torch.device("meta")` block (the model
+    is built under one), since transformers' init functions make their own CPU tensors."""
+    with torch.device("cpu"):
+        return _build(arch)
+
+
+def _build(arch: ModelArch) -> torch.Tensor:
     params = arch.rope_parameters
     rope_type = params.get("rope_type", "default")
     dim = arch.head_dim
