@@ -29,8 +29,10 @@ class ModelSection(Section):
         min_length=1, description="built-in name, HF directory or .gguf file (required)"
     )
     served_name: str | None = Field(None, description="model name in the API (default: `name`)")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights and KV cache dtype; float32 is token-exact vs HF"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="weights and KV cache dtype (default: bfloat16 on CUDA, float32 on "
+        "CPU); float32 is token-exact vs HF",
     )
     block_size: int = Field(16, ge=1, description="tokens per KV block (a power of two)")
     max_model_len: int | None = Field(

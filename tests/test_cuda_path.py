@@ -168,7 +168,8 @@ def test_decode_launches_compile_two_variants_at_most():
 
 def test_warm_up_runs_every_kernel_path_and_writes_no_kv(tiny_llama_dir):
     pytest.importorskip("triton")
-    llm = LLM(tiny_llama_dir, kernel_backend="triton", block_size=4, num_blocks=64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled, or interpreted
+    llm = LLM(tiny_llama_dir, device=device, kernel_backend="triton", block_size=4, num_blocks=64)
     runner = llm.engine.runner
     runner.warm_up()
     assert not runner.kv_cache.any()  # dummy rows carry slot -1: nothing stored
