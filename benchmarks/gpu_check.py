@@ -109,11 +109,16 @@ def install_wheels(wheel_dir: Path | None) -> dict:
     return result
 
 
-def run_sections(report: Report, sections: list[tuple[str, Callable[[], dict]]]) -> None:
+def run_sections(
+    report: Report, sections: list[tuple[str, Callable[[], dict]]], budget_s: float
+) -> None:
+    start = time.perf_counter()
     for name, fn in sections:
         logger.info("== %s", name)
         t0 = time.perf_counter()
         try:
+            if t0 - start > budget_s:
+                raise RuntimeError(f"time budget of {budget_s:.0f} s spent before it started")
             result = fn()
             status = "failed" if result.pop("failed", None) else "passed"
         except Skip as e:
@@ -132,6 +137,7 @@ def main() -> int:
     ap.add_argument("--wheels", type=Path, help="folder of wheels for missing packages")
     ap.add_argument("--peak-tbps", type=float, default=4.8, help="HBM peak (H200: 4.8)")
     ap.add_argument("--only", help="comma-separated section name prefixes to run")
+    ap.add_argument("--budget-s", type=float, default=480, help="start no section after this")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.dry_run:
@@ -175,7 +181,7 @@ def main() -> int:
     if args.only:
         prefixes = tuple(args.only.split(","))
         sections = [(n, f) for n, f in sections if n.startswith(prefixes)]
-    run_sections(report, sections)
+    run_sections(report, sections, args.budget_s)
     report.data["finished"] = True
     report.write()
     print(json.dumps({k: report.data[k] for k in ("ok", "failures", "skipped")}, indent=2))
@@ -190,7 +196,7 @@ def run_pytest(cuda: bool) -> dict:
     files = ["tests/test_kernels.py", "tests/test_engine_triton.py", "tests/test_cuda_path.py"]
     cmd = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider",
            "--deselect", "tests/test_cuda_path.py::test_gpu_check_dry_run"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     return {
         "failed": proc.returncode != 0,

@@ -109,7 +109,7 @@ def pd_two_processes(ctx: dict) -> dict:
     child = spawn.Process(target=_prefill_main, args=(ctx, model_dir, address, stop, results))
     child.start()
     try:
-        results.get(timeout=300)  # the prefill engine is up
+        results.get(timeout=180)  # the prefill engine is up
         cfg = _config(ctx, model_dir, role="decode", node_id="gpucheck-d",
                       prefill_nodes=(address,))  # fmt: skip
         core = EngineCore(cfg, build_kv_role(cfg.kv_transfer))
@@ -117,7 +117,7 @@ def pd_two_processes(ctx: dict) -> dict:
             core.add_request(f"pd{i}", p, params, remote_prefill=address)
         got: dict[str, list[int]] = {f"pd{i}": [] for i in range(len(prompts))}
         errors = []
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 180
         while core.has_unfinished and time.monotonic() < deadline:
             for out in core.step():
                 got[out.request_id].extend(out.new_token_ids)
@@ -242,7 +242,14 @@ def raw_write(ctx: dict) -> dict:
             cmd.append("--cuda")
         procs[role] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    logs = {role: p.communicate(timeout=240)[0] for role, p in procs.items()}
+    logs = {}
+    for role, p in procs.items():
+        try:
+            logs[role] = p.communicate(timeout=180)[0]
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                q.kill()
+            return {"failed": True, "error": f"raw write {role} did not finish in 180 s"}
     results = {}
     for role, p in procs.items():
         f = workdir / f"raw_{role}.json"
