@@ -54,15 +54,19 @@ def _config(ctx: dict, model_dir: str, **kv):
         scheduler=SchedulerConfig(
             max_num_batched_tokens=256 if ctx["cuda"] else 32, local_prefill_max_tokens=0
         ),  # fmt: skip
-        kv_transfer=KVTransferConfig(**kv),
+        # Interpreted kernels make a prefill step take seconds: a patient liveness check.
+        kv_transfer=KVTransferConfig(peer_timeout_s=10.0 if ctx["cuda"] else 120.0, **kv),
     )
 
 
 def _registered_memory(core) -> str:
-    transport = getattr(core.kv_role.connector, "transport", None)
-    if transport is None:
-        raise RuntimeError("the connector exposes no NIXL transport (kv_transfer changed?)")
-    return transport.registered_memory
+    """What NIXL registered the node's KV cache as (the connector's data plane)."""
+    connector = core.kv_role.connector
+    for attr in ("data", "transport"):  # the side's NixlTransport
+        transport = getattr(connector, attr, None)
+        if hasattr(transport, "registered_memory"):
+            return transport.registered_memory
+    raise RuntimeError(f"{type(connector).__name__} exposes no NIXL transport (data/transport)")
 
 
 def _prefill_main(ctx: dict, model_dir: str, address: str, stop, results) -> None:
@@ -142,6 +146,7 @@ def pd_two_processes(ctx: dict) -> dict:
         "equal_to_colocated": all(m is None for m in mismatches),
         "first_mismatch": mismatches,
         "remote_prefills": stats.pd_remote_prefills,
+        "remote_prefill_failures": stats.pd_failures,
         "kv_bytes_received": stats.kv_bytes_received,
         "kv_bytes_sent": prefill["kv_bytes_sent"],
         "registered_memory": {"decode": decode_mem, "prefill": prefill["registered_memory"]},
@@ -153,6 +158,7 @@ def pd_two_processes(ctx: dict) -> dict:
         or timed_out
         or errors
         or stats.pd_remote_prefills != len(prompts)
+        or stats.pd_failures
         or stats.kv_bytes_received == 0
         or stats.kv_bytes_received != prefill["kv_bytes_sent"]
         or decode_mem != want_mem
