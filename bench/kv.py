@@ -60,19 +60,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="NIXL progress thread (busy-polls a core per agent)")  # fmt: skip
     p.add_argument("--max-bytes", type=int, default=8 * 2**30,
                    help="listener: refuse geometries needing more memory than this")  # fmt: skip
-    p.add_argument("--connect-timeout", type=float, default=60.0)
+    p.add_argument("--connect-timeout", type=float, default=60.0,
+                   help="initiator: keep trying to reach the listener this long")  # fmt: skip
+    p.add_argument("--listen-timeout", type=float, default=600.0,
+                   help="listener: give up if no initiator connects within this")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
 
 
 # -- listener (target) --------------------------------------------------------------------
-def listen(addr: str, max_bytes: int, ready_fd=None) -> None:
-    """Serve one initiator session on `addr`, then return."""
-    from bench import kv_cases
+def listen(addr: str, max_bytes: int, timeout_s: float) -> None:
+    """Serve one initiator session on `addr`, then return.
 
+    SystemExit if no initiator connects within `timeout_s`, or the connection breaks.
+    """
     host, port = parse_addr(addr)
     with socket.create_server((host, port)) as srv:
         logger.info("bench kv: listening on %s:%d", *srv.getsockname()[:2])
-        conn, peer_addr = srv.accept()
+        srv.settimeout(timeout_s)
+        try:
+            conn, peer_addr = srv.accept()
+        except TimeoutError:
+            raise SystemExit(f"pdserve bench kv: no initiator within {timeout_s:g} s") from None
+    conn.settimeout(None)
+    try:
+        _serve_session(conn, peer_addr, max_bytes)
+    except (ConnectionError, ValueError) as e:
+        raise SystemExit(f"pdserve bench kv: session with {peer_addr} broke: {e}") from None
+
+
+def _serve_session(conn: socket.socket, peer_addr, max_bytes: int) -> None:
+    from bench import kv_cases
+
     with conn:
         hello = recv(conn)
         if not isinstance(hello, KVHello):
@@ -223,7 +241,7 @@ def format_table(report: dict) -> str:
 def run(args: argparse.Namespace) -> None:
     try:
         if args.listen:
-            listen(args.listen, args.max_bytes)
+            listen(args.listen, args.max_bytes, args.listen_timeout)
             return
         report = initiate(args, args.peer) if args.peer else _local(args)
     except ValueError as e:

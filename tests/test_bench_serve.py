@@ -268,3 +268,9 @@ def test_bench_kv_listener_refuses_a_geometry_over_its_limit(tmp_path):
     listener.wait(timeout=60)
     assert peer.returncode != 0 and "refused" in p_err and "--max-bytes" in p_err
     assert listener.returncode == 0
+
+
+def test_bench_kv_listener_gives_up_when_nobody_comes():
+    listener = _kv("--listen", f"127.0.0.1:{free_port()}", "--listen-timeout", "1")
+    _, err = listener.communicate(timeout=120)
+    assert listener.returncode != 0 and "no initiator within 1 s" in err
