@@ -48,7 +48,7 @@ class Chunk(msgspec.Struct):
 
     choices: list[msgspec.Raw] = []
     usage: _Usage | None = None
-    error: msgspec.Raw | None = None
+    error: dict | None = None
 
 
 _chunk_decoder = msgspec.json.Decoder(Chunk)

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from api.errors import InvalidRequestError
-from api.http import AbortOnDisconnectResponse, error_response, trace_id
+from api.http import AbortOnDisconnectResponse, error_response, trace_id, until_disconnect
 from api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from api.sampling_rules import INT32_MAX, check_sampling_values
 from router.config import RouterConfig
@@ -192,7 +192,7 @@ class RouterServing:
                 decision.predicted_hit_tokens,
             )  # fmt: skip
             try:
-                return await self._attempt(decision, path, body, headers, req, route, rid)
+                return await self._attempt(decision, path, body, headers, req, route, request)
             except AttemptFailed as e:
                 last = e
                 if e.reason == "prefill_rejected":  # the decode node is fine; that pair is not
@@ -220,9 +220,11 @@ class RouterServing:
         m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
 
     async def _attempt(
-        self, d: Decision, path: str, body: dict, headers: dict, req, route: str, rid: str
+        self, d: Decision, path: str, body: dict, headers: dict, req, route: str, request: Request
     ) -> Response:
-        node = d.decode
+        """One attempt. A client that disconnects before the answer (or, streaming, before
+        the first token) cancels it, which closes the node connection: the node aborts."""
+        node, rid = d.decode, headers["X-Request-Id"]
         node.breaker.on_dispatch()
         node.inflight += 1
         node.inflight_blocks += d.prompt_blocks
@@ -231,7 +233,9 @@ class RouterServing:
         release = _Release(d)
         try:
             if not req.stream:
-                resp = await send_json(node, path, body, headers)
+                resp = await until_disconnect(request, send_json(node, path, body, headers))
+                if resp is None:
+                    return Response(status_code=499)
                 node.breaker.record_success()
                 if resp.status_code == 200:
                     self._observe_usage(resp.json().get("usage"))
@@ -241,15 +245,19 @@ class RouterServing:
                     media_type="application/json",
                     headers={"X-Request-Id": rid},
                 )
-            opened = await open_stream(node, path, body, headers, int(route == "chat"))
+            opened = await until_disconnect(
+                request, open_stream(node, path, body, headers, int(route == "chat"))
+            )
+            if opened is None:
+                return Response(status_code=499)
             node.breaker.record_success()
             release.prefill_done()
             if isinstance(opened, httpx.Response):  # a 4xx: the client's mistake
                 return Response(
                     opened.content, status_code=opened.status_code, media_type="application/json"
                 )
-            events = self._relay(opened, req.include_usage, release, rid)
-            release = None  # the relay's `finally` releases from now on
+            events = _Relayed(self._relay(opened, req.include_usage, release, rid), opened, release)
+            release = None  # the relay releases from now on, even if never iterated
             return AbortOnDisconnectResponse(
                 events, media_type="text/event-stream", headers={"X-Request-Id": rid}
             )
@@ -299,6 +307,28 @@ class RouterServing:
 
     def count(self, route: str, status: int) -> None:
         self.metrics.requests.labels(route=route, status=str(status)).inc()
+
+
+class _Relayed:
+    """The relay generator, with a cleanup that runs on `aclose()` even if iteration never
+    started (a client gone before the first write): the node connection is closed and the
+    attempt's accounting released, exactly once."""
+
+    def __init__(self, gen: AsyncIterator[bytes], opened: OpenStream, release: _Release):
+        self._gen, self._opened, self._release = gen, opened, release
+
+    def __aiter__(self) -> _Relayed:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._gen.aclose()
+        finally:
+            await self._opened.response.aclose()
+            self._release.all()
 
 
 class _Release:

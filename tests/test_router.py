@@ -7,16 +7,18 @@ node, retries on another node when the first cannot serve, and stops using a dea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
 
-from tests.servers import ROOT, kill_server, start_server
+from tests.servers import ROOT, engine_state, kill_server, start_server, wait_idle
 
 NODE_ARGS = ["--num-threads", "1", "--log-level", "warning", "--num-blocks", "64"]
 
@@ -199,3 +201,38 @@ def test_api_key_and_cluster_view(node, tiny_llama_dir):
         assert 'pdserve_router_requests_total{route="completions",status="200"} 1.0' in metrics
     finally:
         kill_server(proc)
+
+
+def test_client_disconnect_through_the_router_leaves_nothing_behind(node, router):
+    url, _ = node
+    body = {"prompt": [4, 5, 6, 7], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def leave_early(stream: bool) -> None:
+        async with httpx.AsyncClient(timeout=60) as c:
+            if stream:
+                async with c.stream(
+                    "POST", f"{router}/v1/completions", json={**body, "stream": True}
+                ) as r:
+                    assert r.status_code == 200
+                    async for _ in r.aiter_bytes():
+                        break  # one chunk, then hang up
+            else:
+                task = asyncio.create_task(c.post(f"{router}/v1/completions", json=body))
+                deadline = time.monotonic() + 30
+                while engine_state(url)["num_running"] == 0:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+                task.cancel()
+
+    for stream in (True, False):
+        asyncio.run(leave_early(stream))
+        wait_idle(url, timeout_s=30)  # nothing running, no block held, integrity holds
+
+        def released() -> bool:  # the router's in-flight accounting went back to zero
+            (n,) = httpx.get(f"{router}/cluster", timeout=10).json()["nodes"]
+            return n["load"]["router_inflight"] == 0
+
+        deadline = time.monotonic() + 30
+        while not released():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)

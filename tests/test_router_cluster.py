@@ -186,6 +186,7 @@ def test_killed_node_leaves_and_its_requests_are_retried(tiny_llama_dir, cluster
     router, rproc = start_server(
         router_args(tiny_llama_dir, url_r, "--decode-policy", "round_robin"), command="router"
     )
+    rproc2 = None
     try:
         wait_usable(router, 2)
         prompt = list(range(3, 40))
@@ -221,9 +222,16 @@ def test_killed_node_leaves_and_its_requests_are_retried(tiny_llama_dir, cluster
         for x in asyncio.run(burst(4, 4)):
             assert x.status_code == 200
         assert engine_state(b[0])["generated_tokens"] - before == 16  # all on b
+        # A second router on the same Redis serves the same cluster; either can die.
+        router2, rproc2 = start_server(router_args(tiny_llama_dir, url_r), command="router")
+        wait_usable(router2, 1)
+        kill_server(rproc)
+        first4 = list(next(iter(tokens)))[:4]
+        assert complete(router2, prompt)["choices"][0]["logprobs"]["tokens"] == first4
     finally:
-        for p in (a[1], b[1], rproc):
-            kill_server(p)
+        for p in (a[1], b[1], rproc, rproc2):
+            if p is not None:
+                kill_server(p)
 
 
 def test_redis_down_router_keeps_serving_and_index_refills(tiny_llama_dir):
