@@ -116,12 +116,19 @@ class AbortOnDisconnectResponse(StreamingResponse):
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """Run `work`; cancel it (None) if the client disconnects first."""
+    """Run `work`; cancel it (None) if the client disconnects first.
+
+    An exception `work` raises is raised as itself (not wrapped in an exception group), so
+    the app's exception handlers see it."""
     result: list[T] = []
+    error: list[Exception] = []
     async with anyio.create_task_group() as tg:
 
         async def run() -> None:
-            result.append(await work)
+            try:
+                result.append(await work)
+            except Exception as e:
+                error.append(e)
             tg.cancel_scope.cancel()
 
         async def watch() -> None:
@@ -131,6 +138,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
 
         tg.start_soon(run)
         tg.start_soon(watch)
+    if error:
+        raise error[0]
     return result[0] if result else None
 
 
