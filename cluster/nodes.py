@@ -116,12 +116,14 @@ def node_settings(
         "heartbeat_s": cfg.launcher.heartbeat_s,
         "node_ttl_s": cfg.launcher.node_ttl_s,
         "drain_timeout_s": cfg.launcher.drain_timeout_s,
+        "cluster_secret_file": cfg.secret_file,
     }
     if g.connector is not None:
         settings["kv_connector"] = g.connector.kind
         settings["kv_transfer_timeout"] = g.connector.transfer_timeout_s
         settings["kv_abort_grace"] = g.connector.abort_grace_s
         settings["kv_peer_timeout"] = g.connector.peer_timeout_s
+        settings["kv_net_devices"] = g.connector.net_devices
     if node.role == "decode":
         peers = group_nodes(cfg, "prefill") if prefill_nodes is None else prefill_nodes
         settings["prefill_node"] = [p.control_address for p in peers]
@@ -154,6 +156,8 @@ def router_argv(
         argv += ["--served-model-name", cfg.model.served_name]
     for key in ROUTER_OPTIONS:
         argv += [f"--{key.replace('_', '-')}", str(getattr(r, key))]
+    if cfg.secret_file:
+        argv += ["--cluster-secret-file", cfg.secret_file]
     if redis_url:
         argv += ["--redis-url", redis_url]
     for node in nodes:

@@ -111,6 +111,11 @@ class ConnectorSection(Section):
         gt=0,
         description="decode: a prefill node silent this long is dead (its requests fail over)",
     )
+    net_devices: str = Field(
+        "auto",
+        description="network devices the NIXL/UCX data plane listens on (UCX_NET_DEVICES, "
+        "e.g. `lo`, `eth0`, `mlx5_0:1`); `auto`: `lo` when the node binds loopback, else all",
+    )
 
 
 class RaySection(Section):
@@ -213,6 +218,11 @@ class ClusterConfig(Section):
     prefill: NodeGroup | None = Field(None, description="prefill node group")
     decode: NodeGroup = Field(description="decode node group (required)")
     launcher: LauncherSection = Field(default_factory=LauncherSection, description="launcher")
+    secret_file: str | None = Field(
+        None,
+        description="file holding the cluster secret (16+ bytes): nodes then authenticate "
+        "KV control frames (HMAC) and answer HTTP only from the router (docs/operations.md)",
+    )
 
     @field_validator("redis", mode="before")
     @classmethod

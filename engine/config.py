@@ -114,6 +114,9 @@ class KVTransferConfig:
     abort_grace_s: float = 2.0  # after a deadline or abort, before blocks are reused
     peer_timeout_s: float = 10.0  # decode: a prefill node silent this long is dead
     on_prefill_failure: str = "local"  # "local": prefill on decode; "error": fail the request
+    # seals every control frame (kv_transfer/frame_auth.py); None: unauthenticated
+    cluster_secret: bytes | None = field(default=None, repr=False)
+    net_devices: str | None = None  # UCX_NET_DEVICES of the data plane; None: all devices
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

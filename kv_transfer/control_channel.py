@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from kv_transfer import messages as m
+from kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,13 @@ class DecodeControl:
         max_queued: int = 1024,
         clock: Callable[[], float] = time.monotonic,
         connect: Callable[[str], ZmqDealerLink] | None = None,
+        auth: FrameAuth | None = None,
     ):
         """`connect(node)` opens a link (default: a ZMQ DEALER; the simulator passes an
-        in-memory one) and raises ConnectionError if it cannot."""
+        in-memory one) and raises ConnectionError if it cannot. `auth` seals and checks
+        every frame (a cluster secret); frames that fail the check are dropped."""
+        self.auth = auth or FrameAuth(None)
+        self.rejected_frames = 0
         self._ctx = zmq.Context() if connect is None else None
         self._connect_link = connect or (lambda node: ZmqDealerLink(self._ctx, node))
         self._hello = hello
@@ -129,11 +134,11 @@ class DecodeControl:
         if peer is None:
             return False
         peer.last_used = self.clock()
-        if peer.queue or not self._try_send(peer, m.encode(msg)):
+        if peer.queue or not self._try_send(peer, self._frame(msg)):
             if len(peer.queue) >= self.max_queued:
                 logger.warning("control queue to %s is full; refusing a message", node)
                 return False
-            peer.queue.append((m.encode(msg), key))
+            peer.queue.append((self._frame(msg), key))
         return True
 
     def withdraw(self, node: str, key: tuple[str, int]) -> bool:
@@ -144,6 +149,9 @@ class DecodeControl:
         before = len(peer.queue)
         peer.queue = deque(x for x in peer.queue if x[1] != key)
         return len(peer.queue) != before
+
+    def _frame(self, msg: m.ToPrefill) -> bytes:
+        return self.auth.seal(m.encode(msg))
 
     def _try_send(self, peer: _Peer, frame: bytes) -> bool:
         return peer.link.send(frame)
@@ -159,7 +167,7 @@ class DecodeControl:
             return None
         peer = _Peer(link, self.clock())
         self._peers[node] = peer
-        peer.queue.append((m.encode(self._hello()), None))
+        peer.queue.append((self._frame(self._hello()), None))
         self._flush(peer)
         return peer
 
@@ -172,6 +180,12 @@ class DecodeControl:
         out: list[tuple[str, m.ToDecode | m.MalformedMessage]] = []
         for node, peer in self._peers.items():
             while (raw := peer.link.recv()) is not None:
+                try:
+                    raw = self.auth.open(raw)
+                except UnauthenticatedFrame as e:
+                    self.rejected_frames += 1
+                    logger.warning("dropping a control frame from %s: %s", node, e)
+                    continue
                 peer.ping_sent_at, peer.dead = None, False  # any message proves it alive
                 try:
                     msg = m.decode_to_decode(raw)
@@ -204,7 +218,7 @@ class DecodeControl:
                 if peer.ping_sent_at is None:
                     peer.ping_sent_at = now
                 if not peer.queue:  # never queued: a peer that cannot take it is silent
-                    self._try_send(peer, m.encode(m.Heartbeat(seq=self._seq)))
+                    self._try_send(peer, self._frame(m.Heartbeat(seq=self._seq)))
             if peer.ping_sent_at is not None and not peer.dead:
                 if now - peer.ping_sent_at > self.peer_timeout_s:
                     logger.warning("prefill node %s missed heartbeats: dead", node)
@@ -240,8 +254,13 @@ class DecodeControl:
 
 
 class PrefillControl:
-    def __init__(self, address: str, link: ZmqRouterLink | None = None):
-        """`link`: the bound socket (default: a ZMQ ROUTER at `address`)."""
+    def __init__(
+        self, address: str, link: ZmqRouterLink | None = None, auth: FrameAuth | None = None
+    ):
+        """`link`: the bound socket (default: a ZMQ ROUTER at `address`). `auth`: frames
+        not sealed with the cluster secret, or replayed, are dropped unanswered."""
+        self.auth = auth or FrameAuth(None)
+        self.rejected_frames = 0
         self._ctx = zmq.Context() if link is None else None
         self._link = link or ZmqRouterLink(self._ctx, address)
         self.address = self._link.address
@@ -255,6 +274,12 @@ class PrefillControl:
                 continue
             ident, raw = frames
             try:
+                raw = self.auth.open(raw)
+            except UnauthenticatedFrame as e:
+                self.rejected_frames += 1
+                logger.warning("dropping a control frame: %s", e)
+                continue
+            try:
                 msg = m.decode_to_prefill(raw)
             except m.MalformedMessage as e:
                 logger.warning("malformed control message: %s", e)
@@ -267,7 +292,7 @@ class PrefillControl:
         return out
 
     def reply(self, ident: bytes, msg: m.ToDecode) -> None:
-        self._link.send(ident, m.encode(msg))
+        self._link.send(ident, self.auth.seal(m.encode(msg)))
 
     def sockets(self) -> list[zmq.Socket]:
         return [self._link.socket] if self._link.socket is not None else []

@@ -21,13 +21,16 @@ import torch
 from kv_transfer.base import register_connector
 from kv_transfer.control_channel import DecodeControl, PrefillControl
 from kv_transfer.decode_side import DecodeSide
+from kv_transfer.frame_auth import FrameAuth
 from kv_transfer.prefill_side import PrefillSide
 
 
-def _nixl_factory(node_id: str):
+def _nixl_factory(node_id: str, net_devices: str | None):
     def build(kv_cache: torch.Tensor):
         from kv_transfer.nixl_transport import NixlTransport
 
+        if net_devices:  # UCX reads it when the agent starts: listen only on these
+            os.environ["UCX_NET_DEVICES"] = net_devices
         name = f"{node_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # The engine loop polls every step, so no NIXL progress thread busy-spinning a core.
         return NixlTransport(name, kv_cache, progress_thread=False)
@@ -44,14 +47,21 @@ def nixl_connector(
     abort_grace_s: float = 2.0,
     peer_timeout_s: float = 10.0,
     heartbeat_s: float = 1.0,
+    cluster_secret: bytes | None = None,
+    net_devices: str | None = None,
 ) -> DecodeSide | PrefillSide:
-    """The decode or prefill side of the NIXL connector for one node."""
+    """The decode or prefill side of the NIXL connector for one node. With
+    `cluster_secret`, control frames are sealed and checked (kv_transfer/frame_auth.py);
+    `net_devices` (UCX_NET_DEVICES) keeps the data plane's listeners on those devices."""
     if role == "decode":
         return DecodeSide(
             lambda hello: DecodeControl(
-                hello, heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s
+                hello,
+                heartbeat_s=heartbeat_s,
+                peer_timeout_s=peer_timeout_s,
+                auth=FrameAuth(cluster_secret),
             ),
-            _nixl_factory(node_id),
+            _nixl_factory(node_id, net_devices),
             abort_grace_s=abort_grace_s,
         )
     if role == "prefill":
@@ -59,6 +69,8 @@ def nixl_connector(
             raise ValueError("a prefill node needs a control address (kv control)")
         # Give up on in-flight WRITEs half a grace before decode nodes reuse their blocks.
         return PrefillSide(
-            PrefillControl(control_address), _nixl_factory(node_id), grace_s=abort_grace_s / 2
+            PrefillControl(control_address, auth=FrameAuth(cluster_secret)),
+            _nixl_factory(node_id, net_devices),
+            grace_s=abort_grace_s / 2,
         )
     raise ValueError(f"NIXL connector role must be 'prefill' or 'decode', got {role!r}")

@@ -17,6 +17,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from api.cluster_secret import NodeKeyMiddleware
 from api.errors import InvalidRequestError
 from api.http import (
     DEFAULT_MAX_BODY_BYTES,
@@ -100,6 +101,7 @@ def build_app(
 
     app = FastAPI(title="pdserve node", lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    app.add_middleware(NodeKeyMiddleware, secret=config.kv_transfer.cluster_secret)
     _add_error_handlers(app)
 
     @app.get("/health")

@@ -14,6 +14,7 @@ import logging
 import shutil
 import tempfile
 
+from api.cluster_secret import load_cluster_secret
 from api.http import DEFAULT_MAX_BODY_BYTES
 from engine.config import (
     CacheConfig,
@@ -71,6 +72,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-timeout", type=float, default=kv.transfer_timeout_s)
     g.add_argument("--kv-abort-grace", type=float, default=kv.abort_grace_s)
     g.add_argument(
+        "--kv-net-devices",
+        default="auto",
+        help="devices the NIXL/UCX data plane listens on (UCX_NET_DEVICES, e.g. lo, eth0); "
+        "auto: lo when --host is loopback, else all",
+    )
+    g.add_argument(
         "--kv-peer-timeout",
         type=float,
         default=kv.peer_timeout_s,
@@ -110,6 +117,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="on SIGTERM: stop accepting, give in-flight requests this long, then exit",
     )
+    g.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="file with the cluster secret (or env PDSERVE_CLUSTER_SECRET): authenticated KV "
+        "control frames, HTTP only from the router (api/cluster_secret.py)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -124,6 +137,22 @@ def cluster_options_from_args(args: argparse.Namespace) -> ClusterOptions:
         )
     except ValueError as e:
         raise ConfigError("cluster", str(e)) from None
+
+
+def _net_devices(args: argparse.Namespace) -> str | None:
+    """UCX_NET_DEVICES for the data plane: loopback nodes keep it on `lo` (None: all)."""
+    devices = getattr(args, "kv_net_devices", "auto")
+    if devices != "auto":
+        return devices
+    loopback = args.host in ("localhost", "::1") or args.host.startswith("127.")
+    return "lo" if loopback else None
+
+
+def _cluster_secret(args: argparse.Namespace) -> bytes | None:
+    try:
+        return load_cluster_secret(getattr(args, "cluster_secret_file", None))
+    except ValueError as e:
+        raise ConfigError("cluster_secret_file", str(e)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -157,6 +186,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             abort_grace_s=args.kv_abort_grace,
             peer_timeout_s=args.kv_peer_timeout,
             on_prefill_failure=args.on_prefill_failure,
+            cluster_secret=_cluster_secret(args),
+            net_devices=_net_devices(args),
         ),
         num_threads=args.num_threads,
     )

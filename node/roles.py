@@ -18,6 +18,8 @@ def build_kv_role(cfg: KVTransferConfig) -> KVRole | None:
         control_address=cfg.control_address,
         abort_grace_s=cfg.abort_grace_s,
         peer_timeout_s=cfg.peer_timeout_s,
+        cluster_secret=cfg.cluster_secret,
+        net_devices=cfg.net_devices,
     )
     if cfg.role == "prefill":
         from prefill.role import PrefillRole

@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 
+from api.cluster_secret import load_cluster_secret
 from router.config import POLICIES, RouterConfig, RouterConfigError
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"require 'Authorization: Bearer KEY' on /v1/ (default: ${API_KEY_ENV}, which "
         "keeps the key out of the process list)",
     )
+    p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="file with the cluster secret (or env PDSERVE_CLUSTER_SECRET): sent to nodes "
+        "as their HTTP key",
+    )
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
@@ -72,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    try:
+        secret = load_cluster_secret(args.cluster_secret_file)
+    except ValueError as e:
+        raise RouterConfigError("cluster_secret_file", str(e)) from None
     return RouterConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -85,6 +96,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         decode_policy=args.decode_policy,
         overlap_weight=args.overlap_weight,
         api_key=args.api_key,
+        cluster_secret=secret,
         max_retries=args.max_retries,
         health_interval_s=args.health_interval_s,
         request_timeout_s=args.request_timeout_s,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 
@@ -36,6 +36,8 @@ class RouterConfig:
     breaker_failures: int = 3  # consecutive failures that open a node's circuit
     breaker_cooldown_s: float = 5.0  # first open period (doubles while failures go on)
     max_body_bytes: int = 4 << 20
+    # sent to nodes as their HTTP key (api/cluster_secret.py); None: nodes are open
+    cluster_secret: bytes | None = field(default=None, repr=False)
 
     @property
     def model_name(self) -> str:

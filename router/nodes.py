@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from api.cluster_secret import NODE_KEY_HEADER, node_key
 from cluster.registry import NodeRecord
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig
@@ -104,6 +105,7 @@ class ClusterView:
                     timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
                     verify=self._ssl,
+                    headers=node_headers(cfg),
                 ),
                 breaker=CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s),
                 static_role=static_role,
@@ -165,3 +167,8 @@ class ClusterView:
     async def aclose(self) -> None:
         for node in self.nodes.values():
             await node.client.aclose()
+
+
+def node_headers(cfg: RouterConfig) -> dict[str, str]:
+    """Headers on every request to a node: its HTTP key when the cluster has a secret."""
+    return {NODE_KEY_HEADER: node_key(cfg.cluster_secret)} if cfg.cluster_secret else {}
