@@ -13,6 +13,7 @@ every node with `X-Attempt`; a retry is a new attempt on another node.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -165,6 +166,7 @@ class RouterServing:
         local_only = kwargs.get("prompt_logprobs") is not None
         rid = request_id(request)
         body = req.model_dump(exclude_unset=True, exclude={"kv_transfer_params"})
+        _check_finite(body)
         if route == "chat":
             body.pop("messages", None)
             body["prompt_token_ids"] = tokens
@@ -351,3 +353,16 @@ class _Release:
             self._done = True
             self.d.decode.inflight -= 1
             self.d.decode.inflight_blocks -= self.d.prompt_blocks
+
+
+def _check_finite(body: dict) -> None:
+    """NaN and +-Infinity parse from JSON but cannot be relayed: a 400 naming the field."""
+    todo: list[tuple[str, object]] = list(body.items())
+    while todo:
+        name, value = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequestError(f"{name} must be a finite number, got {value}", name)
+        if isinstance(value, dict):
+            todo += [(name, v) for v in value.values()]
+        elif isinstance(value, list):
+            todo += [(name, v) for v in value]

@@ -1,0 +1,214 @@
+"""Hostile clients against the router and a node (SmolLM2, real HTTP, real processes).
+
+A catalogue of malformed and extreme requests (malformed JSON, wrong types, huge and
+negative numbers, NaN/Infinity, unknown fields, invalid UTF-8, a 10 MB body, prompts
+beyond the context, thousands of stop strings, extreme logprobs and n, bad
+`kv_transfer_params`, ...): each gets a 4xx with an OpenAI-style error body from both the
+router and the node, and generation still works afterwards. Then a property-based run
+(hypothesis) throws random request bodies built from the API's own field names at the
+router: no answer is ever a 5xx.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.servers import kill_server, start_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m-instruct"
+NODE_ARGS = ["--model", MODEL, "--num-threads", "1", "--log-level", "warning"]
+NODE_ARGS += ["--kv-cache-bytes", str(64 << 20), "--max-model-len", "512"]
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def raw(path: str, data: bytes, ctype: str = "application/json"):
+    return (path, data, ctype)
+
+
+def body(path: str = C, **fields):
+    merged = {**OK, **fields} if path == C else {"messages": MSG, "max_tokens": 2, **fields}
+    return (path, json.dumps(merged).encode(), "application/json")
+
+
+CATALOGUE = {
+    "malformed json": raw(C, b'{"prompt": "x", '),
+    "json array": raw(C, b"[1, 2, 3]"),
+    "json string": raw(C, b'"prompt"'),
+    "empty body": raw(C, b""),
+    "deep nesting": raw(C, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "text/plain": raw(C, b'{"prompt": "x"}', "text/plain"),
+    "invalid utf-8": raw(C, b'{"prompt": "\xff\xfe\xfa", "max_tokens": 2}'),
+    "NaN temperature": raw(C, b'{"prompt": "x", "temperature": NaN}'),
+    "Infinity top_p": raw(C, b'{"prompt": "x", "top_p": Infinity}'),
+    "-Infinity penalty": raw(C, b'{"prompt": "x", "presence_penalty": -Infinity}'),
+    "1e999 temperature": raw(C, b'{"prompt": "x", "temperature": 1e999}'),
+    "10 MB body": body(prompt="a" * (10 << 20)),
+    "missing prompt": raw(C, b'{"max_tokens": 2}'),
+    "prompt int": body(prompt=12345),
+    "prompt dict": body(prompt={"a": 1}),
+    "token id -1": body(prompt=[1, -1, 2]),
+    "token id 10**12": body(prompt=[10**12]),
+    "token id float": body(prompt=[1.5]),
+    "empty prompt": body(prompt=""),
+    "prompt beyond context (ids)": body(prompt=[42] * 5000),
+    "prompt beyond context (text)": body(prompt="hello " * 5000),
+    "max_tokens string": body(max_tokens="ten"),
+    "max_tokens -1": body(max_tokens=-1),
+    "max_tokens 10**30": body(max_tokens=10**30),
+    "max_tokens beyond context": body(max_tokens=100_000),
+    "temperature string": body(temperature="hot"),
+    "temperature -1": body(temperature=-1),
+    "temperature 1e308": body(temperature=1e308),
+    "top_p -1": body(top_p=-1),
+    "top_k 2**70": body(top_k=2**70),
+    "seed 2**70": body(seed=2**70),
+    "n 0": body(n=0),
+    "n -1": body(n=-1),
+    "n 10**6": body(n=10**6),
+    "logprobs -5": body(logprobs=-5),
+    "logprobs 10**6": body(logprobs=10**6),
+    "best_of 10**6": body(best_of=10**6),
+    "stream string": body(stream="maybe"),
+    "unknown field": body(frobnicate=1),
+    "5000 stop strings": body(stop=["x"] * 5000),
+    "stop int": body(stop=5),
+    "logit_bias bad key": body(logit_bias={"abc": 1}),
+    "logit_bias 10**9 entries key": body(logit_bias={"99999999999": 1}),
+    "logit_bias NaN-ish": body(logit_bias={"1": 1e308}),
+    "kv_transfer_params string": body(kv_transfer_params="x"),
+    "kv_transfer_params unknown keys": body(kv_transfer_params={"do_remote_decode": 5}),
+    "model unknown": body(model="gpt-9"),
+    "chat messages string": body(CHAT, messages="hi"),
+    "chat empty messages": body(CHAT, messages=[]),
+    "chat bad role": body(CHAT, messages=[{"role": "hacker", "content": "x"}]),
+    "chat content int": body(CHAT, messages=[{"role": "user", "content": 7}]),
+    "chat top_logprobs 10**6": body(CHAT, logprobs=True, top_logprobs=10**6),
+    "chat n 10**6": body(CHAT, n=10**6),
+    "chat unknown field": body(CHAT, tools_of_doom=[1]),
+}
+
+
+@pytest.fixture(scope="module")
+def node():
+    url, proc = start_server(NODE_ARGS)
+    yield url
+    kill_server(proc)
+
+
+@pytest.fixture(scope="module")
+def router(node):
+    url, proc = start_server(
+        ["--model", MODEL, "--decode", node, "--log-level", "warning"], command="router"
+    )
+    yield url
+    kill_server(proc)
+
+
+def send(url: str, case) -> httpx.Response:
+    path, data, ctype = case
+    return httpx.post(f"{url}{path}", content=data, headers={"content-type": ctype}, timeout=120)
+
+
+def assert_openai_error(r: httpx.Response, name: str) -> None:
+    assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and err["type"], (name, err)
+
+
+def generation_works(url: str) -> None:
+    r = httpx.post(f"{url}{C}", json={**OK, "max_tokens": 4, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+
+
+def test_catalogue_gets_4xx_from_node_and_router(node, router):
+    statuses, bad = {}, []
+    for target, url in (("node", node), ("router", router)):
+        for name, case in CATALOGUE.items():
+            r = send(url, case)
+            statuses[f"{target}: {name}"] = r.status_code
+            try:
+                assert_openai_error(r, f"{target}: {name}")
+            except (AssertionError, ValueError) as e:
+                bad.append(str(e)[:300])
+        generation_works(url)
+    assert bad == [], "\n".join(b.splitlines()[0][:160] for b in bad)
+    print(f"\nhostile inputs: {len(statuses)} requests, statuses: {json.dumps(statuses)}")
+
+
+def test_oversized_body_is_413(node, router):
+    for url in (node, router):
+        assert send(url, CATALOGUE["10 MB body"]).status_code == 413
+
+
+FIELDS = [
+    "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+    "logprobs", "echo", "stream", "ignore_eos", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "best_of", "user",
+    "kv_transfer_params", "model", "suffix", "stream_options", "unknown_field",
+]  # fmt: skip
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+# A valid request with up to 4 fields replaced by anything: some stay valid and generate.
+BODIES = st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=4)
+EXAMPLES = 150
+
+
+def test_property_random_bodies_never_get_a_5xx(router, node):
+    seen = []
+    client = httpx.Client(timeout=120)
+
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(fields=BODIES, chat=st.booleans())
+    def run(fields, chat):
+        fields = {**OK, **fields}
+        # A valid request may generate: keep it short so the run stays bounded.
+        mt = fields.get("max_tokens")
+        if mt is None or (type(mt) is int and 2 < mt < 10**6):
+            fields["max_tokens"] = 2
+        if fields.get("stream") is True:
+            fields["stream"] = False
+        if chat:
+            prompt = fields.pop("prompt")
+            fields["messages"] = MSG if prompt == OK["prompt"] else prompt
+        data = json.dumps(fields, allow_nan=True).encode()
+        r = client.post(f"{router}{CHAT if chat else C}", content=data,
+                        headers={"content-type": "application/json"})  # fmt: skip
+        seen.append(r.status_code)
+        assert r.status_code < 500, (fields, r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            assert r.json()["error"]["message"]
+
+    try:
+        run()
+    finally:
+        client.close()
+    assert len(seen) >= EXAMPLES // 2
+    counts = {s: seen.count(s) for s in sorted(set(seen))}
+    print(f"\nproperty run: {len(seen)} bodies, statuses {counts}")
+    assert 200 in counts  # the run also covers requests that generate
+    generation_works(router)
