@@ -133,6 +133,9 @@ def test_forged_and_replayed_control_frames_are_dropped(pair):
         # sealed with another secret, stale, or garbage.
         stranger = FrameAuth(b"not the cluster secret at all")
         stale = FrameAuth(SECRET, clock=lambda: time.time() - 120)
+        tampered = bytearray(good.seal(m.encode(order)))
+        tampered[-1] ^= 0x01  # one bit of the payload flipped after sealing
+        tampered = bytes(tampered)
         hostile = [
             sealed,
             m.encode(m.Heartbeat(seq=2)),
@@ -140,7 +143,7 @@ def test_forged_and_replayed_control_frames_are_dropped(pair):
             m.encode(abort),
             stranger.seal(m.encode(order)),
             stale.seal(m.encode(m.Heartbeat(seq=3))),
-            good.seal(m.encode(order))[:-1] + b"\x00",
+            tampered,
             b"\x00" * 100,
             os.urandom(5000),
             b"",
