@@ -31,6 +31,7 @@ from tests.servers import ROOT, alive, free_port
 
 DEADLINE_S = 90.0  # every request must end by then, whatever the drill does
 VOCAB = 1000
+EXPECTED = {"redis", "prefill-0", "prefill-1", "decode-0", "router"}
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Outcome:
     started: float
     ended: float
     router: str
+    first_token: float | None = None  # streams: when the first data line came
 
     @property
     def terminal(self) -> bool:
@@ -111,7 +113,8 @@ class Cluster:
         while True:
             assert self.proc.poll() is None, f"launcher exited:\n{self.output.read_text()}"
             services = self.state()["services"]
-            if services and all(s["state"] == "up" for s in services):
+            names = {s["name"] for s in services}
+            if names >= EXPECTED and all(s["state"] == "up" for s in services):
                 return
             assert time.monotonic() < deadline, f"cluster not up in {timeout_s} s: {services}"
             time.sleep(0.5)
@@ -210,7 +213,7 @@ def completion_body(rng: random.Random, prefixes: list[list[int]]) -> dict:
 def one_request(client: httpx.Client, router: str, body: dict, disconnect_after: int | None):
     """Send one completion and classify how it ended (never waits past DEADLINE_S)."""
     t0 = time.monotonic()
-    kind = "ok"
+    kind, first = "ok", None
     try:
         if not body["stream"]:
             r = client.post(f"{router}/v1/completions", json=body)
@@ -222,6 +225,8 @@ def one_request(client: httpx.Client, router: str, body: dict, disconnect_after:
                 if r.status_code != 200:
                     r.read()
                     kind = f"http_{r.status_code}"
+                elif disconnect_after is not None and disconnect_after < 0:
+                    kind = "disconnected"  # right after the headers, before any token
                 else:
                     kind = "truncated"
                     for i, line in enumerate(r.iter_lines()):
@@ -231,6 +236,8 @@ def one_request(client: httpx.Client, router: str, body: dict, disconnect_after:
                         if disconnect_after is not None and i >= disconnect_after:
                             kind = "disconnected"
                             break
+                        if first is None and line.startswith("data: "):
+                            first = time.monotonic()
                         if line.startswith("data: ") and '"error"' in line:
                             kind = "stream_error"
                         elif line == "data: [DONE]":
@@ -240,7 +247,7 @@ def one_request(client: httpx.Client, router: str, body: dict, disconnect_after:
         kind = "timeout"
     except httpx.TransportError:
         kind = "conn_error"
-    return Outcome(kind, t0, time.monotonic(), router)
+    return Outcome(kind, t0, time.monotonic(), router, first)
 
 
 @dataclass
@@ -271,7 +278,7 @@ class Load:
                 body = completion_body(rng, prefixes)
                 cut = None
                 if body["stream"] and rng.random() < self.disconnect_rate:
-                    cut = rng.choice([0, 1, 3])  # before the first token, or mid-stream
+                    cut = rng.choice([-1, 1, 3])  # before the first token, or mid-stream
                 router = rng.choice(self.routers)
                 out = one_request(client, router, body, cut)
                 self.outcomes.append(out)
