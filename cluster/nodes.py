@@ -183,4 +183,5 @@ ROUTER_OPTIONS = (
     "request_timeout_s",
     "breaker_failures",
     "breaker_cooldown_s",
+    "max_concurrent_per_key",
 )

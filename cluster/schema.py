@@ -96,6 +96,12 @@ class RouterSection(Section):
     breaker_cooldown_s: float = Field(
         5.0, gt=0, description="first open period of a breaker (doubles while failures go on)"
     )
+    max_concurrent_per_key: int = Field(
+        0,
+        ge=0,
+        description="generation requests in flight per API key (else per client "
+        "address); more get a 429 (0: no limit)",
+    )
 
 
 class ConnectorSection(Section):

@@ -62,7 +62,9 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     _add_error_handlers(app)
 
-    app.add_middleware(AuthAndCount, api_key=config.api_key)
+    app.add_middleware(
+        AuthAndCount, api_key=config.api_key, max_concurrent=config.max_concurrent_per_key
+    )
 
     def usable_decode(request: Request) -> int:
         return len(request.app.state.view.usable(True))
@@ -118,15 +120,19 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
 
 
 class AuthAndCount:
-    """Bearer-key check on `/v1/` routes; counts generation requests by final status.
+    """Bearer-key check on `/v1/` routes; counts generation requests by final status;
+    with `max_concurrent` > 0, a client (its Authorization header, else its address) with
+    that many generation requests in flight gets a 429 for the next one.
 
     Plain ASGI (no BaseHTTPMiddleware), so streamed responses and client disconnects pass
     through untouched.
     """
 
-    def __init__(self, app, api_key: str | None):
+    def __init__(self, app, api_key: str | None, max_concurrent: int = 0):
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_concurrent = max_concurrent
+        self.in_flight: dict[bytes, int] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -145,13 +151,27 @@ class AuthAndCount:
         if route is None:
             await self.app(scope, receive, send)
             return
+        headers = dict(scope["headers"])
+        client = headers.get(b"authorization") or (scope.get("client") or ("?",))[0].encode()
+        if self.max_concurrent and self.in_flight.get(client, 0) >= self.max_concurrent:
+            scope["app"].state.serving.count(route, 429)
+            msg = f"more than {self.max_concurrent} concurrent requests for this key"
+            resp = error_response(429, msg, "rate_limit_error", code="rate_limit_exceeded")
+            await resp(scope, receive, send)
+            return
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 scope["app"].state.serving.count(route, message["status"])
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        self.in_flight[client] = self.in_flight.get(client, 0) + 1
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            left = self.in_flight.pop(client) - 1
+            if left:
+                self.in_flight[client] = left
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -64,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="file with the cluster secret (or env PDSERVE_CLUSTER_SECRET): sent to nodes "
         "as their HTTP key",
     )
+    p.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        default=d.max_concurrent_per_key,
+        help="generation requests in flight per client (API key, else address); "
+        "more get a 429 (0: no limit)",
+    )
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
@@ -97,6 +104,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         overlap_weight=args.overlap_weight,
         api_key=args.api_key,
         cluster_secret=secret,
+        max_concurrent_per_key=args.max_concurrent_per_key,
         max_retries=args.max_retries,
         health_interval_s=args.health_interval_s,
         request_timeout_s=args.request_timeout_s,

@@ -36,6 +36,7 @@ class RouterConfig:
     breaker_failures: int = 3  # consecutive failures that open a node's circuit
     breaker_cooldown_s: float = 5.0  # first open period (doubles while failures go on)
     max_body_bytes: int = 4 << 20
+    max_concurrent_per_key: int = 0  # generation requests in flight per client; 0: no limit
     # sent to nodes as their HTTP key (api/cluster_secret.py); None: nodes are open
     cluster_secret: bytes | None = field(default=None, repr=False)
 
@@ -76,5 +77,9 @@ class RouterConfig:
         ):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(name, f"must be > 0, got {getattr(self, name)}")
+        if self.max_concurrent_per_key < 0:
+            raise RouterConfigError(
+                "max_concurrent_per_key", f"must be >= 0, got {self.max_concurrent_per_key}"
+            )
         if not self.overlap_weight >= 0:
             raise RouterConfigError("overlap_weight", f"must be >= 0, got {self.overlap_weight}")
