@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
-from engine.core_proc import RoleFactory
+from engine.core_proc import RoleFactory, StoreFactory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.messages import EngineAddresses, Ready
@@ -55,9 +55,10 @@ class AsyncLLM:
         config: EngineConfig,
         addresses: EngineAddresses,
         role_factory: RoleFactory | None = None,
+        store_factory: StoreFactory | None = None,
     ):
         self.config = config
-        self.client = EngineCoreClient(config, addresses, role_factory)
+        self.client = EngineCoreClient(config, addresses, role_factory, store_factory)
         self.tokenizer = None
         self.info: Ready | None = None
 

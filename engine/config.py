@@ -151,16 +151,59 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class KVStoreConfig:
+    """A shared, persistent KV store this node loads prompt prefixes from and saves them to
+    (kv_transfer/prefix_store.py; docs/configuration.md). Off unless `backend` is set."""
+
+    backend: str | None = None  # "lmcache"
+    remote_url: str | None = None  # redis://host:port shared by the nodes; None: local only
+    chunk_size: int = 256  # tokens per stored chunk (a multiple of cache.block_size)
+    local_cpu_bytes: int = 1 << 30  # the store's local CPU tier
+    namespace: str | None = None  # key prefix; None: derived from the model name
+    load_timeout_s: float = 10.0  # a load not done by then: the request computes locally
+    save_timeout_s: float = 30.0  # a save not visible remotely by then counts as failed
+    retry_after_s: float = 10.0  # after a failure the store is skipped this long
+
+    def __post_init__(self) -> None:
+        if self.backend not in (None, "lmcache"):
+            raise ConfigError(
+                "kv_store.backend", f"must be 'lmcache' or unset, got {self.backend!r}"
+            )
+        if self.remote_url is not None and not self.remote_url.startswith("redis://"):
+            raise ConfigError(
+                "kv_store.remote_url", f"must start with redis://, got {self.remote_url!r}"
+            )
+        if self.chunk_size < 1:
+            raise ConfigError("kv_store.chunk_size", f"must be >= 1, got {self.chunk_size}")
+        if self.local_cpu_bytes < 1 << 20:
+            raise ConfigError(
+                "kv_store.local_cpu_bytes", f"must be >= 1 MiB, got {self.local_cpu_bytes}"
+            )
+        for name in ("load_timeout_s", "save_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"kv_store.{name}", f"must be > 0, got {getattr(self, name)}")
+        if self.retry_after_s < 0:
+            raise ConfigError("kv_store.retry_after_s", f"must be >= 0, got {self.retry_after_s}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     num_threads: int | None = None  # torch threads; None: one per core
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.kv_store.backend and self.kv_store.chunk_size % self.cache.block_size:
+            raise ConfigError(
+                "kv_store.chunk_size",
+                f"{self.kv_store.chunk_size} is not a multiple of cache.block_size "
+                f"{self.cache.block_size}",
+            )
 
     @property
     def threads(self) -> int:

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_role import KVRole
+from engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone
 from engine.model_arch import ModelArch
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -60,11 +61,14 @@ class EngineCore:
         *,
         arch: ModelArch | None = None,
         runner_factory: RunnerFactory | None = None,
+        kv_store: KVStore | None = None,
     ):
         """`arch` + `runner_factory` replace the model files and `ModelRunner` (a stub
-        runner for protocol simulations); by default both come from `config.model`."""
+        runner for protocol simulations); by default both come from `config.model`. `kv_store`: a shared prefix store
+        (engine/kv_store.py)."""
         self.config = config
         self.kv_role = kv_role
+        self.kv_store = kv_store
         torch.set_num_threads(config.threads)
         if arch is None:
             self.model_dir = resolve_model(config.model.model)
@@ -97,8 +101,13 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.generated_tokens = 0
         self.last_step_idle = True
+        self._store_parked: dict[str, list[str]] = {}  # request id -> park keys of late loads
+        self._store_jobs = 0  # numbers the owner keys of store jobs
         if kv_role is not None:
             kv_role.attach(self)
+        if kv_store is not None:
+            kv_store.attach(self.runner.kv_cache)
+            self.scheduler.store_loads_enabled = True
 
     # -- requests --------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -173,6 +182,9 @@ class EngineCore:
         if error is not None:
             req.error = error
             logger.warning("request %s failed: %s", request_id, error)
+        if req.status == RequestStatus.WAITING_FOR_STORE:  # the load may still write
+            self._park_store_load(request_id)
+            self.kv_store.abandon_load(request_id)
         hold_key = self.scheduler.finish(req, status)
         if self.kv_role is not None:
             self.kv_role.on_abort(self, req, hold_key)
@@ -184,8 +196,10 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or (
-            self.kv_role is not None and self.kv_role.has_pending()
+        return (
+            self.scheduler.has_unfinished
+            or (self.kv_role is not None and self.kv_role.has_pending())
+            or (self.kv_store is not None and (self.kv_store.has_pending() or self._store_parked))
         )
 
     # -- the loop --------------------------------------------------------------------
@@ -193,6 +207,8 @@ class EngineCore:
         """One iteration: role polling, schedule, execute, update. Never waits for work."""
         role = self.kv_role
         outs = role.before_step(self) if role is not None else []
+        if self.kv_store is not None:
+            self._apply_store_events()
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for s in sched.scheduled:
@@ -202,6 +218,8 @@ class EngineCore:
             self.requests.pop(req.request_id, None)
             if role is not None:
                 role.on_abort(self, req, hold_key)
+        if self.kv_store is not None:
+            self._start_store_loads(sched)
         if role is not None:
             role.after_schedule(self, sched)
         finished: list[Request] = []
@@ -211,6 +229,8 @@ class EngineCore:
                 for s in sched.scheduled
             }
             sampled, failed = self.runner.execute(sched, block_ids)
+            if self.kv_store is not None:
+                self._save_prompts(sched)
             finished = self.scheduler.update_from_output(sched, sampled)
             for rid, x in sampled.items():
                 req = self.requests[rid]
@@ -235,6 +255,59 @@ class EngineCore:
             self.requests.pop(req.request_id, None)
         self.last_step_idle = not sched.scheduled and not outs
         return outs
+
+    # -- KV store (engine/kv_store.py) ---------------------------------------------------
+    def _store_key(self, rid: str, what: str) -> str:
+        self._store_jobs += 1
+        return f"{rid}#store-{what}-{self._store_jobs}"
+
+    def _slots(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        bs = self.config.cache.block_size
+        return [b * bs + i for b in block_ids for i in range(bs)][:num_tokens]
+
+    def _park_store_load(self, rid: str) -> str:
+        key = self._store_key(rid, "load")
+        self._store_parked.setdefault(rid, []).append(key)
+        return key
+
+    def _apply_store_events(self) -> None:
+        for ev in self.kv_store.poll():
+            rid = ev.request_id
+            if isinstance(ev, SaveDone):
+                self.kv.release(rid)  # the save job's pin key
+            elif isinstance(ev, LoadSettled):
+                keys = self._store_parked.get(rid)
+                if keys:
+                    self.kv.release(keys.pop(0))
+                    if not keys:
+                        del self._store_parked[rid]
+            elif isinstance(ev, LoadDone) and rid in self.scheduler.store_loading:
+                park = self._park_store_load(rid) if ev.late else None
+                self.scheduler.store_load_done(rid, ev.num_tokens, park)
+
+    def _start_store_loads(self, sched) -> None:
+        for req in sched.store_loads:
+            slots = self._slots(self.kv.get_block_ids(req.request_id), req.num_tokens)
+            self.kv_store.start_load(
+                req.request_id, req.all_token_ids, slots, req.num_computed_tokens
+            )
+
+    def _save_prompts(self, sched) -> None:
+        """Save each prompt whose last chunk ran this step (its blocks pinned meanwhile)."""
+        bs = self.config.cache.block_size
+        for s in sched.scheduled:
+            req, n = s.request, s.request.num_prompt_tokens
+            if req.store_saved or not (
+                req.num_computed_tokens < n <= req.num_computed_tokens + s.num_new_tokens
+            ):
+                continue
+            req.store_saved = True
+            if req.store_tokens >= n:
+                continue  # loaded whole from the store
+            key = self._store_key(req.request_id, "save")
+            ids = self.kv.pin(req.request_id, -(-n // bs), key)
+            slots = self._slots(ids, n)
+            self.kv_store.start_save(key, req.prompt_token_ids, slots, req.store_tokens)
 
     def make_output(
         self,
@@ -297,7 +370,9 @@ class EngineCore:
             generated_tokens=self.generated_tokens,
             num_waiting_for_kv=len(self.scheduler.remote_waiting),
             kv_blocks_held=self.kv.num_held_blocks,
+            kv_store_hit_tokens=self.scheduler.store_hit_tokens,
             **(self.kv_role.stats() if self.kv_role is not None else {}),
+            **(self.kv_store.stats() if self.kv_store is not None else {}),
         )
 
     def check_integrity(self) -> None:

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core_proc import RoleFactory, run_engine_core
+from engine.core_proc import RoleFactory, StoreFactory, run_engine_core
 from engine.errors import InvalidRequestError
 from engine.messages import (
     AbortRequests,
@@ -62,10 +62,12 @@ class EngineCoreClient:
         config: EngineConfig,
         addresses: EngineAddresses,
         role_factory: RoleFactory | None = None,
+        store_factory: StoreFactory | None = None,
     ):
         self.config = config
         self.addresses = addresses
         self.role_factory = role_factory
+        self.store_factory = store_factory
         self.info: Ready | None = None
         self.dead: str | None = None
         self.latest_stats: EngineStats | None = None
@@ -94,6 +96,7 @@ class EngineCoreClient:
                 logging.getLogger().getEffectiveLevel(),
                 os.getpid(),
                 self.role_factory,
+                self.store_factory,
             ),
             name="EngineCore",
             daemon=True,

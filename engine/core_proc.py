@@ -30,6 +30,7 @@ from engine.config import EngineConfig, KVTransferConfig
 from engine.core import EngineCore
 from engine.errors import InvalidRequestError
 from engine.kv_role import KVRole
+from engine.kv_store import KVStore
 from engine.messages import (
     AbortRequests,
     AddRequest,
@@ -50,6 +51,7 @@ from engine.messages import (
 from engine.outputs import EngineCoreOutput
 
 RoleFactory = Callable[[KVTransferConfig], KVRole | None]
+StoreFactory = Callable[[EngineConfig], KVStore | None]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ def run_engine_core(
     log_level: int,
     parent_pid: int,
     role_factory: RoleFactory | None = None,
+    store_factory: StoreFactory | None = None,
 ) -> None:
     """Process entry point (target of a spawned `multiprocessing.Process`).
 
@@ -77,7 +80,7 @@ def run_engine_core(
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
     _die_with_parent(parent_pid)
-    proc = EngineCoreProc(config, addresses, role_factory)
+    proc = EngineCoreProc(config, addresses, role_factory, store_factory)
     proc.run()
 
 
@@ -104,6 +107,7 @@ class EngineCoreProc:
         config: EngineConfig,
         addresses: EngineAddresses,
         role_factory: RoleFactory | None = None,
+        store_factory: StoreFactory | None = None,
     ):
         self.addresses = addresses
         self.inputs: queue.Queue[EngineInput] = queue.Queue()
@@ -119,7 +123,8 @@ class EngineCoreProc:
         try:
             t = time.perf_counter()
             role = role_factory(config.kv_transfer) if role_factory is not None else None
-            self.core = EngineCore(config, role)
+            store = store_factory(config) if store_factory is not None else None
+            self.core = EngineCore(config, role, kv_store=store)
             logger.info("engine loaded %s in %.1f s", self.core.model_dir, time.perf_counter() - t)
         except BaseException as e:
             self._die(f"engine failed to start: {e!r}")
@@ -151,6 +156,8 @@ class EngineCoreProc:
             raise
         if core.kv_role is not None:
             core.kv_role.shutdown()
+        if core.kv_store is not None:
+            core.kv_store.shutdown()
         self.outputs.put(None)
         self._out_thread.join(timeout=5)
         self._wake.close(linger=0)

@@ -138,6 +138,19 @@ class KVCacheManager:
             raise BlockPoolError(f"no hold {key}")
         self.pool.free_blocks(list(reversed(blocks)))
 
+    def pin(self, request_id: str, num_blocks: int, owner: str) -> list[int]:
+        """Take an extra reference on the request's first `num_blocks` blocks for `owner`
+        (e.g. a store job still reading them); `release(owner)` drops it. Returns their ids."""
+        blocks = self.req_blocks[request_id][:num_blocks]
+        self.pool.touch(blocks)
+        self.req_blocks.setdefault(owner, []).extend(blocks)
+        return [b.block_id for b in blocks]
+
+    def park(self, request_id: str, owner: str) -> None:
+        """Move all of a request's blocks to `owner` (a job may still write them)."""
+        self.req_blocks.setdefault(owner, []).extend(self.req_blocks.pop(request_id, []))
+        self._num_cached.pop(request_id, None)
+
     def release(self, owner: str) -> None:
         """Free every block request `owner` holds."""
         blocks = self.req_blocks.pop(owner, [])

@@ -84,3 +84,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_bytes_received: int = 0  # decode
     pd_orders: int = 0  # prefill: orders taken
     kv_bytes_sent: int = 0  # prefill
+    # KV store (0 without one): prompt tokens loaded from it and used, jobs, failures
+    kv_store_hit_tokens: int = 0
+    kv_store_loads: int = 0
+    kv_store_load_failures: int = 0
+    kv_store_saves: int = 0
+    kv_store_save_failures: int = 0

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks held, a prefill node fills them
+    WAITING_FOR_STORE = "waiting_for_store"  # blocks held, the KV store loads a prefix into them
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -85,6 +86,10 @@ class Request:
         self.error: str | None = None
         # Chain root of the block hashes (cluster/block_hash.py: keyed by model and block size).
         self.hash_root = hash_root if hash_root is not None else root_hash("", block_size)
+        # KV store (engine/kv_store.py): looked up once; saved once; prompt tokens it holds
+        self.store_checked = False
+        self.store_saved = False
+        self.store_tokens = 0
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
         self._generator: torch.Generator | None = None

@@ -15,6 +15,11 @@ waits in `remote_waiting` (status WAITING_FOR_REMOTE_KV) while a prefill node fi
 `remote_kv_ready` then makes it a running request with its first token, or
 `remote_kv_failed` ends it or sends it back to be prefilled here. A short uncached suffix
 (`local_prefill_max_tokens`) is prefilled here directly.
+
+KV store (engine/kv_store.py): a new prompt whose uncached part is at least a block first
+gets blocks for the whole prompt and waits in `store_loading` while the store fills what
+it has; `store_load_done` caches the loaded blocks and re-queues the request at the
+front, where it finds them as a local prefix hit.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class SchedulerOutput:
     # prefill node: exports ended because the pool ran out (their blocks are held: an
     # in-flight WRITE may still read them); the core hands each hold to the KV role
     dropped_exports: list[tuple[Request, tuple[str, int]]] = field(default_factory=list)
+    store_loads: list[Request] = field(default_factory=list)  # newly waiting for the KV store
 
     @property
     def num_tokens(self) -> int:
@@ -63,13 +69,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote_waiting: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.store_loads_enabled = False  # set by the engine when it has a KV store
+        self.store_loading: dict[str, Request] = {}
+        self.store_hit_tokens = 0  # prompt tokens taken from the KV store
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.remote_waiting)
+        return bool(self.waiting or self.running or self.remote_waiting or self.store_loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -105,6 +114,13 @@ class Scheduler:
             else:
                 computed, num_computed = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_computed
+            if self.store_loads_enabled and not req.store_checked:
+                req.store_checked = True
+                if num_new > self.kv.block_size and self._admit_store_load(
+                    req, computed, num_computed
+                ):
+                    out.store_loads.append(req)
+                    continue
             if req.remote_prefill is not None:
                 if num_new > self.config.local_prefill_max_tokens:
                     if not self._admit_remote(req, computed, num_computed):
@@ -143,6 +159,42 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote_waiting[req.request_id] = req
         return True
+
+    def _admit_store_load(self, req: Request, computed, num_computed: int) -> bool:
+        """Hold blocks for the whole prompt while the store fills them (False: no room now,
+        the request takes the normal path instead)."""
+        req.num_computed_tokens = num_computed
+        if (
+            self.kv.allocate_slots(req, req.num_tokens - num_computed, computed, cache=False)
+            is None
+        ):
+            req.num_computed_tokens = 0
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_STORE
+        self.store_loading[req.request_id] = req
+        return True
+
+    def store_load_done(self, request_id: str, num_tokens: int, park_as: str | None) -> Request:
+        """The store has filled the prompt's tokens [0, num_tokens): cache their full blocks
+        and re-queue the request at the front. `park_as`: the load may still be writing,
+        so its blocks move to that owner key (released by the caller) and nothing is cached.
+        """
+        req = self.store_loading.pop(request_id)
+        present = req.num_computed_tokens
+        if park_as is not None:
+            self.kv.park(request_id, park_as)
+        else:
+            self.kv.cache_blocks(req, num_tokens)
+            self.kv.free(req)
+            # Whole blocks only, and the prompt's last token is always computed.
+            usable = min(num_tokens, req.num_tokens - 1) // self.kv.block_size
+            self.store_hit_tokens += max(0, usable * self.kv.block_size - present)
+            req.store_tokens = num_tokens
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        return req
 
     def remote_kv_ready(self, request_id: str, first_token: int, logprob: float | None) -> Request:
         """Every prompt block arrived: cache them, append the first token, start decoding."""
@@ -220,6 +272,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.remote_waiting.pop(req.request_id, None)
+        self.store_loading.pop(req.request_id, None)  # its blocks were parked by the caller
         if prev == RequestStatus.WAITING_FOR_REMOTE_KV or req.kv_export:
             return self.kv.hold(req)
         self.kv.free(req)

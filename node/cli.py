@@ -19,6 +19,7 @@ from api.http import DEFAULT_MAX_BODY_BYTES
 from engine.config import (
     CacheConfig,
     EngineConfig,
+    KVStoreConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -123,6 +124,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="file with the cluster secret (or env PDSERVE_CLUSTER_SECRET): authenticated KV "
         "control frames, HTTP only from the router (api/cluster_secret.py)",
     )
+    st = KVStoreConfig()
+    g = p.add_argument_group("shared KV store (prefix reuse across nodes and restarts)")
+    g.add_argument("--kv-store", default=None, choices=["lmcache"], help="off unless set")
+    g.add_argument("--kv-store-url", default=None, help="redis://HOST:PORT shared by the nodes")
+    g.add_argument("--kv-store-chunk-size", type=int, default=st.chunk_size)
+    g.add_argument("--kv-store-local-bytes", type=int, default=st.local_cpu_bytes)
+    g.add_argument("--kv-store-namespace", default=None, help="default: the --model value")
+    g.add_argument("--kv-store-load-timeout", type=float, default=st.load_timeout_s)
+    g.add_argument("--kv-store-save-timeout", type=float, default=st.save_timeout_s)
+    g.add_argument("--kv-store-retry-after", type=float, default=st.retry_after_s)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -188,6 +199,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             on_prefill_failure=args.on_prefill_failure,
             cluster_secret=_cluster_secret(args),
             net_devices=_net_devices(args),
+        ),
+        kv_store=KVStoreConfig(
+            backend=args.kv_store,
+            remote_url=args.kv_store_url,
+            chunk_size=args.kv_store_chunk_size,
+            local_cpu_bytes=args.kv_store_local_bytes,
+            namespace=args.kv_store_namespace,
+            load_timeout_s=args.kv_store_load_timeout,
+            save_timeout_s=args.kv_store_save_timeout,
+            retry_after_s=args.kv_store_retry_after,
         ),
         num_threads=args.num_threads,
     )

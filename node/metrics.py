@@ -92,6 +92,23 @@ class _EngineStatsCollector(Collector):
             ("pdserve_kv_received_bytes", "PD decode: KV bytes received", s.kv_bytes_received),
             ("pdserve_pd_orders", "PD prefill: prefill orders taken", s.pd_orders),
             ("pdserve_kv_sent_bytes", "PD prefill: KV bytes pushed", s.kv_bytes_sent),
+            (
+                "pdserve_kv_store_hit_tokens",
+                "Prompt tokens loaded from the shared KV store instead of computed",
+                s.kv_store_hit_tokens,
+            ),
+            ("pdserve_kv_store_loads", "KV store loads completed", s.kv_store_loads),
+            (
+                "pdserve_kv_store_load_failures",
+                "KV store loads failed or timed out (computed locally)",
+                s.kv_store_load_failures,
+            ),
+            ("pdserve_kv_store_saves", "Prompts saved to the KV store", s.kv_store_saves),
+            (
+                "pdserve_kv_store_save_failures",
+                "Prompt saves to the KV store that failed",
+                s.kv_store_save_failures,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

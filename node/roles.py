@@ -1,9 +1,10 @@
-"""Build the engine's PD role (decode: import KV; prefill: export KV) from its config."""
+"""Build the engine's PD role (decode: import KV; prefill: export KV) and its KV store."""
 
 from __future__ import annotations
 
-from engine.config import KVTransferConfig
+from engine.config import EngineConfig, KVTransferConfig
 from engine.kv_role import KVRole
+from engine.kv_store import KVStore
 from kv_transfer.base import create_connector
 
 
@@ -32,4 +33,34 @@ def build_kv_role(cfg: KVTransferConfig) -> KVRole | None:
         transfer_timeout_s=cfg.transfer_timeout_s,
         prefill_locally_on_failure=cfg.on_prefill_failure == "local",
         prefill_nodes=cfg.prefill_nodes,
+    )
+
+
+def build_kv_store(config: EngineConfig) -> KVStore | None:
+    """The prefix store from `config.kv_store` (None when off); LMCache is built lazily."""
+    cfg = config.kv_store
+    if cfg.backend is None:
+        return None
+    from kv_transfer.prefix_store import PrefixStore, redis_health_check
+
+    # Chunks are shared by every node that names the model the same way.
+    namespace = cfg.namespace or config.model.model
+
+    def backend(kv_cache):
+        from kv_transfer.lmcache_store import LMCacheKVStore
+
+        return LMCacheKVStore(
+            kv_cache,
+            namespace=namespace,
+            chunk_size=cfg.chunk_size,
+            local_cpu_bytes=cfg.local_cpu_bytes,
+            remote_url=cfg.remote_url,
+        )
+
+    return PrefixStore(
+        backend,
+        load_timeout_s=cfg.load_timeout_s,
+        save_timeout_s=cfg.save_timeout_s,
+        retry_after_s=cfg.retry_after_s,
+        health_check=redis_health_check(cfg.remote_url) if cfg.remote_url else None,
     )

@@ -1,0 +1,169 @@
+"""The LMCache prefix store inside the engine (real LMCache, real redis-server, in process).
+
+Each EngineCore here is a separate "node": its own paged cache and its own LMCache local
+tier; what one node saved reaches another only through Redis. Greedy outputs are checked
+against Hugging Face.
+"""
+
+import contextlib
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from node.roles import build_kv_store
+from tests.hf_reference import hf_greedy, load_hf
+
+pytest.importorskip("lmcache")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+BS, CHUNK = 4, 16
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    return load_hf(tiny_llama_dir)
+
+
+def make_node(model_dir, url, **store_kw) -> EngineCore:
+    cfg = EngineConfig(
+        model=ModelConfig(model_dir),
+        cache=CacheConfig(block_size=BS, num_blocks=128),
+        kv_store=KVStoreConfig(
+            backend="lmcache",
+            remote_url=url,
+            chunk_size=CHUNK,
+            local_cpu_bytes=64 << 20,
+            **store_kw,
+        ),
+        num_threads=1,
+    )
+    return EngineCore(cfg, kv_store=build_kv_store(cfg))
+
+
+def run(core: EngineCore, prompt: list[int], rid: str, max_s: float = 60.0):
+    core.add_request(rid, prompt, GREEDY)
+    tokens, cached, deadline = [], None, time.monotonic() + max_s
+    while core.has_unfinished:  # also drains the store's save jobs (pins released)
+        assert time.monotonic() < deadline, "engine did not finish"
+        for o in core.step():
+            tokens += o.new_token_ids
+            cached = o.num_cached_tokens
+    core.check_integrity()
+    assert core.stats().kv_blocks_used == 0
+    return tokens, cached
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1024) for _ in range(n)]
+
+
+def test_node_b_reuses_node_a_prefix(tiny_llama_dir, hf_model, redis_server):
+    a = make_node(tiny_llama_dir, redis_server.url)
+    b = make_node(tiny_llama_dir, redis_server.url)
+    try:
+        p = prompt(50, seed=1)
+        out_a, cached_a = run(a, p, "a")
+        assert cached_a == 0
+        assert a.stats().kv_store_saves == 1
+        # B has never seen the prompt: 3 whole chunks (48 tokens) come from Redis; the
+        # last block (47 + 1 token left to compute) is recomputed.
+        q = p[:48] + prompt(7, seed=2)  # same prefix, another tail
+        out_b, cached_b = run(b, q, "b")
+        s = b.stats()
+        assert s.kv_store_hit_tokens == 48 and cached_b == 48
+        assert s.kv_store_loads == 1 and s.kv_store_load_failures == 0
+        assert out_a == hf_greedy(hf_model, p, GREEDY.max_tokens)
+        assert out_b == hf_greedy(hf_model, q, GREEDY.max_tokens)
+    finally:
+        a.kv_store.shutdown()
+        b.kv_store.shutdown()
+
+
+def test_prefix_survives_node_restart(tiny_llama_dir, hf_model, redis_server):
+    p = prompt(40, seed=3)
+    a = make_node(tiny_llama_dir, redis_server.url)
+    out1, _ = run(a, p, "r1")
+    t = time.monotonic()
+    a.kv_store.shutdown()
+    assert time.monotonic() - t < 5.0  # bounded even with the Redis backend
+    del a
+    a2 = make_node(tiny_llama_dir, redis_server.url)  # a fresh node: empty cache and tier
+    try:
+        out2, cached = run(a2, p, "r2")
+        assert out2 == out1 == hf_greedy(hf_model, p, GREEDY.max_tokens)
+        assert cached == 36 and a2.stats().kv_store_hit_tokens == 36  # 9 of 10 blocks
+    finally:
+        a2.kv_store.shutdown()
+
+
+def test_redis_down_computes_locally(tiny_llama_dir, hf_model, redis_server, caplog):
+    url = redis_server.url
+    redis_server.stop()
+    node = make_node(tiny_llama_dir, url, retry_after_s=0.0)
+    try:
+        p = prompt(30, seed=4)
+        with caplog.at_level("WARNING", logger="kv_transfer.prefix_store"):
+            out, cached = run(node, p, "r", max_s=60.0)
+        assert out == hf_greedy(hf_model, p, GREEDY.max_tokens)
+        assert cached == 0
+        s = node.stats()
+        assert s.kv_store_load_failures == 1 and s.kv_store_save_failures == 1
+        assert "KV store load failed" in caplog.text and "request r" in caplog.text
+    finally:
+        node.kv_store.shutdown()
+
+
+@pytest.fixture
+def hung_redis_url():
+    """A TCP server that accepts connections and never answers (a hung Redis)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    conns = []
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                conns.append(srv.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"redis://127.0.0.1:{srv.getsockname()[1]}"
+    srv.close()
+    for c in conns:
+        c.close()
+
+
+def test_load_deadline_waited_out(tiny_llama_dir, hf_model, hung_redis_url):
+    """A store that does not answer: the request computes locally once the load deadline
+    passes; the blocks the load might still write stay parked until the load has ended."""
+    node = make_node(tiny_llama_dir, hung_redis_url, load_timeout_s=0.3, retry_after_s=60)
+    try:
+        p = prompt(30, seed=5)
+        node.add_request("r", p, GREEDY)
+        tokens, parked, deadline = [], None, time.monotonic() + 120
+        while node.has_unfinished:
+            assert time.monotonic() < deadline, "never settled"
+            for o in node.step():
+                tokens += o.new_token_ids
+            s = node.stats()
+            if parked is None and s.kv_store_load_failures:
+                parked = s.kv_blocks_used  # right after the deadline: 8 parked (+ its new ones)
+            if len(tokens) < GREEDY.max_tokens:
+                continue
+            time.sleep(0.01)  # output done; wait for the late load to end
+        assert tokens == hf_greedy(hf_model, p, GREEDY.max_tokens)
+        assert parked >= 8
+        assert node.stats().kv_store_load_failures == 1
+        node.check_integrity()
+        assert node.stats().kv_blocks_used == 0
+    finally:
+        t = time.monotonic()
+        node.kv_store.shutdown()
+        assert time.monotonic() - t < 5.0
