@@ -164,7 +164,7 @@ class LMCacheKVStore:
         """Poll until every chunk of `token_ids` is in the remote tier (or the deadline)."""
         if not self.remote:
             return True
-        delay = 0.002
+        delay = 0.0005
         while True:
             n = self._engine.lookup(token_ids, search_range=["RemoteBackend"])
             if n >= len(token_ids):
@@ -172,7 +172,7 @@ class LMCacheKVStore:
             if time.monotonic() + delay > deadline:
                 return False
             time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, 0.005)
 
     def retrieve(self, token_ids: list[int], slots: list[int], skip_tokens: int = 0) -> int:
         """Load stored chunks into `slots`, leaving tokens [0, skip_tokens) untouched.
