@@ -1,4 +1,4 @@
-"""`pdserve bench serve | kv | compare`: benchmarks (see each module's docstring)."""
+"""`pdserve bench serve | kv | kv-store | compare`: benchmarks (see each module's docstring)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import importlib
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("bench.serve", "load an OpenAI-compatible endpoint: TTFT, TPOT, ITL, goodput"),
     "kv": ("bench.kv", "KV-block NIXL transfers between two processes or two hosts"),
+    "kv-store": ("bench.kv_store", "LMCache store/retrieve through Redis vs redis-py SET/GET"),
     "compare": ("bench.compare", "two `bench serve` reports side by side"),
 }
 

@@ -118,14 +118,17 @@ class PrefixStore:
             except queue.Empty:
                 break
             self._pending -= 1
-            if error is not None:
-                self._fail(job.kind, job.request_id, error)
-            else:
-                self.counters["kv_store_saves" if job.kind == "save" else "kv_store_loads"] += 1
-            if job.kind == "load" and self._loads.get(job.request_id) is not job:
-                ev = LoadSettled(job.request_id)  # the engine stopped waiting for this one
+            # A load the engine stopped waiting for (deadline, abort) only settles now;
+            # a deadline was counted as its failure already.
+            stale = job.kind == "load" and self._loads.get(job.request_id) is not job
+            if stale:
+                ev = LoadSettled(job.request_id)
             elif job.kind == "load":
                 del self._loads[job.request_id]
+            if error is not None and not stale:
+                self._fail(job.kind, job.request_id, error)
+            elif error is None:
+                self.counters["kv_store_saves" if job.kind == "save" else "kv_store_loads"] += 1
             events.append(ev)
         now = time.monotonic()
         for rid, job in list(self._loads.items()):

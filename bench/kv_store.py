@@ -1,6 +1,6 @@
-"""KV store benchmark: the LMCache path (our paged cache <-> Redis) vs plain redis-py.
+"""`pdserve bench kv-store`: the LMCache path (our paged cache <-> Redis) vs plain redis-py.
 
-    python benchmarks/kv_store.py --out results/kv_store.json [--tokens 256 1024 2048]
+    pdserve bench kv-store --out results/kv_store.json [--tokens 256 1024 2048]
 
 For each request size (tokens), in the default model's KV shapes (SmolLM2-135M: 30
 layers, 3 KV heads, head_dim 64, fp32, block 16) and the store's chunking:
@@ -21,17 +21,15 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cluster.embedded_redis import EmbeddedRedis  # noqa: E402
-from kv_transfer.lmcache_store import LMCacheKVStore  # noqa: E402
+from cluster.embedded_redis import EmbeddedRedis
+from kv_transfer.lmcache_store import LMCacheKVStore
 
-logger = logging.getLogger("benchmarks.kv_store")
+logger = logging.getLogger(__name__)
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 DEFAULT_TOKENS = (256, 1024, 2048)
@@ -123,7 +121,7 @@ def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, kv_a, kv_b) 
     return row
 
 
-def run(args: argparse.Namespace) -> dict:
+def bench(args: argparse.Namespace) -> dict:
     nblocks = 2 * -(-max(args.tokens) // BLOCK) + 1
     shape = (LAYERS, 2, nblocks, BLOCK, KV_HEADS, HEAD_DIM)
     kv_a = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -165,19 +163,16 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("results/kv_store.json"))
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
-    parser.add_argument("--chunk", type=int, default=256, help="LMCache chunk size (tokens)")
-    parser.add_argument("--iters", type=int, default=5)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    report = run(args)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("results/kv_store.json"))
+    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
+    p.add_argument("--chunk", type=int, default=256, help="LMCache chunk size (tokens)")
+    p.add_argument("--iters", type=int, default=5)
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(message)s")
+    report = bench(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     logger.info("wrote %s", args.out)
-
-
-if __name__ == "__main__":
-    main()
