@@ -130,6 +130,17 @@ def node_settings(
     if redis_url is None and not cfg.redis.embedded:
         redis_url = cfg.redis.url
     settings["redis_url"] = redis_url  # None: embedded, known only once launched
+    st = cfg.kv_store
+    settings.update(
+        kv_store=st.backend,
+        kv_store_url=st.url if st.backend else None,  # "cluster": the node's --redis-url
+        kv_store_chunk_size=st.chunk_size,
+        kv_store_local_bytes=int(st.local_cpu_bytes),
+        kv_store_namespace=None,
+        kv_store_load_timeout=st.load_timeout_s,
+        kv_store_save_timeout=st.save_timeout_s,
+        kv_store_retry_after=st.retry_after_s,
+    )
     return settings
 
 

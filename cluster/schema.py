@@ -124,6 +124,31 @@ class ConnectorSection(Section):
     )
 
 
+class KVStoreSection(Section):
+    """A shared, persistent KV store (LMCache): every node saves finished prompt chunks to
+    it and loads the longest stored prefix before computing (kv_transfer/prefix_store.py)."""
+
+    backend: Literal["lmcache"] | None = Field(None, description="`lmcache`; unset: off")
+    url: str = Field(
+        "cluster",
+        description="`cluster` (the cluster's Redis) or `redis://host:port` of another one",
+    )
+    chunk_size: int = Field(256, ge=1, description="tokens per chunk (a multiple of block_size)")
+    local_cpu_bytes: ByteSize = Field(
+        ByteSize(1 << 30), description="each node's local CPU tier of the store"
+    )
+    load_timeout_s: float = Field(10.0, gt=0, description="a slower load: compute locally")
+    save_timeout_s: float = Field(30.0, gt=0, description="a save not visible by then fails")
+    retry_after_s: float = Field(10.0, ge=0, description="after a failure, skip the store")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v != "cluster" and not v.startswith("redis://"):
+            raise ValueError(f"must be 'cluster' or a redis:// URL, got {v!r}")
+        return v
+
+
 class RaySection(Section):
     """Where the Ray launcher places each node of the group (ignored by the local launcher)."""
 
@@ -223,6 +248,9 @@ class ClusterConfig(Section):
     router: RouterSection = Field(default_factory=RouterSection, description="front door")
     prefill: NodeGroup | None = Field(None, description="prefill node group")
     decode: NodeGroup = Field(description="decode node group (required)")
+    kv_store: KVStoreSection = Field(
+        default_factory=KVStoreSection, description="shared prefix store (off by default)"
+    )
     launcher: LauncherSection = Field(default_factory=LauncherSection, description="launcher")
     secret_file: str | None = Field(
         None,

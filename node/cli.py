@@ -127,7 +127,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     st = KVStoreConfig()
     g = p.add_argument_group("shared KV store (prefix reuse across nodes and restarts)")
     g.add_argument("--kv-store", default=None, choices=["lmcache"], help="off unless set")
-    g.add_argument("--kv-store-url", default=None, help="redis://HOST:PORT shared by the nodes")
+    g.add_argument(
+        "--kv-store-url",
+        default=None,
+        help="redis://HOST:PORT shared by the nodes, or `cluster` (the --redis-url)",
+    )
     g.add_argument("--kv-store-chunk-size", type=int, default=st.chunk_size)
     g.add_argument("--kv-store-local-bytes", type=int, default=st.local_cpu_bytes)
     g.add_argument("--kv-store-namespace", default=None, help="default: the --model value")
@@ -202,7 +206,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         kv_store=KVStoreConfig(
             backend=args.kv_store,
-            remote_url=args.kv_store_url,
+            remote_url=args.redis_url if args.kv_store_url == "cluster" else args.kv_store_url,
             chunk_size=args.kv_store_chunk_size,
             local_cpu_bytes=args.kv_store_local_bytes,
             namespace=args.kv_store_namespace,

@@ -221,6 +221,29 @@ def test_serve_config_node_takes_the_yaml_and_flags_win(tmp_path):
     assert out.returncode != 0 and "decode-7" in out.stderr and "prefill-0" in out.stderr
 
 
+def test_kv_store_section_points_nodes_at_the_cluster_redis(tmp_path):
+    from node.cli import engine_config_from_args, resolve_settings
+
+    text = GOOD + "kv_store: {backend: lmcache, chunk_size: 64, local_cpu_bytes: 64MiB}\n"
+    path = write(tmp_path, text)
+    argv = ["--config", str(path), "--node", "prefill-1", "--redis-url", "redis://10.0.0.5:6400"]
+    cfg = engine_config_from_args(resolve_settings(serve_parser().parse_args(argv)))
+    st = cfg.kv_store
+    assert (st.backend, st.remote_url, st.chunk_size) == ("lmcache", "redis://10.0.0.5:6400", 64)
+    assert st.local_cpu_bytes == 64 << 20
+    other = write(tmp_path, GOOD + "kv_store: {backend: lmcache, url: 'redis://h:1'}\n", "o.yaml")
+    argv = ["--config", str(other), "--node", "decode-0"]
+    assert (
+        engine_config_from_args(
+            resolve_settings(serve_parser().parse_args(argv))
+        ).kv_store.remote_url
+        == "redis://h:1"
+    )
+    bad = GOOD + "kv_store: {backend: lmcache, url: 'http://x'}\n"
+    with pytest.raises(ConfigFileError, match=r"kv_store\.url"):
+        load_config(write(tmp_path, bad, "bad.yaml"))
+
+
 def test_docs_reference_is_up_to_date():
     from cluster.docs import DOCS_FILE, updated_text
 
