@@ -64,8 +64,8 @@ class EngineCore:
         kv_store: KVStore | None = None,
     ):
         """`arch` + `runner_factory` replace the model files and `ModelRunner` (a stub
-        runner for protocol simulations); by default both come from `config.model`. `kv_store`: a shared prefix store
-        (engine/kv_store.py)."""
+        runner for protocol simulations); by default both come from `config.model`.
+        `kv_store`: a shared prefix store (engine/kv_store.py)."""
         self.config = config
         self.kv_role = kv_role
         self.kv_store = kv_store

@@ -106,7 +106,8 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt.
         while self.waiting and not out.preempted and budget > 0:
-            if len(self.running) + len(self.remote_waiting) >= self.config.max_num_seqs:
+            busy = len(self.running) + len(self.remote_waiting) + len(self.store_loading)
+            if busy >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
             if req.wants_prompt_logprobs:  # every prompt position's logits are needed
@@ -114,7 +115,7 @@ class Scheduler:
             else:
                 computed, num_computed = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_computed
-            if self.store_loads_enabled and not req.store_checked:
+            if self.store_loads_enabled and not req.store_checked and not req.wants_prompt_logprobs:
                 req.store_checked = True
                 if num_new > self.kv.block_size and self._admit_store_load(
                     req, computed, num_computed
