@@ -1,8 +1,9 @@
 """PrefixStore: the engine's `KVStore` hooks (engine/kv_store.py) run on a worker thread.
 
 The engine thread only queues jobs and drains results; the worker thread owns the
-backend (`LMCacheKVStore`, built lazily on the worker so a slow or failing LMCache never
-delays engine start) and does every blocking call.
+backend (`LMCacheKVStore`, built on the worker) and does every blocking call. `attach`
+waits for the backend at most `startup_timeout_s`; until it is up, loads are skipped
+(the request computes) and saves wait in the queue.
 
 Failure policy (never a failed request, never a hang):
   * a load that raises, or whose backend is unreachable, ends with what was present
@@ -48,6 +49,7 @@ class PrefixStore:
         load_timeout_s: float = 10.0,
         save_timeout_s: float = 30.0,
         retry_after_s: float = 10.0,
+        startup_timeout_s: float = 60.0,
         health_check: Callable[[], None] | None = None,
     ):
         """`backend_factory(kv_cache)` builds the backend (store/retrieve/wait_visible/close);
@@ -57,6 +59,8 @@ class PrefixStore:
         self.save_timeout_s = save_timeout_s
         self.retry_after_s = retry_after_s
         self._health_check = health_check
+        self.startup_timeout_s = startup_timeout_s
+        self._started = threading.Event()  # the backend was built (or failed to be)
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         # (job, its event, error or None), from the worker
         self._results: queue.Queue[tuple[_Job, StoreEvent, str | None]] = queue.Queue()
@@ -82,11 +86,15 @@ class PrefixStore:
             target=self._work, args=(kv_cache,), name="kv-store", daemon=True
         )
         self._thread.start()
+        if not self._started.wait(self.startup_timeout_s):
+            logger.warning(
+                "KV store not up after %g s; loads skipped until it is", self.startup_timeout_s
+            )
 
     def start_load(
         self, request_id: str, token_ids: list[int], slots: list[int], present: int
     ) -> None:
-        if self._down(request_id, "load"):
+        if self._down(request_id, "load") or not self._started.is_set():
             self._ready.append(LoadDone(request_id, present))
             return
         job = _Job(
@@ -182,6 +190,7 @@ class PrefixStore:
             self._backend = self._factory(kv_cache)
         except Exception as e:  # LMCache missing or misconfigured: every job fails fast
             logger.error("KV store unavailable: %r", e)
+        self._started.set()
         while (job := self._jobs.get()) is not None:
             try:
                 self._results.put((job, self._run(job), None))
