@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.errors import InvalidRequestError
+from api.structured import DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class _SamplingRequest(_TopRequest):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
 
     def _sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         if not 1 <= self.n <= MAX_N:
@@ -190,6 +192,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(default_factory=list)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     prompt_token_ids: list[int] | None = None  # extension: the router's pre-tokenized prompt
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -280,7 +284,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -302,6 +307,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -318,33 +324,6 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
-
-
-class TokenizeRequest(_TopRequest):
-    """vLLM's /tokenize: a `prompt`, or chat `messages` rendered by the chat template."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(_TopRequest):
-    model: str | None = None
-    tokens: list[int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
 
 
 class ModelCard(BaseModel):

@@ -13,6 +13,7 @@ import torch
 from cluster.block_hash import root_hash
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError
+from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_role import KVRole
 from engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone
@@ -99,6 +100,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = (runner_factory or ModelRunner)(config, arch, str(self.model_dir), num_blocks)
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(
+            str(self.model_dir), self.vocab_size, sorted(self.eos_token_ids)
+        )
         self.generated_tokens = 0
         self.last_step_idle = True
         self._store_parked: dict[str, list[str]] = {}  # request id -> park keys of late loads
@@ -156,6 +160,8 @@ class EngineCore:
             remote_prefill=remote_prefill,
             hash_root=self.hash_root,
         )
+        if params.grammar is not None:
+            req.grammar = self.grammars.compile(params.grammar)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return req

@@ -202,6 +202,8 @@ class Scheduler:
         req = self.remote_waiting.pop(request_id)
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_tokens)
+        if req.grammar is not None:  # the prefill node sampled it under the same grammar
+            req.grammar.accept(first_token)
         req.append_output_token(first_token, logprob)
         status = req.check_stop(self.max_model_len)
         if status is not None:

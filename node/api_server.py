@@ -31,10 +31,12 @@ from api.http import (
 from api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
+)
+from api.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )

@@ -23,8 +23,10 @@ from api.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from api.structured import DeltaToolCall
 from engine.async_llm import RequestFailedError
 from engine.outputs import TokenLogprobs
+from node import structured_output as structured
 from node.openai_serving import Choice, Generation, OpenAIServing, Prepared
 
 logger = logging.getLogger(__name__)
@@ -98,12 +100,18 @@ def chat_response(s: OpenAIServing, p: Prepared, gens: list[Generation]) -> Chat
         lp = None
         if g.logprobs is not None:
             lp = s.fmt.chat(g.token_ids, g.logprobs, g.top_logprobs)
+        calls = structured.tool_calls(p.plan, g.text)
+        content: str | None = g.text
+        if calls and p.plan.tools_forced:
+            content = None
+        elif calls:
+            content = structured.strip_tool_calls(g.text) or None
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=g.text),
+                message=AssistantMessage(content=content, tool_calls=calls),
                 logprobs=lp,
-                finish_reason=g.finish_reason,
+                finish_reason="tool_calls" if calls else g.finish_reason,
             )
         )
     return ChatCompletionResponse(
@@ -143,8 +151,25 @@ async def stream_completion(
 
 
 async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> AsyncIterator[str]:
+    """With tools, a choice's tool calls come in one delta with its finish; a forced tool
+    call streams no content (its JSON is the call)."""
+    texts = [""] * len(p.choices)
+    tooling = p.plan.tools_forced or p.plan.tools_auto
+
     def chunk(c: Choice, g: Generation) -> str | None:
-        if not g.text and g.finish_reason is None and not g.logprobs:
+        texts[c.index] += g.text
+        text = "" if p.plan.tools_forced else g.text
+        delta = DeltaMessage(content=text)
+        finish = g.finish_reason
+        if tooling and finish is not None:
+            calls = structured.tool_calls(p.plan, texts[c.index])
+            if calls:
+                delta.tool_calls = [
+                    DeltaToolCall(index=i, id=call.id, function=call.function)
+                    for i, call in enumerate(calls)
+                ]
+                finish = "tool_calls"
+        if not text and finish is None and not g.logprobs:
             return None
         lp = None
         if g.logprobs is not None:
@@ -153,12 +178,7 @@ async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> Asy
             id=p.request_id,
             model=s.model_name,
             choices=[
-                ChatChunkChoice(
-                    index=c.index,
-                    delta=DeltaMessage(content=g.text),
-                    logprobs=lp,
-                    finish_reason=g.finish_reason,
-                )
+                ChatChunkChoice(index=c.index, delta=delta, logprobs=lp, finish_reason=finish)
             ],
         ).model_dump_json()
 

@@ -32,6 +32,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import RequestTimings, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
+from node import structured_output as structured
 from node.logprobs_format import LogprobsFormatter
 from node.metrics import NodeMetrics
 from node.prefill_nodes import PrefillNodes
@@ -98,6 +99,7 @@ class Prepared:
     echo: bool = False
     drop_output: bool = False  # max_tokens=0 with echo: the prompt alone
     logprobs: bool = False
+    plan: structured.Plan = field(default_factory=structured.Plan)
 
 
 class OpenAIServing:
@@ -166,7 +168,8 @@ class OpenAIServing:
         prompts = req.prompts()
         ids = [self.encode(p) for p in prompts]
         max_tokens = req.max_tokens or None  # 0 (echo only) is checked as 1
-        p = self._prepare("cmpl", ids, req, max_tokens, arrival, trace)
+        plan = structured.plan(req)
+        p = self._prepare("cmpl", ids, req, max_tokens, arrival, plan, trace)
         p.echo, p.drop_output = req.echo, req.max_tokens == 0
         p.logprobs = req.logprobs is not None
         if req.echo:
@@ -178,13 +181,15 @@ class OpenAIServing:
     def prepare_chat(self, req: ChatCompletionRequest, trace: str | None = None) -> Prepared:
         arrival = time.monotonic()
         self.check_model(req.model)
+        plan = structured.plan(req)
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
         elif not req.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
         else:
-            ids = self.chat_ids([m.to_template_dict() for m in req.messages])
-        p = self._prepare("chatcmpl", [ids], req, req.requested_max_tokens, arrival, trace)
+            messages, extra = structured.template_tools(req, self.llm.tokenizer)
+            ids = self.chat_ids(messages, **extra)
+        p = self._prepare("chatcmpl", [ids], req, req.requested_max_tokens, arrival, plan, trace)
         p.logprobs = req.logprobs
         return p
 
@@ -195,6 +200,7 @@ class OpenAIServing:
         req,
         max_tokens: int | None,
         arrival: float,
+        plan: structured.Plan,
         trace: str | None = None,
     ) -> Prepared:
         for ids in prompts:
@@ -202,7 +208,7 @@ class OpenAIServing:
         kwargs = req.sampling_kwargs(
             default_max_tokens=self.llm.max_model_len - max(map(len, prompts))
         )
-        params = SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs, grammar=plan.grammar)
         self._check_token_ids(params)
         # unique even if a caller reuses its id: the trace id is for logs, not for keys
         rid = f"{kind}-{trace}-{uuid.uuid4().hex[:8]}" if trace else f"{kind}-{uuid.uuid4().hex}"
@@ -224,7 +230,7 @@ class OpenAIServing:
             req.stream,
             f", prefill on {prefill_node}" if prefill_node else "",
         )
-        return Prepared(rid, choices, arrival, prefill_node)
+        return Prepared(rid, choices, arrival, prefill_node, plan=plan)
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.llm.info.vocab_size if self.llm.info else None

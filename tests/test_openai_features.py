@@ -240,3 +240,87 @@ def test_nothing_left_behind(url):
     stats = wait_idle(url)
     assert stats["kv_blocks_used"] == 0
     assert json.dumps(engine_state(url))
+
+
+# -- structured output -----------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 40},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "hobbies", "employed"],
+    "additionalProperties": False,
+}
+TOPICS = ["a chef", "a pilot", "a child", "a painter", "a farmer", "a doctor", "a student",
+          "a retired teacher", "a musician", "an athlete"]  # fmt: skip
+
+
+def test_20_json_schema_requests_all_validate(client):
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for i in range(20):
+        topic = TOPICS[i % len(TOPICS)]
+        out = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Describe {topic} as JSON."}],
+            response_format=fmt, max_tokens=120, temperature=0 if i < 10 else 0.9, seed=i,
+        )  # fmt: skip
+        assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+        jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+
+
+def test_json_object_and_bad_schemas(url, client):
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object."}],
+        response_format={"type": "json_object"}, max_tokens=80, temperature=0,
+    )  # fmt: skip
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    r = post(url, "/v1/chat/completions", {"messages": CHAT, "response_format": bad})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("response_format")
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+    "name": "get_time", "description": "Local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                   "required": ["city"], "additionalProperties": False}}}]  # fmt: skip
+
+
+def test_tools_required_and_named_return_valid_tool_calls(client):
+    import jsonschema
+
+    ask = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER}
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        out = client.chat.completions.create(
+            model=MODEL, messages=ask, tools=WEATHER, tool_choice=choice, max_tokens=80,
+            temperature=0,
+        )  # fmt: skip
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        (call,) = c.message.tool_calls
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=ask, tools=WEATHER, tool_choice="required", max_tokens=80,
+            temperature=0, stream=True,
+        )
+    )  # fmt: skip
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
+    r = post(client.base_url.__str__().removesuffix("/v1/"), "/v1/chat/completions",
+             {"messages": ask, "tools": WEATHER, "tool_choice": {"type": "function", "function": {"name": "nope"}}})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"

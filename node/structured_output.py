@@ -1,0 +1,159 @@
+"""`response_format` and `tools` -> an llguidance grammar for the engine, and generated
+text -> OpenAI `tool_calls`.
+
+- `response_format`: `json_object` constrains to any JSON object, `json_schema` to its
+  schema (compact separators, no free whitespace, so a small model cannot wander).
+- `tools` with `tool_choice` `required` or a named function: the output is constrained to
+  `{"name": <one of the tools>, "arguments": <its parameters schema>}` and returned as a
+  `tool_calls` entry (finish_reason `tool_calls`, content null).
+- `tool_choice` `auto` (the default with tools): unconstrained; a reply that holds
+  `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (the Hermes convention most
+  open chat models use) is returned as tool calls. `none`: tools are not shown.
+- Tools reach the model through the chat template (`tools=`); a template that does not
+  render tools gets them described in a system message instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from api.protocol import ChatCompletionRequest
+from api.structured import FunctionCall, ToolCall
+from engine.errors import InvalidRequestError
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class Plan:
+    grammar: str | None = None
+    tools_forced: bool = False  # the whole output is one tool call
+    tools_auto: bool = False  # parse <tool_call> blocks out of the reply
+    tool_names: frozenset[str] = frozenset()
+
+
+def json_grammar(schema: dict[str, Any], param: str) -> str:
+    import llguidance
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as e:
+        raise InvalidRequestError(f"invalid JSON schema: {e}", param) from e
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequestError(f"unsupported JSON schema: {error}", param)
+    return grammar
+
+
+def plan(req) -> Plan:
+    """What `req` asks for (chat or completions request)."""
+    rf = req.response_format
+    tools = getattr(req, "tools", None) or []
+    choice = getattr(req, "tool_choice", None)
+    names = frozenset(t.function.name for t in tools)
+    if choice not in (None, "none", "auto") and not tools:
+        raise InvalidRequestError("tool_choice needs tools", "tool_choice")
+    forced = tools and choice not in (None, "none", "auto")
+    if rf is not None and rf.type != "text" and forced:
+        raise InvalidRequestError(
+            "response_format and a forced tool_choice cannot be combined", "response_format"
+        )
+    if rf is not None and rf.type == "json_object":
+        return Plan(grammar=json_grammar({"type": "object"}, "response_format"))
+    if rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise InvalidRequestError("json_schema needs a schema", "response_format.json_schema")
+        return Plan(grammar=json_grammar(rf.json_schema.schema_, "response_format.json_schema"))
+    if forced:
+        if choice == "required":
+            chosen = tools
+        else:
+            chosen = [t for t in tools if t.function.name == choice.function.name]
+            if not chosen:
+                raise InvalidRequestError(
+                    f"tool_choice names {choice.function.name!r}, which is not in tools",
+                    "tool_choice",
+                )
+        schema = {"anyOf": [_call_schema(t.function) for t in chosen]}
+        return Plan(grammar=json_grammar(schema, "tools"), tools_forced=True, tool_names=names)
+    return Plan(tools_auto=bool(tools) and choice != "none", tool_names=names)
+
+
+def _call_schema(fn) -> dict[str, Any]:
+    params = fn.parameters or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": fn.name}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def template_tools(req: ChatCompletionRequest, tokenizer) -> tuple[list[dict], dict]:
+    """(messages, extra template kwargs): tools for the template, or a system message."""
+    messages = [_render_calls(m.to_template_dict()) for m in req.messages]
+    if not req.tools or req.tool_choice == "none":
+        return messages, {}
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+        return messages, {"tools": tools}
+    text = (
+        "You can call these functions. To call one, reply with "
+        '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>.\n'
+        + "\n".join(json.dumps(t["function"]) for t in tools)
+    )
+    if messages and messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
+    else:
+        messages.insert(0, {"role": "system", "content": text})
+    return messages, {}
+
+
+def _render_calls(msg: dict) -> dict:
+    """An assistant turn's earlier tool calls, as text for templates that drop them."""
+    calls = msg.pop("tool_calls", None)
+    if calls:
+        rendered = "".join(
+            "<tool_call>"
+            + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+            + "</tool_call>"
+            for c in calls
+        )
+        msg["content"] = (msg.get("content") or "") + rendered
+    return msg
+
+
+def tool_calls(p: Plan, text: str) -> list[ToolCall] | None:
+    """The tool calls in a reply (None when it holds none)."""
+    if p.tools_forced:
+        blobs = [text]
+    elif p.tools_auto:
+        blobs = _TOOL_CALL.findall(text)
+    else:
+        return None
+    calls = []
+    for blob in blobs:
+        try:
+            obj = json.loads(blob)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict) or obj.get("name") not in p.tool_names:
+            continue
+        args = obj.get("arguments", {})
+        calls.append(
+            ToolCall(
+                id=f"call_{uuid.uuid4().hex[:24]}",
+                function=FunctionCall(name=obj["name"], arguments=json.dumps(args)),
+            )
+        )
+    return calls or None
+
+
+def strip_tool_calls(text: str) -> str:
+    """The reply without its <tool_call> blocks."""
+    return _TOOL_CALL.sub("", text).strip()
