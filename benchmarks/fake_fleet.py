@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -95,9 +96,14 @@ class Fleet:
         self.base_port = base_port
         self.nodes: list[FakeNode] = []
         self.by_control: dict[str, FakeNode] = {}
+        self.sockets: list[socket.socket] = []  # one bound listening socket per node
 
     def add(self, role: str, i: int, timing: Timing, kv_blocks: int, block_size: int) -> FakeNode:
-        port = self.base_port + len(self.nodes)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.base_port + len(self.nodes) if self.base_port else 0))
+        port = sock.getsockname()[1]
+        self.sockets.append(sock)
         rec = NodeRecord(
             node_id=f"fake-{role}-{i}",
             role=role,
@@ -105,7 +111,7 @@ class Fleet:
             model=self.model,
             block_size=block_size,
             epoch=time.time_ns(),
-            kv_control=f"tcp://{self.host}:{port + 10_000}" if role == "prefill" else "",
+            kv_control=f"tcp://{self.host}:{port}" if role == "prefill" else "",  # a name only
             max_model_len=8192,
             vocab_size=50_000,
             local_prefill_max_tokens=16 if role == "decode" else 0,
@@ -209,15 +215,16 @@ class Fleet:
 
     async def serve(self) -> None:
         servers = []
-        for i, node in enumerate(self.nodes):
+        for node in self.nodes:
             config = uvicorn.Config(
-                self.app(node), host=self.host, port=self.base_port + i,
-                log_level="warning", access_log=False, lifespan="off",
-            )  # fmt: skip
+                self.app(node), log_level="warning", access_log=False, lifespan="off"
+            )
             servers.append(uvicorn.Server(config))
         for s in servers:
             s.install_signal_handlers = lambda: None
-        tasks = [asyncio.create_task(s.serve()) for s in servers]
+        tasks = [
+            asyncio.create_task(s.serve(sockets=[sock])) for s, sock in zip(servers, self.sockets)
+        ]
         tasks.append(asyncio.create_task(self.heartbeat()))
         tasks += [asyncio.create_task(n.publisher.run()) for n in self.nodes]
         await asyncio.gather(*tasks)
@@ -229,7 +236,7 @@ def main() -> None:
     ap.add_argument("--cluster", default="pdserve")
     ap.add_argument("--model", default="fake")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--base-port", type=int, default=20000)
+    ap.add_argument("--base-port", type=int, default=0, help="0: free ports")
     ap.add_argument("--prefill", type=int, default=4)
     ap.add_argument("--decode", type=int, default=4)
     ap.add_argument("--kv-blocks", type=int, default=4096)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -123,6 +124,13 @@ async def run(args) -> dict:
                 chosen = int(d.prefill.record.node_id[1:]) if d.prefill else None
                 held_by_prefill = [i for i in holders[j] if i < args.nodes // 2]
                 on_holder += chosen in held_by_prefill if held_by_prefill else 1
+        pings = []
+        for _ in range(500):  # the bare round trip, for scale
+            t0 = time.perf_counter()
+            await redis.ping()
+            pings.append(time.perf_counter() - t0)
+        stats = await redis.info("commandstats")
+        server_us = stats.get("cmdstat_evalsha", {}).get("usec_per_call")
         await membership.redis.aclose()
         await redis.aclose()
     return {
@@ -133,7 +141,10 @@ async def run(args) -> dict:
         "decision_total": summary(total),
         "hash_chain": summary(hashing),
         "policies_only": summary(policy),
+        "redis_ping": summary(pings),
+        "index_script_server_us_per_call": server_us,
         "prefill_on_a_holder_fraction": on_holder / args.requests,
+        "load_average": os.getloadavg(),
     }
 
 

@@ -167,10 +167,9 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     with EmbeddedRedis() as redis:
         try:
-            base = free_port() + 1000
             procs.append(spawn(["-m", "benchmarks.fake_fleet", "--redis-url", redis.url,
-                                "--prefill", str(args.prefill), "--decode", str(args.decode),
-                                "--base-port", str(base)]))  # fmt: skip
+                                "--prefill", str(args.prefill), "--decode", str(args.decode)
+                                ]))  # fmt: skip
             router, rproc = start_router(
                 ["--model", str(write_tokenizerless_model()), "--served-model-name", "fake",
                  "--redis-url", redis.url, "--prefill-policy", args.policy,

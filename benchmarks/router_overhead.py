@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 from benchmarks.router_fleet import (
-    free_port,
     spawn,
     start_router,
     usable_nodes,
@@ -32,6 +32,19 @@ from benchmarks.router_fleet import (
     write_tokenizerless_model,
 )
 from cluster.embedded_redis import EmbeddedRedis
+
+
+def wait_for_fake_node(redis_url: str) -> str:
+    """The url of the one fake node, once it has registered."""
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for node_id in r.smembers("pdserve:nodes"):
+            url = r.hget(f"pdserve:node:{node_id.decode()}", "url")
+            if url:
+                return url.decode()
+        time.sleep(0.2)
+    raise TimeoutError("the fake node did not register")
 
 
 def ms(xs: list[float], q: float) -> float:
@@ -46,13 +59,12 @@ def one(client: httpx.Client, url: str, body: dict) -> float:
         r = client.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 200, r.text
         return time.perf_counter() - t0
+    dt = None
     with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         assert r.status_code == 200
         for _ in r.iter_bytes():
-            dt = time.perf_counter() - t0
-            break
-        for _ in r.iter_bytes():
-            pass
+            if dt is None:
+                dt = time.perf_counter() - t0
     return dt
 
 
@@ -90,10 +102,9 @@ def main() -> None:
     results = {}
     with EmbeddedRedis() as redis:
         try:
-            base = free_port() + 1000
             procs.append(spawn(["-m", "benchmarks.fake_fleet", "--redis-url", redis.url,
-                                "--prefill", "0", "--decode", "1", "--base-port", str(base)]))  # fmt: skip
-            node = f"http://127.0.0.1:{base}"
+                                "--prefill", "0", "--decode", "1"]))  # fmt: skip
+            node = wait_for_fake_node(redis.url)
             static, p1 = start_router(["--model", model, "--served-model-name", "fake",
                                        "--decode", node, "--decode-policy", "round_robin",
                                        "--prefill-policy", "round_robin"])  # fmt: skip
