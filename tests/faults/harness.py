@@ -1,8 +1,8 @@
 """The fault-drill harness: a launched cluster, steady client load, and the after-checks.
 
 `Cluster` runs `pdserve launch` on a generated config (embedded Redis, router, 2 prefill +
-1 decode nodes, a tiny random Llama so drills fit a 2-core box) and reads the launcher's
-cluster.json. `Load` keeps `clients` threads sending completions (streamed or not, shared
+1 decode nodes, a tiny random Llama so drills fit a 2-core box, a cluster secret) and
+reads the launcher's cluster.json. `Load` keeps `clients` threads sending completions (streamed or not, shared
 prefixes, some disconnecting on purpose) through the routers, each with a hard deadline,
 and records every request's outcome. The after-checks: every request ended (complete or a
 clear error) within its deadline; every node's `/debug/engine` integrity holds and its
@@ -27,6 +27,7 @@ import httpx
 import redis
 import yaml
 
+from api.cluster_secret import NODE_KEY_HEADER, node_key
 from tests.servers import ROOT, alive, free_port
 
 DEADLINE_S = 90.0  # every request must end by then, whatever the drill does
@@ -53,10 +54,14 @@ class Outcome:
 class Cluster:
     def __init__(self, model_dir: str, run_root: Path, extra: dict | None = None):
         self.run_root = run_root
+        secret = os.urandom(24).hex().encode()  # nodes answer only the router; sealed KV frames
+        (run_root / "cluster.secret").write_bytes(secret)
+        self.node_headers = {NODE_KEY_HEADER: node_key(secret)}
         cfg = {
             "cluster": f"drill{os.getpid()}",
             "model": {"name": model_dir, "block_size": 16},
             "redis": "embedded",
+            "secret_file": str(run_root / "cluster.secret"),
             "router": {"port": free_port(), "health_interval_s": 0.5, "max_retries": 2},
             "prefill": {
                 "count": 2,
@@ -131,6 +136,7 @@ class Cluster:
         cmd += ["--model", self.config["model"]["name"], "--redis-url", r["url"]]
         cmd += ["--cluster", self.config["cluster"], "--log-level", "warning"]
         cmd += ["--health-interval-s", "0.5", "--max-retries", "2"]
+        cmd += ["--cluster-secret-file", self.config["secret_file"]]
         log = open(self.run_root / f"router-extra-{port}.log", "wb")
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         self.extra_routers.append(proc)
@@ -159,7 +165,8 @@ class Cluster:
         out = {}
         for s in self.state()["services"]:
             if s["kind"] in ("prefill", "decode"):
-                out[s["name"]] = httpx.get(f"{s['url']}/debug/engine", timeout=30).json()
+                url = f"{s['url']}/debug/engine"
+                out[s["name"]] = httpx.get(url, headers=self.node_headers, timeout=30).json()
         return out
 
     def wait_blocks_idle(self, timeout_s: float = 90) -> dict[str, int]:

@@ -20,6 +20,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 
 from tests.faults.harness import DEADLINE_S, Cluster, Load, wait_serving
@@ -99,6 +100,10 @@ def kill(cluster: Cluster, name: str) -> None:
 def test_baseline_no_fault(cluster):
     row = run_drill(cluster, "baseline", lambda: None)
     assert set(row["outcomes"]) == {"ok"}
+    # The cluster has a secret: nodes answer the router only, not a client going round it.
+    node = cluster.service("decode-0")["url"]
+    r = httpx.post(f"{node}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_node_key"
 
 
 def test_client_disconnects(cluster):
