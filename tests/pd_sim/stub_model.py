@@ -94,3 +94,6 @@ class StubRunner:
             if s.samples:
                 sampled[req.request_id] = Sampled(next_token(int(values[-1])))
         return sampled, {}
+
+    def wait_step_done(self) -> None:
+        pass  # the stub's writes are done when execute() returns (as on CPU)
