@@ -51,6 +51,23 @@ def _chunk_hash(args) -> bytes:
     return h.digest()
 
 
+def _runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Split a slot mapping into runs of consecutive slots: (first token, end token, first
+    slot); a run of -1s (tokens to skip) is reported with first slot -1.
+
+    Paged blocks make long runs (a whole block at least), so copies are slices, not a
+    per-token gather: [0, 1, 2, 7, 8, -1, -1] -> (0, 3, 0), (3, 5, 7), (5, 7, -1).
+    """
+    s = slots.tolist()
+    runs, i = [], 0
+    for k in range(1, len(s) + 1):
+        follows = s[k - 1] >= 0 and s[k] == s[k - 1] + 1 if k < len(s) else False
+        if k == len(s) or not (follows or s[k] == s[k - 1] == -1):
+            runs.append((i, k, s[i] if s[i] >= 0 else -1))
+            i = k
+    return runs
+
+
 def _adapter_class():
     from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 
@@ -67,18 +84,17 @@ def _adapter_class():
             return torch.Size([2, self.layers, num_tokens, self.hidden])
 
         def from_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
-            slots = kwargs["slot_mapping"][start:end].to(self.flat.device)
-            rows = self.flat.index_select(2, slots)  # [layers, 2, T, hidden]
-            memory_obj.tensor.copy_(rows.transpose(0, 1))
+            slots = kwargs["slot_mapping"][start:end]
+            dst = memory_obj.tensor.transpose(0, 1)  # [layers, 2, T, hidden]
+            for i, j, s in _runs(slots):
+                dst[:, :, i:j].copy_(self.flat[:, :, s : s + j - i])
 
         def to_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
             slots = kwargs["slot_mapping"][start:end]
-            keep = slots >= 0
             src = memory_obj.tensor.transpose(0, 1)  # [layers, 2, T, hidden]
-            if not bool(keep.all()):
-                src, slots = src[:, :, keep], slots[keep]
-            dev = self.flat.device
-            self.flat.index_copy_(2, slots.to(dev), src.to(dev, non_blocking=True))
+            for i, j, s in _runs(slots):
+                if s >= 0:  # -1: a token present locally, left alone
+                    self.flat[:, :, s : s + j - i].copy_(src[:, :, i:j], non_blocking=True)
 
         def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
             for obj, start, end in zip(memory_objs, starts, ends):

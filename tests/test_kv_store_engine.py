@@ -167,3 +167,36 @@ def test_load_deadline_waited_out(tiny_llama_dir, hf_model, hung_redis_url):
         t = time.monotonic()
         node.kv_store.shutdown()
         assert time.monotonic() - t < 5.0
+
+
+def test_store_round_trip_scattered_blocks_and_skip(redis_server):
+    """Chunks written from one paged cache land bit-exact in scattered blocks of another
+    (through Redis: the reader's own tier is empty); skipped tokens stay untouched."""
+    import torch
+
+    from kv_transfer.lmcache_store import LMCacheKVStore, _runs
+
+    assert _runs(torch.tensor([-1, 0, 1, 7, 8])) == [(0, 1, -1), (1, 3, 0), (3, 5, 7)]
+    shape = (2, 2, 32, BS, 2, 8)  # [layers, 2, blocks, block_size, heads, head_dim]
+    src, dst = torch.randn(shape), torch.zeros(shape)
+    kw = dict(
+        namespace="t", chunk_size=CHUNK, local_cpu_bytes=16 << 20, remote_url=redis_server.url
+    )
+    a, b = LMCacheKVStore(src, **kw), LMCacheKVStore(dst, **kw)
+    try:
+        toks = prompt(45, seed=9)
+        src_slots = list(range(4 * BS, 4 * BS + 45))
+        dst_blocks = [30, 2, 17, 5, 9, 21, 11, 3, 26, 14, 7, 19]  # 12 blocks, scattered
+        dst_slots = [blk * BS + i for blk in dst_blocks for i in range(BS)][:45]
+        assert a.store(toks, src_slots) == 45
+        assert a.wait_visible(toks, time.monotonic() + 30)
+        assert b.lookup(toks) == 45
+        assert b.retrieve(toks, dst_slots, skip_tokens=20) == 45
+        fs, fd = src.view(2, 2, -1, 16), dst.view(2, 2, -1, 16)
+        s_idx, d_idx = torch.tensor(src_slots), torch.tensor(dst_slots)
+        assert torch.equal(fd[:, :, d_idx[20:]], fs[:, :, s_idx[20:]])
+        assert not fd[:, :, d_idx[:20]].any()  # present locally: never overwritten
+        assert b.retrieve(prompt(45, seed=10), dst_slots) == 0  # unknown prompt: a miss
+    finally:
+        a.close()
+        b.close()
