@@ -72,7 +72,7 @@ def plot_serve(report: dict, stem: Path) -> list[Path]:
     if stage_runs:
         names = list(dict.fromkeys(n for r in stage_runs for n in r["metrics"]["ttft_stages_ms"]))
         fig, ax = plt.subplots(figsize=(2.5 + 1.2 * len(stage_runs), 4.5))
-        labels = [str(r["request_rate"]) for r in stage_runs]
+        labels = [f"{r['request_rate']} req/s" for r in stage_runs]  # text, not numbers
         bottom = np.zeros(len(stage_runs))
         for name in names:
             h = np.array([
@@ -81,7 +81,7 @@ def plot_serve(report: dict, stem: Path) -> list[Path]:
             ])  # fmt: skip
             ax.bar(labels, h, bottom=bottom, label=name)
             bottom += h
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("request rate")
         ax.set_ylabel("mean TTFT per stage (ms)")
         ax.legend(fontsize=8)
         ax.set_title("where the first token's time went")
