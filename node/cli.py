@@ -219,8 +219,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
+    from api.drain import serve as serve_draining
     from node.api_server import build_app
 
     config = engine_config_from_args(args)
@@ -235,13 +234,12 @@ def serve(args: argparse.Namespace) -> None:
         app = build_app(
             config, addresses, args.served_model_name, args.max_body_bytes, cluster=cluster
         )
-        uvicorn.run(
+        serve_draining(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=args.drain_timeout_s,
-            access_log=False,
+            drain_timeout_s=args.drain_timeout_s,
         )
     finally:
         if tmpdir is not None:

@@ -114,8 +114,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def run(args: argparse.Namespace) -> None:
-    import uvicorn
-
+    from api.drain import serve as serve_draining
     from router.app import build_app
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
@@ -123,11 +122,10 @@ def run(args: argparse.Namespace) -> None:
         config = config_from_args(args)
     except RouterConfigError as e:
         raise SystemExit(f"pdserve router: configuration error: {e}") from None
-    uvicorn.run(
+    serve_draining(
         build_app(config),
         host=config.host,
         port=config.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.drain_timeout_s,
-        access_log=False,
+        drain_timeout_s=args.drain_timeout_s,
     )
