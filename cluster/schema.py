@@ -223,8 +223,8 @@ class LauncherSection(Section):
     drain_timeout_s: float = Field(
         30.0,
         ge=0,
-        description="on stop: each process stops accepting and gives in-flight requests "
-        "this long (router first, then nodes); SIGKILL 10 s after it",
+        description="on stop: each process answers new requests with a 503 and gives "
+        "in-flight requests this long (router first, then nodes); SIGKILL 10 s after it",
     )
     heartbeat_s: float = Field(1.0, gt=0, description="nodes refresh their registry record")
     node_ttl_s: float = Field(5.0, gt=0, description="a silent node leaves the registry")
