@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import httpx
 import pytest
 
 from tests.faults.harness import DEADLINE_S, Cluster, Load, wait_serving
+from tests.servers import descendants
 
 pytestmark = [pytest.mark.faults]
 pytest.importorskip("nixl")
@@ -104,6 +106,17 @@ def test_baseline_no_fault(cluster):
     node = cluster.service("decode-0")["url"]
     r = httpx.post(f"{node}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_node_key"
+
+
+def test_every_process_listens_on_loopback_only(cluster):
+    """Redis, router, nodes' HTTP and KV control, NIXL/UCX: nothing beyond loopback."""
+    pids = descendants(cluster.proc.pid)
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    addrs = [line.split()[3] for line in out.splitlines()
+             if any(f"pid={pid}," in line for pid in pids)]  # fmt: skip
+    assert len(addrs) >= 8, addrs  # redis, router, 3 x HTTP, 2 x KV control, UCX ...
+    outside = [a for a in addrs if not a.startswith(("127.", "[::1]"))]
+    assert outside == [], f"listening beyond loopback: {outside}"
 
 
 def test_client_disconnects(cluster):
