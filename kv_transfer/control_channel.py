@@ -102,7 +102,7 @@ class DecodeControl:
         hello: Callable[[], m.PeerHello],
         *,
         heartbeat_s: float = 1.0,
-        peer_timeout_s: float = 10.0,
+        peer_timeout_s: float = 30.0,
         idle_close_s: float = 60.0,
         max_peers: int = 64,
         max_queued: int = 1024,
