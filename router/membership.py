@@ -71,7 +71,8 @@ class Membership:
         if not self.redis_ok:
             logger.info("Redis reachable: %d nodes in the registry", len(records))
         self.redis_ok = True
-        self.view.apply_registry(records)
+        left = self.view.apply_registry(records)
+        await asyncio.gather(*(self.probe(n) for n in left))  # dead ones fail it at once
 
     async def _registry_loop(self) -> None:
         while True:

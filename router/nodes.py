@@ -136,8 +136,10 @@ class ClusterView:
             return None
         return min(r.max_model_len for r in recs), min(r.vocab_size for r in recs)
 
-    def apply_registry(self, records: list[NodeRecord]) -> None:
-        """Replace the registry part of the view with these live records."""
+    def apply_registry(self, records: list[NodeRecord]) -> list[NodeState]:
+        """Replace the registry part of the view with these live records; returns the nodes
+        that just left it, for the caller to probe at once (a Redis that restarted empty
+        lists no node until their next heartbeats, and live nodes must keep serving)."""
         seen = set()
         for rec in records:
             node = self._add(rec.url)
@@ -148,11 +150,11 @@ class ClusterView:
             node.record = rec
             node.in_registry = True
             seen.add(node.url)
-        for node in self.nodes.values():
-            if node.in_registry and node.url not in seen:
-                logger.warning("node %s left the registry", node.url)
-                node.in_registry = False
-                node.healthy = False  # no new work until a probe says otherwise
+        left = [n for n in self.nodes.values() if n.in_registry and n.url not in seen]
+        for node in left:
+            logger.warning("node %s left the registry: probing it", node.url)
+            node.in_registry = False
+        return left
 
     def apply_probe(self, node: NodeState, record: NodeRecord | None, error: str | None) -> None:
         if record is not None:
