@@ -38,7 +38,7 @@ from kv_transfer.base import (
     Released,
     TransferKey,
 )
-from kv_transfer.transfer_types import DataPlane
+from kv_transfer.transfer_types import DataPlane, DataPlaneOwner
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class _Attempt:
     hello_resent: bool = False
 
 
-class DecodeSide(DecodeConnector):
+class DecodeSide(DataPlaneOwner, DecodeConnector):
     def __init__(
         self,
         control_factory: Callable[[Callable[[], m.PeerHello]], object],
@@ -78,19 +78,6 @@ class DecodeSide(DecodeConnector):
 
     def _hello(self) -> m.PeerHello:
         return m.PeerHello(agent_metadata=self._data.local_metadata())
-
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.data = self._data_factory(kv_cache)
-
-    @property
-    def _data(self) -> DataPlane:
-        if self.data is None:
-            raise RuntimeError("register_kv_cache() must be called first")
-        return self.data
-
-    @property
-    def local_name(self) -> str:
-        return self._data.name
 
     # -- requests from the decode role ---------------------------------------------------
     def request_prefill(self, order: m.PrefillOrder, prefill_node: str) -> None:

@@ -39,7 +39,7 @@ from kv_transfer.base import (
     TransferKey,
 )
 from kv_transfer.order_check import order_problem
-from kv_transfer.transfer_types import DataPlane, TransferHandle, TransferState
+from kv_transfer.transfer_types import DataPlane, DataPlaneOwner, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class _Send:
     started: float = field(default_factory=time.perf_counter)
 
 
-class PrefillSide(PrefillConnector):
+class PrefillSide(DataPlaneOwner, PrefillConnector):
     def __init__(
         self,
         control,
@@ -87,19 +87,6 @@ class PrefillSide(PrefillConnector):
         self._bad_peers: dict[bytes, str] = {}  # control identity -> why it is refused
         self._tombstones: dict[TransferKey, float] = {}  # aborted before seen -> expires_at
         self._events: list[PrefillEvent] = []
-
-    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.data = self._data_factory(kv_cache)
-
-    @property
-    def _data(self) -> DataPlane:
-        if self.data is None:
-            raise RuntimeError("register_kv_cache() must be called first")
-        return self.data
-
-    @property
-    def local_name(self) -> str:
-        return self._data.name
 
     @property
     def control_address(self) -> str:

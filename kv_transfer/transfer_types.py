@@ -7,11 +7,15 @@
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from kv_transfer.kv_layout import KVLayout
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TransferState(enum.Enum):
@@ -100,3 +104,24 @@ class DataPlane(Protocol):
     def check_integrity(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+class DataPlaneOwner:
+    """A connector side whose data plane is built when the engine registers its KV cache:
+    `data_factory(kv_cache)` makes it; until then `_data` raises."""
+
+    _data_factory: Callable[[torch.Tensor], DataPlane]
+    data: DataPlane | None = None
+
+    def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.data = self._data_factory(kv_cache)
+
+    @property
+    def _data(self) -> DataPlane:
+        if self.data is None:
+            raise RuntimeError("register_kv_cache() must be called first")
+        return self.data
+
+    @property
+    def local_name(self) -> str:
+        return self._data.name
