@@ -160,31 +160,15 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving: OpenAIServing = request.app.state.serving
         p = serving.prepare_completion(body, trace_id(request.headers))
-        if body.stream:
-            return AbortOnDisconnectResponse(
-                responses.stream_completion(serving, p, body.include_usage),
-                media_type="text/event-stream",
-            )
-        gens = await until_disconnect(request, serving.collect(p))
-        if gens is None:
-            return Response(status_code=499)
-        body = responses.completion_response(serving, p, gens).model_dump()
-        return JSONResponse(body | _timings_field(serving, gens))
+        return await _generate(
+            request, body, p, responses.stream_completion, responses.completion_response
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving: OpenAIServing = request.app.state.serving
         p = serving.prepare_chat(body, trace_id(request.headers))
-        if body.stream:
-            return AbortOnDisconnectResponse(
-                responses.stream_chat(serving, p, body.include_usage),
-                media_type="text/event-stream",
-            )
-        gens = await until_disconnect(request, serving.collect(p))
-        if gens is None:
-            return Response(status_code=499)
-        body = responses.chat_response(serving, p, gens).model_dump()
-        return JSONResponse(body | _timings_field(serving, gens))
+        return await _generate(request, body, p, responses.stream_chat, responses.chat_response)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
@@ -218,6 +202,20 @@ def build_app(
         return DetokenizeResponse(prompt=serving.llm.tokenizer.decode(body.tokens))
 
     return app
+
+
+async def _generate(request: Request, body, p, stream_fn, response_fn) -> Response:
+    """Serve a prepared request: an SSE stream, or one JSON body (499 if the client left)."""
+    serving: OpenAIServing = request.app.state.serving
+    if body.stream:
+        return AbortOnDisconnectResponse(
+            stream_fn(serving, p, body.include_usage), media_type="text/event-stream"
+        )
+    gens = await until_disconnect(request, serving.collect(p))
+    if gens is None:
+        return Response(status_code=499)
+    out = response_fn(serving, p, gens).model_dump()
+    return JSONResponse(out | _timings_field(serving, gens))
 
 
 def _timings_field(serving: OpenAIServing, gens) -> dict:
