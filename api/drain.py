@@ -49,7 +49,17 @@ class DrainMiddleware:
             self.in_flight -= 1
 
 
-def serve(app: ASGIApp, *, host: str, port: int, log_level: str, drain_timeout_s: float) -> None:
+def serve(
+    app: ASGIApp,
+    *,
+    host: str,
+    port: int,
+    log_level: str,
+    drain_timeout_s: float,
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
+) -> None:
+    """`ssl_certfile` and `ssl_keyfile` (PEM): serve HTTPS instead of HTTP."""
     import uvicorn
 
     drain = DrainMiddleware(app)
@@ -60,6 +70,8 @@ def serve(app: ASGIApp, *, host: str, port: int, log_level: str, drain_timeout_s
         log_level=log_level,
         timeout_graceful_shutdown=1.0,  # the drain already waited for in-flight requests
         access_log=False,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
     )
     server = uvicorn.Server(config)
     plain_exit = server.handle_exit

@@ -169,6 +169,10 @@ def router_argv(
         argv += [f"--{key.replace('_', '-')}", str(getattr(r, key))]
     if cfg.secret_file:
         argv += ["--cluster-secret-file", cfg.secret_file]
+    if r.ssl_certfile:
+        argv += ["--ssl-certfile", r.ssl_certfile]
+    if r.ssl_keyfile:
+        argv += ["--ssl-keyfile", r.ssl_keyfile]
     if redis_url:
         argv += ["--redis-url", redis_url]
     for node in nodes:
@@ -195,4 +199,6 @@ ROUTER_OPTIONS = (
     "breaker_failures",
     "breaker_cooldown_s",
     "max_concurrent_per_key",
+    "prompt_tokens_per_minute_per_key",
+    "max_prompt_tokens_per_request",
 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 POLICIES = Literal["round_robin", "least_loaded", "kv_aware"]
 
@@ -102,6 +102,28 @@ class RouterSection(Section):
         description="generation requests in flight per API key (else per client "
         "address); more get a 429 (0: no limit)",
     )
+    prompt_tokens_per_minute_per_key: int = Field(
+        0,
+        ge=0,
+        description="prompt tokens per minute per API key (else per client address), a "
+        "token bucket; over it: 429 `rate_limit_exceeded` with Retry-After (0: no limit)",
+    )
+    max_prompt_tokens_per_request: int = Field(
+        0,
+        ge=0,
+        description="prompt tokens one request may have; more: 429 `request_too_large` "
+        "(0: only the context length limits it)",
+    )
+    ssl_certfile: str | None = Field(
+        None, description="serve HTTPS with this certificate (PEM; needs `ssl_keyfile`)"
+    )
+    ssl_keyfile: str | None = Field(None, description="the certificate's private key (PEM)")
+
+    @model_validator(mode="after")
+    def _ssl_pair(self) -> RouterSection:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("give both ssl_certfile and ssl_keyfile, or neither")
+        return self
 
 
 class ConnectorSection(Section):

@@ -3,7 +3,8 @@
 `build_app()` makes an app whose lifespan loads the tokenizer, starts the membership
 tasks (registry reads, health probes) and closes every node client on shutdown. Errors
 leave with the same OpenAI-style bodies a node sends (api/http.py). With `api_key` set,
-every `/v1/` route wants `Authorization: Bearer <key>`.
+every `/v1/` route wants `Authorization: Bearer <key>`. Limits per client (`client_key`):
+concurrent generation requests (`AuthAndCount`) and prompt tokens (router/token_budget.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from router.metrics import RouterMetrics
 from router.nodes import ClusterView
 from router.selector import Selector
 from router.serving import ModelNotFoundError, NoNodeError, RouterServing
+from router.token_budget import TokenLimitExceeded, client_key
 from router.tokenizer import RouterTokenizer, load_router_tokenizer, resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -151,8 +153,7 @@ class AuthAndCount:
         if route is None:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])
-        client = headers.get(b"authorization") or (scope.get("client") or ("?",))[0].encode()
+        client = client_key(scope)
         if self.max_concurrent and self.in_flight.get(client, 0) >= self.max_concurrent:
             scope["app"].state.serving.count(route, 429)
             msg = f"more than {self.max_concurrent} concurrent requests for this key"
@@ -184,3 +185,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(NoNodeError)
     async def no_node(request: Request, exc: NoNodeError) -> JSONResponse:
         return error_response(503, str(exc), "server_error", code="no_nodes")
+
+    @app.exception_handler(TokenLimitExceeded)
+    async def token_limit(request: Request, exc: TokenLimitExceeded) -> JSONResponse:
+        resp = error_response(429, str(exc), "rate_limit_error", param="prompt", code=exc.code)
+        if exc.retry_after_s is not None:
+            resp.headers["Retry-After"] = str(exc.retry_after_s)
+        return resp

@@ -71,6 +71,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="generation requests in flight per client (API key, else address); "
         "more get a 429 (0: no limit)",
     )
+    p.add_argument(
+        "--prompt-tokens-per-minute-per-key",
+        type=int,
+        default=d.prompt_tokens_per_minute_per_key,
+        help="prompt tokens per minute per client (token bucket); over it: 429 with "
+        "Retry-After (0: no limit)",
+    )
+    p.add_argument(
+        "--max-prompt-tokens-per-request",
+        type=int,
+        default=d.max_prompt_tokens_per_request,
+        help="prompt tokens one request may have; more: 429 request_too_large (0: no limit)",
+    )
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: certificate (PEM)")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: private key (PEM)")
     p.add_argument("--max-retries", type=int, default=d.max_retries)
     p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
@@ -105,6 +120,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         api_key=args.api_key,
         cluster_secret=secret,
         max_concurrent_per_key=args.max_concurrent_per_key,
+        prompt_tokens_per_minute_per_key=args.prompt_tokens_per_minute_per_key,
+        max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
         max_retries=args.max_retries,
         health_interval_s=args.health_interval_s,
         request_timeout_s=args.request_timeout_s,
@@ -128,4 +147,6 @@ def run(args: argparse.Namespace) -> None:
         port=config.port,
         log_level=args.log_level,
         drain_timeout_s=args.drain_timeout_s,
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
     )

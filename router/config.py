@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
@@ -37,6 +38,10 @@ class RouterConfig:
     breaker_cooldown_s: float = 5.0  # first open period (doubles while failures go on)
     max_body_bytes: int = 4 << 20
     max_concurrent_per_key: int = 0  # generation requests in flight per client; 0: no limit
+    prompt_tokens_per_minute_per_key: int = 0  # router/token_budget.py; 0: no limit
+    max_prompt_tokens_per_request: int = 0  # per client request; 0: only the context length
+    ssl_certfile: str | None = None  # serve HTTPS with this certificate (PEM) ...
+    ssl_keyfile: str | None = None  # ... and this private key
     # sent to nodes as their HTTP key (api/cluster_secret.py); None: nodes are open
     cluster_secret: bytes | None = field(default=None, repr=False)
 
@@ -77,9 +82,18 @@ class RouterConfig:
         ):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(name, f"must be > 0, got {getattr(self, name)}")
-        if self.max_concurrent_per_key < 0:
-            raise RouterConfigError(
-                "max_concurrent_per_key", f"must be >= 0, got {self.max_concurrent_per_key}"
-            )
+        for name in (
+            "max_concurrent_per_key",
+            "prompt_tokens_per_minute_per_key",
+            "max_prompt_tokens_per_request",
+        ):
+            if getattr(self, name) < 0:
+                raise RouterConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise RouterConfigError("ssl_keyfile", "give both ssl_certfile and ssl_keyfile")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise RouterConfigError(name, f"{path!r} is not a readable file")
         if not self.overlap_weight >= 0:
             raise RouterConfigError("overlap_weight", f"must be >= 0, got {self.overlap_weight}")

@@ -37,6 +37,7 @@ from router.relay import (
     send_json,
 )
 from router.selector import Decision, Selector
+from router.token_budget import TokenBudget, client_key
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class RouterServing:
         self.selector = selector
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.budget = TokenBudget(
+            config.prompt_tokens_per_minute_per_key, config.max_prompt_tokens_per_request
+        )
 
     # -- checks and tokens ------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
@@ -162,6 +166,8 @@ class RouterServing:
             )
         limits = self.check_prompt(tokens, max_tokens)
         kwargs = self.check_sampling(req, tokens, limits)
+        if self.budget.enabled:  # after the checks: a refused request is not charged
+            self.budget.admit(client_key(request.scope), len(tokens))
         # Prompt logprobs are computed where the prompt runs: the decode node, locally.
         local_only = kwargs.get("prompt_logprobs") is not None
         rid = request_id(request)
