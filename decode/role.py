@@ -89,10 +89,13 @@ class DecodeRole:
             if isinstance(ev, RecvDone):
                 self._tried.pop(rid, None)
                 self.bytes_received += ev.num_blocks * self._block_bytes
-                req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob)
+                req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob, ev.top)
                 req.kv_done_time, req.prefill_node_s = time.monotonic(), ev.prefill_node_s
+                if ev.prompt_logprobs is not None:  # checked against the order's prompt
+                    req.prompt_logprobs = ev.prompt_logprobs
                 lp = None if ev.logprob is None else [ev.logprob]
-                outs.append(core.make_output(req, [ev.first_token], lp))
+                top = None if ev.top is None else [ev.top]
+                outs.append(core.make_output(req, [ev.first_token], lp, top))
                 if req.is_finished:
                     core.requests.pop(rid, None)
             elif isinstance(ev, RecvFailed):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.outputs import TokenLogprobs
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampled
 
@@ -197,14 +198,20 @@ class Scheduler:
         self.waiting.appendleft(req)
         return req
 
-    def remote_kv_ready(self, request_id: str, first_token: int, logprob: float | None) -> Request:
+    def remote_kv_ready(
+        self,
+        request_id: str,
+        first_token: int,
+        logprob: float | None,
+        top: TokenLogprobs | None = None,
+    ) -> Request:
         """Every prompt block arrived: cache them, append the first token, start decoding."""
         req = self.remote_waiting.pop(request_id)
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_blocks(req, req.num_tokens)
         if req.grammar is not None:  # the prefill node sampled it under the same grammar
             req.grammar.accept(first_token)
-        req.append_output_token(first_token, logprob)
+        req.append_output_token(first_token, logprob, top)
         status = req.check_stop(self.max_model_len)
         if status is not None:
             req.status = status

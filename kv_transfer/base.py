@@ -19,8 +19,9 @@ Prefill side (`PrefillConnector`, producer):
   * `poll()` yields `NewOrder` (compute this prompt; push its blocks) and `OrderAborted`
     (the decode node aborted, or the order expired, before it finished).
   * `send_blocks(key, src_block_ids, first_index)`: push finished blocks now.
-  * `finish(key, src_block_ids, first_index, first_token, logprob)`: push the last blocks
-    and, once every block has landed, tell the decode node.
+  * `finish(key, src_block_ids, first_index, first_token, logprob, ...)`: push the last
+    blocks and, once every block has landed, tell the decode node (with the first token's
+    logprobs and the prompt logprobs the order asked for).
   * `end(key, reason)`: the prefill node dropped the attempt (abort, error, out of
     blocks); the decode node is told once nothing of it is in flight.
   * `reject(order, reason)`: a `NewOrder` the engine could not take.
@@ -40,6 +41,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
+from engine.outputs import TokenLogprobs
 from kv_transfer.messages import PrefillOrder
 
 TransferKey = tuple[str, int]  # (request id, attempt)
@@ -51,6 +53,8 @@ class RecvDone(msgspec.Struct, frozen=True):
     logprob: float | None
     num_blocks: int
     prefill_node_s: tuple[float, float] = (0.0, 0.0)  # the prefill node's queue, compute
+    top: TokenLogprobs | None = None  # the first token's, if the order asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # if the order asked (checked)
 
 
 class RecvFailed(msgspec.Struct, frozen=True):
@@ -144,9 +148,12 @@ class PrefillConnector(_Connector):
         first_token: int,
         logprob: float | None,
         prefill_node_s: tuple[float, float] = (0.0, 0.0),
+        top: TokenLogprobs | None = None,
+        prompt_logprobs: list[TokenLogprobs] | None = None,
     ) -> None:
         """Push the last blocks, then tell decode (with this node's queue and compute
-        seconds, `prefill_node_s`, for the TTFT breakdown)."""
+        seconds, `prefill_node_s`, for the TTFT breakdown, and the first token's `top`
+        alternatives and the `prompt_logprobs` when the order asked for them)."""
 
     @abc.abstractmethod
     def end(self, key: TransferKey, reason: str) -> None: ...

@@ -38,6 +38,7 @@ from kv_transfer.base import (
     Released,
     TransferKey,
 )
+from kv_transfer.done_check import done_problem
 from kv_transfer.transfer_types import DataPlane, DataPlaneOwner
 
 logger = logging.getLogger(__name__)
@@ -156,10 +157,27 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         if msg.num_blocks != expected:
             reason = f"incomplete KV: {msg.num_blocks} of {expected} blocks"
             return [RecvFailed(key, reason), Released(key)]
+        problem = done_problem(att.order, msg)
+        if problem is not None:
+            logger.warning("request %s (attempt %d): bad done from %s: %s", *key, agent, problem)
+            return [
+                RecvFailed(key, f"bad logprobs from the prefill node: {problem}"),
+                Released(key),
+            ]
         timing = (msg.prefill_queue_s, msg.prefill_compute_s)
         if not all(math.isfinite(x) and 0 <= x < 1e6 for x in timing):
             timing = (0.0, 0.0)  # only ever reported, so a bad value is just dropped
-        return [RecvDone(key, msg.first_token, msg.logprob, msg.num_blocks, timing)]
+        return [
+            RecvDone(
+                key,
+                msg.first_token,
+                msg.logprob,
+                msg.num_blocks,
+                timing,
+                top=msg.top,
+                prompt_logprobs=msg.prompt_logprobs,
+            )
+        ]
 
     def _on_control(self, node: str, msg: m.ToDecode) -> list[DecodeEvent]:
         if isinstance(msg, (m.PrefillDone, m.HeartbeatAck)):

@@ -10,7 +10,8 @@ Prefill -> decode, over the same connection:
   `AbortPrefill`), `HeartbeatAck`.
 Prefill -> decode, as the data-plane notification of the request's last block WRITE, so
 it is delivered only after every block has landed:
-  `PrefillDone` (first sampled token and number of blocks written).
+  `PrefillDone` (first sampled token, number of blocks written and, when the order asked,
+  the first token's top logprobs and the prompt's logprobs).
 
 Every per-request message names the transfer by (request_id, attempt): a retried request
 never meets its earlier attempt. A prefill node sends `PrefillRejected`, `PrefillFailed`
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import msgspec
 
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -88,6 +90,12 @@ class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     # order received -> first scheduled, first scheduled -> first token sampled.
     prefill_queue_s: float = 0.0
     prefill_compute_s: float = 0.0
+    # What the order's params asked for, computed in the prompt's own forward pass:
+    # the first token's top alternatives (`top_logprobs`) and the prompt's logprobs
+    # (`prompt_logprobs`: one entry per prompt token after the first). The decode side
+    # checks their counts against its order (`kv_transfer.done_check`).
+    top: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 ToPrefill = PeerHello | PrefillOrder | AbortPrefill | Heartbeat

@@ -112,7 +112,15 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         return True
 
     def finish(
-        self, key, src_block_ids, first_index, first_token, logprob, prefill_node_s=(0.0, 0.0)
+        self,
+        key,
+        src_block_ids,
+        first_index,
+        first_token,
+        logprob,
+        prefill_node_s=(0.0, 0.0),
+        top=None,
+        prompt_logprobs=None,
     ) -> None:
         s = self._sends.get(key)
         if s is None or s.state is not SendState.COMPUTING:
@@ -127,6 +135,8 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             nonce=s.order.nonce,
             prefill_queue_s=prefill_node_s[0],
             prefill_compute_s=prefill_node_s[1],
+            top=top,
+            prompt_logprobs=prompt_logprobs,
         )
         s.final, s.state = (src, dst, done), SendState.FINISHING
         self._events += self._progress(key, s)

@@ -212,8 +212,7 @@ class OpenAIServing:
         self._check_token_ids(params)
         # unique even if a caller reuses its id: the trace id is for logs, not for keys
         rid = f"{kind}-{trace}-{uuid.uuid4().hex[:8]}" if trace else f"{kind}-{uuid.uuid4().hex}"
-        # Prompt logprobs are computed where the prompt runs: here (see docs: PD limits).
-        prefill_node = None if params.prompt_logprobs is not None else self._prefill_node(req)
+        prefill_node = self._prefill_node(req)
         choices = []
         for pi, ids in enumerate(prompts):
             for i in range(req.n):

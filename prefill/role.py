@@ -118,7 +118,13 @@ class PrefillRole:
                 t = core.first_token_timings(req)  # its arrival here = the order's
                 timing = (t.queue_s or 0.0, t.prefill_s or 0.0)
                 first = req.output_token_ids[0]
-                self.connector.finish(exp.key, src, exp.next_block, first, lp, timing)
+                top = req.output_top_logprobs[0] if req.output_top_logprobs else None
+                plp = (
+                    req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None
+                )
+                self.connector.finish(
+                    exp.key, src, exp.next_block, first, lp, timing, top=top, prompt_logprobs=plp
+                )
                 continue
             full = min(req.num_computed_tokens // bs, exp.num_blocks)
             if full > exp.next_block:

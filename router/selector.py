@@ -83,12 +83,8 @@ class Selector:
             return {}
         return {by_id[i].url: h for i, h in hits.items() if i in by_id}
 
-    async def select(
-        self, tokens: list[int], exclude: set[str], remote_ok: bool = True
-    ) -> Decision | None:
-        """The nodes for this request, or None when no decode-capable node is usable.
-
-        `remote_ok=False`: the prompt must be prefilled on the decode node itself."""
+    async def select(self, tokens: list[int], exclude: set[str]) -> Decision | None:
+        """The nodes for this request, or None when no decode-capable node is usable."""
         t0 = time.perf_counter()
         decodes = [n for n in self.view.usable(True) if n.url not in exclude]
         if not decodes:
@@ -103,10 +99,8 @@ class Selector:
         prefill = None
         hit_d = hits.get(decode.url, 0)
         predicted = min(hit_d * rec.block_size, len(tokens) - 1)
-        local = (
-            not remote_ok
-            or rec.role == "colocated"
-            or (len(tokens) - hit_d * rec.block_size <= rec.local_prefill_max_tokens)
+        local = rec.role == "colocated" or (
+            len(tokens) - hit_d * rec.block_size <= rec.local_prefill_max_tokens
         )
         if not local and prefills:
             prefill = self.prefill_policy(prefills, ctx)

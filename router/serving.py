@@ -165,11 +165,9 @@ class RouterServing:
                 "kv_transfer_params.prefill_node",
             )
         limits = self.check_prompt(tokens, max_tokens)
-        kwargs = self.check_sampling(req, tokens, limits)
+        self.check_sampling(req, tokens, limits)
         if self.budget.enabled:  # after the checks: a refused request is not charged
             self.budget.admit(client_key(request.scope), len(tokens))
-        # Prompt logprobs are computed where the prompt runs: the decode node, locally.
-        local_only = kwargs.get("prompt_logprobs") is not None
         rid = request_id(request)
         body = req.model_dump(exclude_unset=True, exclude={"kv_transfer_params"})
         _check_finite(body)
@@ -184,7 +182,7 @@ class RouterServing:
         excluded: set[str] = set()
         last: AttemptFailed | None = None
         for attempt in range(self.config.max_retries + 1):
-            decision = await self.selector.select(tokens, excluded, remote_ok=not local_only)
+            decision = await self.selector.select(tokens, excluded)
             if decision is None:
                 break
             self._observe_decision(decision)

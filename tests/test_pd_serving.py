@@ -9,12 +9,14 @@ its own short-lived prefill node and kills it mid-prefill.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 
 import httpx
 import pytest
+import torch
 
 from engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, load_hf
@@ -204,6 +206,96 @@ def test_only_uncached_blocks_cross(decode_url, offline):
         0
     ]
     assert out["choices"][0]["text"] == ref.text
+
+
+@pytest.fixture(scope="module")
+def hf(offline):
+    return load_hf(offline.engine.model_dir)
+
+
+def _close(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+
+
+def test_echo_prompt_logprobs_come_from_the_prefill_node(decode_url, prefill_node, offline, hf):
+    """echo + logprobs over PD: the prefill node computes the prompt logprobs in the
+    prompt's forward pass (and the first token's top logprobs); equal to the single-node
+    engine and to transformers' log-softmax."""
+    prefill_url, _ = prefill_node
+    ids = text_prompt(offline, LONG_TEXT)[:150]  # 3 prefill chunks of 64 tokens
+    before_p, before_d = engine_state(prefill_url), engine_state(decode_url)
+    out = complete(decode_url, ids, max_tokens=3, echo=True, logprobs=3)
+    after_d, after_p = wait_idle(decode_url), wait_idle(prefill_url)
+    assert after_p["pd_orders"] == before_p["pd_orders"] + 1  # the prefill node ran it
+    assert after_d["pd_remote_prefills"] == before_d["pd_remote_prefills"] + 1
+    assert after_d["pd_failures"] == before_d["pd_failures"]
+    lps = out["choices"][0]["logprobs"]
+    assert len(lps["tokens"]) == len(ids) + 3 and lps["token_logprobs"][0] is None
+
+    params = SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True, logprobs=True, top_logprobs=3,
+        prompt_logprobs=3,
+    )  # fmt: skip
+    single = offline.generate([ids], params)[0]
+    want = [None, *(e.logprobs[0] for e in single.prompt_logprobs), *single.logprobs]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lps["token_logprobs"][1:], want[1:]))
+    tok = offline.tokenizer
+    tops = [*single.prompt_logprobs, *single.top_logprobs]
+    for j, e in enumerate(tops, start=1):
+        assert _close(
+            lps["top_logprobs"][j], {tok.decode([t]): v for t, v in zip(e.token_ids, e.logprobs)}
+        )
+
+    full = ids + single.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([full[:-1]])).logits[0].float(), dim=-1)
+    for j in range(1, len(full)):
+        assert abs(lps["token_logprobs"][j] - ref[j - 1, full[j]].item()) < 1e-4, j
+    first = len(ids)  # the first token, sampled on the prefill node: its top 3
+    top = ref[first - 1].topk(3)
+    want_top = {tok.decode([t]): v for t, v in zip(top.indices.tolist(), top.values.tolist())}
+    assert _close(lps["top_logprobs"][first], want_top)  # greedy: the token is the top 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_first_token_top_logprobs_over_pd(decode_url, prefill_node, offline, hf, stream):
+    """Chat top_logprobs over PD, streamed and not: the first token (sampled on the prefill
+    node) carries its alternatives like every later one, equal to transformers' top-k."""
+    prefill_url, _ = prefill_node
+    # a prompt new to the decode node's prefix cache, so it is prefilled remotely
+    ask = "Name three colours of the rainbow" + (", quickly." if stream else ", please.")
+    msgs = [{"role": "user", "content": ask}]
+    prompt = offline.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)[
+        "input_ids"
+    ]
+    orders = engine_state(prefill_url)["pd_orders"]
+    body = {
+        "messages": msgs, "max_tokens": 4, "temperature": 0, "logprobs": True,
+        "top_logprobs": 5, "stream": stream,
+    }  # fmt: skip
+    r = httpx.post(f"{decode_url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+        content = [t for e in events if e["choices"] and e["choices"][0].get("logprobs")
+                   for t in e["choices"][0]["logprobs"]["content"]]  # fmt: skip
+    else:
+        content = r.json()["choices"][0]["logprobs"]["content"]
+    assert wait_idle(prefill_url)["pd_orders"] == orders + 1
+    out = offline.chat(msgs, SamplingParams(temperature=0, max_tokens=4))[0].token_ids
+    assert len(content) == len(out) == 4
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt + out[:-1]])).logits[0].float(), dim=-1)
+    for j, t in enumerate(content):
+        top = ref[len(prompt) - 1 + j].topk(5)
+        assert [a["token"] for a in t["top_logprobs"]] == [
+            offline.tokenizer.decode([i]) for i in top.indices.tolist()
+        ], j
+        assert (
+            max(abs(a["logprob"] - v) for a, v in zip(t["top_logprobs"], top.values.tolist()))
+            < 1e-4
+        )
+        assert abs(t["logprob"] - ref[len(prompt) - 1 + j, out[j]].item()) < 1e-4
 
 
 def test_client_abort_frees_both_nodes(decode_url, prefill_node, offline):

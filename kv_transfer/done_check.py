@@ -1,0 +1,58 @@
+"""Validation of the logprobs a prefill node returns in its `PrefillDone`.
+
+The decode node trusts nothing a peer sends: the first token's top logprobs and the
+prompt logprobs must be exactly what its own order asked for (counts, the tokens they
+describe, finite log-probabilities), else the attempt fails like an incomplete transfer
+and the request fails over. This also bounds what reaches a client: at most one entry
+per prompt token, each with at most `MAX_LOGPROBS` + 1 tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+from api.sampling_rules import MAX_LOGPROBS
+from engine.outputs import TokenLogprobs
+from kv_transfer.messages import PrefillDone, PrefillOrder
+
+
+def done_problem(order: PrefillOrder, done: PrefillDone) -> str | None:
+    """Why the logprobs in `done` do not answer `order` (None if they do)."""
+    params = order.params
+    k = params.top_logprobs if params.logprobs else 0
+    if not k and done.top is not None:
+        return "top logprobs returned but not asked for"
+    if k:
+        if done.top is None:
+            return f"top_logprobs={k} asked, none returned"
+        problem = _entry_problem(done.top, done.first_token, k)
+        if problem is not None:
+            return f"first token's top logprobs: {problem}"
+        if done.logprob is not None and done.logprob != done.top.logprobs[0]:
+            return "first token's logprob differs from its top-logprobs entry"
+    plp = done.prompt_logprobs
+    if params.prompt_logprobs is None:
+        return None if plp is None else "prompt logprobs returned but not asked for"
+    prompt = order.prompt_token_ids
+    if plp is None or len(plp) != len(prompt) - 1:
+        got = "none" if plp is None else len(plp)
+        return f"{got} prompt logprobs for a {len(prompt)}-token prompt"
+    for j, entry in enumerate(plp):
+        problem = _entry_problem(entry, prompt[j + 1], params.prompt_logprobs)
+        if problem is not None:
+            return f"prompt logprobs at position {j + 1}: {problem}"
+    return None
+
+
+def _entry_problem(entry: TokenLogprobs, token: int, k: int) -> str | None:
+    if not 0 <= k <= MAX_LOGPROBS:
+        return f"{k} alternatives asked (at most {MAX_LOGPROBS})"
+    if len(entry.token_ids) != k + 1 or len(entry.logprobs) != k + 1:
+        return f"{len(entry.token_ids)} ids, {len(entry.logprobs)} logprobs, {k + 1} expected"
+    if entry.token_ids[0] != token:
+        return f"describes token {entry.token_ids[0]}, not {token}"
+    if any(not 0 <= t < 2**31 for t in entry.token_ids):
+        return "a token id out of range"
+    if any(not (x <= 0.0 or math.isclose(x, 0.0, abs_tol=1e-3)) for x in entry.logprobs):
+        return "a logprob that is not a log-probability"
+    return None

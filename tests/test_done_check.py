@@ -1,0 +1,64 @@
+"""The decode node's check of the logprobs a prefill node returns in `PrefillDone`:
+counts, the tokens described and the values must answer its own order exactly."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from kv_transfer import messages as m
+from kv_transfer.done_check import done_problem
+
+PROMPT = [5, 6, 7, 8]
+
+
+def order(**params) -> m.PrefillOrder:
+    return m.PrefillOrder(
+        request_id="r", attempt=1, prompt_token_ids=PROMPT,
+        params=SamplingParams(max_tokens=1, **params), decode_agent="d", first_block=0,
+        dst_block_ids=[0], expires_at=1e12,
+    )  # fmt: skip
+
+
+def done(**kw) -> m.PrefillDone:
+    return m.PrefillDone(request_id="r", attempt=1, first_token=9, num_blocks=1, **kw)
+
+
+def plp(k: int) -> list[TokenLogprobs]:
+    return [TokenLogprobs([t, *range(100, 100 + k)], [-1.0] * (k + 1)) for t in PROMPT[1:]]
+
+
+def test_what_was_asked_passes_and_survives_the_wire():
+    o = order(logprobs=True, top_logprobs=2, prompt_logprobs=2)
+    d = done(logprob=-0.5, top=TokenLogprobs([9, 1, 2], [-0.5, -1.0, -2.0]), prompt_logprobs=plp(2))
+    assert done_problem(o, m.decode_to_decode(m.encode(d))) is None
+    assert done_problem(order(), done(logprob=None)) is None
+
+
+@pytest.mark.parametrize(
+    "params, kw, problem",
+    [
+        ({}, {"prompt_logprobs": plp(0)}, "not asked"),
+        ({}, {"top": TokenLogprobs([9], [-1.0])}, "not asked"),
+        ({"logprobs": True, "top_logprobs": 2}, {"logprob": -1.0}, "none returned"),
+        ({"logprobs": True, "top_logprobs": 1}, {"logprob": -1.0, "top": TokenLogprobs([9, 1, 2], [-1.0] * 3)}, "expected"),
+        ({"logprobs": True, "top_logprobs": 1}, {"logprob": -1.0, "top": TokenLogprobs([3, 1], [-1.0] * 2)}, "not 9"),
+        ({"logprobs": True, "top_logprobs": 1}, {"logprob": -0.1, "top": TokenLogprobs([9, 1], [-1.0] * 2)}, "differs"),
+        ({"prompt_logprobs": 0}, {}, "none prompt logprobs"),
+        ({"prompt_logprobs": 0}, {"prompt_logprobs": plp(0)[:2]}, "2 prompt logprobs"),
+        ({"prompt_logprobs": 0}, {"prompt_logprobs": plp(0) * 1000}, "3000 prompt logprobs"),
+        ({"prompt_logprobs": 1}, {"prompt_logprobs": plp(0)}, "expected"),
+        ({"prompt_logprobs": 0}, {"prompt_logprobs": plp(0)[::-1]}, "not 6"),
+        ({"prompt_logprobs": 0}, {"prompt_logprobs": [TokenLogprobs([t], [math.nan]) for t in PROMPT[1:]]}, "log-probability"),
+        ({"prompt_logprobs": 0}, {"prompt_logprobs": [TokenLogprobs([t], [3.0]) for t in PROMPT[1:]]}, "log-probability"),
+        ({"prompt_logprobs": 1}, {"prompt_logprobs": [TokenLogprobs([t, -4], [-1.0, -2.0]) for t in PROMPT[1:]]}, "out of range"),
+    ],
+)  # fmt: skip
+def test_anything_else_is_a_problem(params, kw, problem):
+    kw.setdefault("logprob", None)
+    d = msgspec.structs.replace(done(logprob=None), **kw)
+    assert problem in (done_problem(order(**params), d) or "")
