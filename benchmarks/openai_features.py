@@ -103,7 +103,8 @@ def sampler_cost(llm: LLM, batch: int, grammar: str) -> dict:
     rows = []
     for i in range(batch):
         r = Request(f"g{i}", [1], SamplingParams(temperature=0, grammar=grammar), 16)
-        r.grammar = llm.engine.grammars.compile(grammar)
+        compiler = llm.engine.grammars.compiler
+        r.grammar = compiler.instantiate(compiler.submit(grammar))
         r.grammar.accept(llm.tokenizer.encode("{", add_special_tokens=False)[0])
         rows.append(r)
     out = {}

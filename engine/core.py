@@ -13,7 +13,7 @@ import torch
 from cluster.block_hash import root_hash
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, PendingGrammars
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_role import KVRole
 from engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone
@@ -100,8 +100,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = (runner_factory or ModelRunner)(config, arch, str(self.model_dir), num_blocks)
         self.requests: dict[str, Request] = {}
-        self.grammars = GrammarCompiler(
-            str(self.model_dir), self.vocab_size, sorted(self.eos_token_ids)
+        self.grammars = PendingGrammars(
+            GrammarCompiler(str(self.model_dir), self.vocab_size, sorted(self.eos_token_ids))
         )
         self.generated_tokens = 0
         self.last_step_idle = True
@@ -160,10 +160,11 @@ class EngineCore:
             remote_prefill=remote_prefill,
             hash_root=self.hash_root,
         )
-        if params.grammar is not None:
-            req.grammar = self.grammars.compile(params.grammar)
+        # A grammar compiles off this thread: the request is scheduled once it is ready.
+        ready = params.grammar is None or self.grammars.start(req, params.grammar)
         self.requests[request_id] = req
-        self.scheduler.add_request(req)
+        if ready:
+            self.scheduler.add_request(req)
         return req
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -185,6 +186,7 @@ class EngineCore:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.grammars.discard(request_id)
         if error is not None:
             req.error = error
             logger.warning("request %s failed: %s", request_id, error)
@@ -204,6 +206,7 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return (
             self.scheduler.has_unfinished
+            or bool(self.grammars)
             or (self.kv_role is not None and self.kv_role.has_pending())
             or (self.kv_store is not None and (self.kv_store.has_pending() or self._store_parked))
         )
@@ -213,6 +216,12 @@ class EngineCore:
         """One iteration: role polling, schedule, execute, update. Never waits for work."""
         role = self.kv_role
         outs = role.before_step(self) if role is not None else []
+        if self.grammars:  # compiles finished (or past their deadline) since the last step
+            ready, failed = self.grammars.settle()
+            for req in ready:
+                self.scheduler.add_request(req)
+            ends = [self.end_request(r, RequestStatus.FINISHED_ERROR, e) for r, e in failed]
+            outs += [o for o in ends if o is not None]
         if self.kv_store is not None:
             self._apply_store_events()
         sched = self.scheduler.schedule()
@@ -377,6 +386,7 @@ class EngineCore:
             num_waiting_for_kv=len(self.scheduler.remote_waiting),
             kv_blocks_held=self.kv.num_held_blocks,
             kv_store_hit_tokens=self.scheduler.store_hit_tokens,
+            grammars_compiling=len(self.grammars),
             **(self.kv_role.stats() if self.kv_role is not None else {}),
             **(self.kv_store.stats() if self.kv_store is not None else {}),
         )

@@ -7,20 +7,27 @@ mask lazily in tens of microseconds on the CPU with no per-schema warm-up, and i
 JSON schemas, Lark and regexes through one grammar format. The mask is a bitmask the
 sampler unpacks for just the constrained rows (`engine.logits_processors`).
 
-`GrammarCompiler` builds the tokenizer view once per engine (about a second, on the first
-constrained request); `Grammar` wraps one request's matcher. When the grammar is complete
+`GrammarCompiler` compiles on a worker thread, with a cache keyed by grammar, so the engine
+loop keeps stepping while a new schema (or, the first time, the tokenizer view: about a
+second) compiles; `Grammar` wraps one request's matcher. When the grammar is complete
 the request's EOS tokens are allowed (and the matcher's own EOS), so generation ends.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+COMPILE_DEADLINE_S = 60.0  # a request waits at most this long for its grammar
 
 
 class Grammar:
@@ -44,11 +51,51 @@ class Grammar:
 
 
 class GrammarCompiler:
-    def __init__(self, model_dir: str, vocab_size: int, eos_ids: list[int]):
+    """Compiles grammars on one worker thread, never on the engine loop.
+
+    `submit(grammar)` returns a future of a template matcher, cached by the grammar text
+    (the front end derives it from the schema); each request gets `instantiate(future)`,
+    a deep copy, once it is done. The first submit also builds the tokenizer view (about
+    a second, far longer on a loaded box). The engine waits at most `deadline_s` for a
+    compile (`EngineCore` fails the request after that).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        vocab_size: int,
+        eos_ids: list[int],
+        *,
+        deadline_s: float = COMPILE_DEADLINE_S,
+        executor: Executor | None = None,
+        cache_size: int = 64,
+    ):
         self.model_dir = model_dir
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
-        self._tokenizer = None
+        self.deadline_s = deadline_s
+        self.cache_size = cache_size
+        self._executor = executor
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._tokenizer = None  # built and read on the worker thread only
+
+    def submit(self, grammar: str) -> Future:
+        """The (maybe finished) compile of `grammar`; a failed one is retried."""
+        fut = self._cache.get(grammar)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._cache.move_to_end(grammar)
+            return fut
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        fut = self._executor.submit(self._compile, grammar)
+        self._cache[grammar] = fut
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)  # its requests keep their own reference
+        return fut
+
+    def instantiate(self, fut: Future) -> Grammar:
+        """A request's own matcher from a compile (raises its error; waits if unfinished)."""
+        return Grammar(fut.result().deep_copy(), self.eos_ids)
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
@@ -59,13 +106,15 @@ class GrammarCompiler:
             hf = load_tokenizer(self.model_dir)
             if hf is None:
                 raise InvalidRequestError("this model has no tokenizer: no structured output")
+            t0 = time.perf_counter()
             self._tokenizer = llguidance.hf.from_tokenizer(
                 hf, n_vocab=self.vocab_size, eos_token=self.eos_ids
             )
+            logger.info("grammar tokenizer view built in %.1f s", time.perf_counter() - t0)
         return self._tokenizer
 
-    def compile(self, grammar: str) -> Grammar:
-        """A fresh matcher; an invalid grammar is an InvalidRequestError."""
+    def _compile(self, grammar: str):
+        """A template matcher (worker thread); an invalid grammar is an InvalidRequestError."""
         import llguidance
 
         matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
@@ -73,4 +122,52 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"invalid structured-output grammar: {matcher.get_error()}", "response_format"
             )
-        return Grammar(matcher, self.eos_ids)
+        return matcher
+
+
+class PendingGrammars:
+    """Requests whose grammar is still compiling: not yet in the scheduler."""
+
+    def __init__(self, compiler: GrammarCompiler, clock=time.monotonic):
+        self.compiler = compiler
+        self.clock = clock
+        self._waits: dict[str, tuple[Request, Future, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._waits)
+
+    def start(self, req: Request, grammar: str) -> bool:
+        """True if `req.grammar` is set now (a cached compile); else it waits here."""
+        fut = self.compiler.submit(grammar)
+        if fut.done():
+            req.grammar = self.compiler.instantiate(fut)  # raises a compile error
+            return True
+        self._waits[req.request_id] = (req, fut, self.clock() + self.compiler.deadline_s)
+        return False
+
+    def discard(self, request_id: str) -> None:
+        self._waits.pop(request_id, None)
+
+    def settle(self) -> tuple[list[Request], list[tuple[str, str]]]:
+        """(requests whose grammar is ready now, [(request id, error)] for the others that
+        failed to compile or ran past the deadline)."""
+        ready, failed = [], []
+        now = self.clock()
+        for rid, (req, fut, deadline) in list(self._waits.items()):
+            if fut.done():
+                del self._waits[rid]
+                try:
+                    req.grammar = self.compiler.instantiate(fut)
+                except Exception as e:  # InvalidRequestError, or llguidance's own
+                    failed.append((rid, f"structured output: {e}"))
+                    continue
+                ready.append(req)
+            elif now > deadline:
+                del self._waits[rid]
+                failed.append(
+                    (
+                        rid,
+                        f"structured output: grammar not compiled in {self.compiler.deadline_s:g} s",
+                    )
+                )
+        return ready, failed

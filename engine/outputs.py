@@ -79,6 +79,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # PD roles (0 on a colocated node)
     num_waiting_for_kv: int = 0  # decode: admitted, blocks held, KV not yet arrived
     kv_blocks_held: int = 0  # blocks kept out of circulation until transfers settle
+    grammars_compiling: int = 0  # requests waiting for their grammar (off the loop)
     pd_remote_prefills: int = 0  # decode: prefills ordered from prefill nodes
     pd_failures: int = 0  # decode: remote prefills that failed or timed out
     kv_bytes_received: int = 0  # decode

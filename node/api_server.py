@@ -159,7 +159,8 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving: OpenAIServing = request.app.state.serving
-        p = serving.prepare_completion(body, trace_id(request.headers))
+        plan = await serving.plans.plan(body)  # compiles a schema off the event loop
+        p = serving.prepare_completion(body, trace_id(request.headers), plan)
         return await _generate(
             request, body, p, responses.stream_completion, responses.completion_response
         )
@@ -167,7 +168,8 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving: OpenAIServing = request.app.state.serving
-        p = serving.prepare_chat(body, trace_id(request.headers))
+        plan = await serving.plans.plan(body)
+        p = serving.prepare_chat(body, trace_id(request.headers), plan)
         return await _generate(request, body, p, responses.stream_chat, responses.chat_response)
 
     @app.post("/tokenize")

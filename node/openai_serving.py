@@ -33,6 +33,7 @@ from engine.outputs import RequestTimings, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 from node import structured_output as structured
+from node.grammar_plans import GrammarPlans
 from node.logprobs_format import LogprobsFormatter
 from node.metrics import NodeMetrics
 from node.prefill_nodes import PrefillNodes
@@ -120,6 +121,7 @@ class OpenAIServing:
         self.prefill_nodes = prefill_nodes or PrefillNodes.configured(
             self.pd.prefill_nodes, self.pd.role
         )
+        self.plans = GrammarPlans()  # schema -> grammar, off the event loop, cached
 
     def server_timings(self, g: Generation) -> dict | None:
         """`pdserve_timings` (docs/benchmarks.md, "Server timings"): where this request's
@@ -161,14 +163,17 @@ class OpenAIServing:
                 f"the chat template rejected the messages: {e}", "messages"
             ) from e
 
-    def prepare_completion(self, req: CompletionRequest, trace: str | None = None) -> Prepared:
-        """`trace`: the caller's request id (a router's X-Request-Id), kept in ours."""
+    def prepare_completion(
+        self, req: CompletionRequest, trace: str | None = None, plan: structured.Plan | None = None
+    ) -> Prepared:
+        """`trace`: the caller's request id (a router's X-Request-Id), kept in ours.
+        `plan`: the structured-output plan, if already built (`GrammarPlans`)."""
         arrival = time.monotonic()
         self.check_model(req.model)
         prompts = req.prompts()
         ids = [self.encode(p) for p in prompts]
         max_tokens = req.max_tokens or None  # 0 (echo only) is checked as 1
-        plan = structured.plan(req)
+        plan = plan or structured.plan(req)
         p = self._prepare("cmpl", ids, req, max_tokens, arrival, plan, trace)
         p.echo, p.drop_output = req.echo, req.max_tokens == 0
         p.logprobs = req.logprobs is not None
@@ -178,10 +183,15 @@ class OpenAIServing:
                 c.prompt_text = prompt if isinstance(prompt, str) else self._decode(prompt)
         return p
 
-    def prepare_chat(self, req: ChatCompletionRequest, trace: str | None = None) -> Prepared:
+    def prepare_chat(
+        self,
+        req: ChatCompletionRequest,
+        trace: str | None = None,
+        plan: structured.Plan | None = None,
+    ) -> Prepared:
         arrival = time.monotonic()
         self.check_model(req.model)
-        plan = structured.plan(req)
+        plan = plan or structured.plan(req)
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
         elif not req.messages:

@@ -1,0 +1,73 @@
+"""Structured-output plans built off the event loop, cached by what the request asks.
+
+Turning a JSON schema into an llguidance grammar and validating it takes tens of
+milliseconds (more for a large schema); done inline it would stall every stream this
+node serves. A request with `response_format` or `tools` has its plan built on a worker
+thread, with a deadline, and cached (LRU) by its `response_format`, `tools` and
+`tool_choice`, so a schema sent again costs a dictionary lookup. An invalid schema, or
+one that does not compile within the deadline, is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+
+from engine.errors import InvalidRequestError
+from node import structured_output as structured
+
+PLAN_DEADLINE_S = 10.0
+
+
+class GrammarPlans:
+    def __init__(self, max_entries: int = 256, deadline_s: float = PLAN_DEADLINE_S):
+        self.max_entries = max_entries
+        self.deadline_s = deadline_s
+        self._cache: OrderedDict[str, structured.Plan] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    async def plan(self, req) -> structured.Plan:
+        rf = req.response_format
+        tools = getattr(req, "tools", None)
+        if (rf is None or rf.type == "text") and not tools:
+            return structured.plan(req)  # nothing to compile
+        key = _key(req)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self.hits += 1
+            self._cache.move_to_end(key)
+            return hit
+        self.misses += 1
+        try:
+            plan = await asyncio.wait_for(
+                asyncio.to_thread(structured.plan, req), timeout=self.deadline_s
+            )
+        except TimeoutError:
+            param = "response_format" if rf is not None and rf.type != "text" else "tools"
+            raise InvalidRequestError(
+                f"the schema did not compile within {self.deadline_s:g} s", param
+            ) from None
+        self._cache[key] = plan
+        while len(self._cache) > self.max_entries:
+            self._cache.popitem(last=False)
+        return plan
+
+
+def _key(req) -> str:
+    def dump(x):
+        if x is None or isinstance(x, str):
+            return x
+        if isinstance(x, list):
+            return [dump(v) for v in x]
+        return x.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    return json.dumps(
+        [
+            dump(req.response_format),
+            dump(getattr(req, "tools", None)),
+            dump(getattr(req, "tool_choice", None)),
+        ],
+        sort_keys=True,
+    )
