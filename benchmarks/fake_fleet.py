@@ -2,7 +2,8 @@
 KV index publishing, no model.
 
 Each fake node serves `/health`, `/v1/node`, `/v1/completions` and `/v1/chat/completions`
-(token-id prompts; JSON or SSE) and answers at model-derived latencies:
+(token-id prompts; JSON or SSE), plus `/fake/stats` (requests it served), and answers at
+model-derived latencies:
 
     TTFT = queue wait on the prefill node + uncached prompt tokens / prefill_tok_s
     then one token every tpot_s
@@ -55,6 +56,13 @@ class FakeNode:
     running: int = 0
     publisher: KVIndexPublisher | None = None
     served: int = 0
+    extra_running: int = 0  # pinned load on top of the real one (policy tests)
+
+    def report(self) -> NodeRecord:
+        """Its record with the current load, as a real node reports it."""
+        self.record.running = self.running + self.extra_running
+        self.record.kv_used = len(self.cache)
+        return self.record
 
     def hits(self, chain: list[bytes]) -> int:
         n = 0
@@ -65,8 +73,10 @@ class FakeNode:
         return n
 
     def store(self, chain: list[bytes]) -> None:
+        """Cache a prompt's blocks; LRU, touched tail-first so that (as in the engine's block
+        pool) a block's parent is never evicted before it."""
         stored, evicted = [], []
-        for h in chain:
+        for h in reversed(chain):
             if h in self.cache:
                 self.cache.move_to_end(h)
             else:
@@ -99,7 +109,10 @@ class Fleet:
         self.sockets: list[socket.socket] = []  # one bound listening socket per node
 
     def add(self, role: str, i: int, timing: Timing, kv_blocks: int, block_size: int) -> FakeNode:
-        sock = socket.socket()
+        # proto IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on accepted
+        # sockets whose proto says TCP; without it, Nagle + delayed ACK add ~40 ms to every
+        # answer on a reused (keep-alive) connection.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.base_port + len(self.nodes) if self.base_port else 0))
         port = sock.getsockname()[1]
@@ -137,8 +150,7 @@ class Fleet:
         while True:
             pipe = self.redis.pipeline(transaction=False)
             for n in self.nodes:
-                n.record.running, n.record.updated = n.running, time.time()
-                n.record.kv_used = len(n.cache)
+                n.report().updated = time.time()
                 pipe.hset(self.keys.node(n.record.node_id), mapping=n.record.to_redis())
                 pipe.pexpire(self.keys.node(n.record.node_id), int(ttl_s * 1000))
                 pipe.sadd(self.keys.nodes, n.record.node_id)
@@ -156,8 +168,11 @@ class Fleet:
 
         @app.get("/v1/node")
         async def info() -> Response:
-            node.record.running = node.running
-            return Response(msgspec.json.encode(node.record), media_type="application/json")
+            return Response(msgspec.json.encode(node.report()), media_type="application/json")
+
+        @app.get("/fake/stats")
+        async def stats() -> dict:
+            return {"node_id": node.record.node_id, "served": node.served}
 
         async def generate(request: Request, chat: bool) -> Response:
             body = await request.json()
@@ -243,12 +258,21 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefill-tok-s", type=float, default=Timing.prefill_tok_s)
     ap.add_argument("--tpot-s", type=float, default=Timing.tpot_s)
+    ap.add_argument(
+        "--decode-load",
+        default="",
+        help="comma-separated running requests that decode nodes 0, 1, ... report on top of "
+        "their real load (to test load-based policies)",
+    )
     args = ap.parse_args()
     timing = Timing(args.prefill_tok_s, args.tpot_s)
+    loads = [int(x) for x in args.decode_load.split(",") if x.strip()]
     fleet = Fleet(args.redis_url, args.cluster, args.model, args.host, args.base_port)
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
-            fleet.add(role, i, timing, args.kv_blocks, args.block_size)
+            node = fleet.add(role, i, timing, args.kv_blocks, args.block_size)
+            if role == "decode" and i < len(loads):
+                node.extra_running = loads[i]
     asyncio.run(fleet.serve())
 
 

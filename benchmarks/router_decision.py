@@ -25,6 +25,7 @@ from redis.asyncio import Redis
 
 from cluster.block_hash import hash_prompt_blocks, root_hash
 from cluster.embedded_redis import EmbeddedRedis
+from cluster.redis_client import connect
 from cluster.registry import ClusterKeys, NodeRecord
 from router.config import RouterConfig
 from router.membership import Membership
@@ -100,7 +101,7 @@ async def run(args) -> dict:
         config = RouterConfig(redis_url=server.url, model=MODEL)
         view = ClusterView(config)
         membership = Membership(config, view)
-        membership.redis = Redis.from_url(server.url)
+        membership.redis = connect(server.url)  # the router's own client (hiredis packing)
         await membership.refresh_registry()
         assert membership.redis_ok and len(view.nodes) == args.nodes
         selector = Selector(config, view, membership)

@@ -36,10 +36,20 @@ def hash_block_tokens(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> 
 
 
 def hash_prompt_blocks(token_ids: list[int], block_size: int, root: bytes) -> list[bytes]:
-    """Hashes of every full block of `token_ids`, chained from `root`."""
+    """Hashes of every full block of `token_ids`, chained from `root`.
+
+    The same bytes as `hash_block_tokens` block by block, but the prompt is packed into
+    int32s once and each block is one blake2b call (half the time: the router hashes every
+    prompt on its decision path)."""
+    n = len(token_ids) // block_size
+    if n <= 0:
+        return []
+    data = array("i", token_ids[: n * block_size]).tobytes()
+    step = 4 * block_size
+    blake2b = hashlib.blake2b
     hashes: list[bytes] = []
     parent = root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
+    for off in range(0, n * step, step):
+        parent = blake2b(parent + data[off : off + step], digest_size=HASH_BYTES).digest()
         hashes.append(parent)
     return hashes

@@ -193,6 +193,7 @@ ROUTER_OPTIONS = (
     "prefill_policy",
     "decode_policy",
     "overlap_weight",
+    "kv_temperature",
     "max_retries",
     "health_interval_s",
     "request_timeout_s",

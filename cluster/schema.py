@@ -85,6 +85,13 @@ class RouterSection(Section):
     overlap_weight: float = Field(
         1.0, ge=0, description="kv_aware: weight of the blocks a node would have to compute"
     )
+    kv_temperature: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="kv_aware: sample nodes by softmax(-cost / T), T in KV blocks "
+        "(0: always the cheapest)",
+    )
     max_retries: int = Field(
         1, ge=0, description="extra attempts on another node while nothing was streamed"
     )

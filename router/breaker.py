@@ -8,6 +8,7 @@ the cooldown doubled (capped at `max_cooldown_s`). A success in any state resets
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 
 class CircuitBreaker:
@@ -19,6 +20,7 @@ class CircuitBreaker:
         self.cooldown_s = cooldown_s
         self.open_until: float | None = None  # None: closed
         self._trial_out = False  # half-open: the one trial request is in flight
+        self.on_change: Callable[[], None] | None = None  # called when allows() may change
 
     @property
     def state(self) -> str:
@@ -32,14 +34,18 @@ class CircuitBreaker:
         return state == "closed" or (state == "half_open" and not self._trial_out)
 
     def on_dispatch(self) -> None:
-        if self.state == "half_open":
+        if self.open_until is not None and self.state == "half_open":
             self._trial_out = True
+            self._changed()
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
+        if self.open_until is None:  # closed already: the common case, nothing changes
+            return
         self.open_until = None
         self.cooldown_s = self.base_cooldown_s
         self._trial_out = False
+        self._changed()
 
     def record_failure(self) -> None:
         self.consecutive_failures += 1
@@ -49,3 +55,8 @@ class CircuitBreaker:
                 self.cooldown_s = min(self.cooldown_s * 2, self.max_cooldown_s)
             self.open_until = time.monotonic() + self.cooldown_s
             self._trial_out = False
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()

@@ -53,6 +53,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="kv_aware: weight of blocks to compute",
     )
     p.add_argument(
+        "--kv-temperature",
+        type=float,
+        default=d.kv_temperature,
+        help="kv_aware: sample nodes by softmax(-cost / T), T in KV blocks (0: the cheapest)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
         help=f"require 'Authorization: Bearer KEY' on /v1/ (default: ${API_KEY_ENV}, which "
@@ -117,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         overlap_weight=args.overlap_weight,
+        kv_temperature=args.kv_temperature,
         api_key=args.api_key,
         cluster_secret=secret,
         max_concurrent_per_key=args.max_concurrent_per_key,

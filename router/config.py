@@ -29,6 +29,8 @@ class RouterConfig:
     api_key: str | None = None
     # kv_aware cost: overlap_weight x blocks to compute + load in blocks (router/policies.py)
     overlap_weight: float = 1.0
+    # kv_aware: sample nodes by softmax(-cost / T), T in KV blocks; 0: always the cheapest
+    kv_temperature: float = 0.0
     health_interval_s: float = 1.0  # node probes (GET /v1/node)
     registry_interval_s: float = 0.5  # registry re-reads
     connect_timeout_s: float = 2.0
@@ -97,3 +99,7 @@ class RouterConfig:
                 raise RouterConfigError(name, f"{path!r} is not a readable file")
         if not self.overlap_weight >= 0:
             raise RouterConfigError("overlap_weight", f"must be >= 0, got {self.overlap_weight}")
+        if not 0 <= self.kv_temperature < float("inf"):
+            raise RouterConfigError(
+                "kv_temperature", f"must be a finite number >= 0, got {self.kv_temperature}"
+            )

@@ -21,6 +21,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from cluster.redis_client import connect
 from cluster.registry import ClusterKeys, NodeRecord, read_nodes
 from router.config import RouterConfig
 from router.nodes import ClusterView, NodeState
@@ -42,7 +43,7 @@ class Membership:
 
     async def start(self) -> None:
         if self.config.redis_url:
-            self.redis = Redis.from_url(
+            self.redis = connect(
                 self.config.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
             )
             await self.refresh_registry()

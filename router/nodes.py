@@ -10,6 +10,7 @@ its circuit breaker allows it, and it serves the router's model. Each node has O
 from __future__ import annotations
 
 import logging
+import math
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -83,9 +84,15 @@ class NodeState:
 
 
 class ClusterView:
+    """Every node the router knows. The usable lists are cached (the decision path asks for
+    them on every request) and rebuilt after anything that changes them: a registry read, a
+    probe, a breaker changing state, or the end of an open breaker's cooldown."""
+
     def __init__(self, config: RouterConfig):
         self.config = config
         self.nodes: dict[str, NodeState] = {}
+        self._usable: tuple[list[NodeState], list[NodeState]] | None = None
+        self._usable_until = math.inf  # when an open breaker turns half-open
         # One TLS context for every node client (building one costs ~0.1 s of CPU).
         self._ssl = ssl.create_default_context()
         for url in config.prefill_urls:
@@ -110,19 +117,31 @@ class ClusterView:
                 breaker=CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s),
                 static_role=static_role,
             )
+            node.breaker.on_change = self.invalidate
             self.nodes[url] = node
+            self.invalidate()
         elif static_role:
             node.static_role = static_role
         return node
 
+    def invalidate(self) -> None:
+        self._usable = None
+
     def usable(self, serves_clients: bool) -> list[NodeState]:
-        """Usable decode-capable nodes (decode, colocated), or usable prefill nodes."""
-        model = self.config.model_name
-        return [
-            n
-            for n in self.nodes.values()
-            if n.usable(model) and n.record.serves_clients == serves_clients
-        ]
+        """Usable decode-capable nodes (decode, colocated), or usable prefill nodes, in url
+        order (a cached list: do not modify it)."""
+        now = time.monotonic()
+        if self._usable is None or now >= self._usable_until:
+            model = self.config.model_name
+            ok = sorted((n for n in self.nodes.values() if n.usable(model)), key=lambda n: n.url)
+            self._usable = (
+                [n for n in ok if not n.record.serves_clients],
+                [n for n in ok if n.record.serves_clients],
+            )
+            ends = [b.open_until for b in (n.breaker for n in self.nodes.values())
+                    if b.open_until is not None and b.open_until > now]  # fmt: skip
+            self._usable_until = min(ends, default=math.inf)
+        return self._usable[serves_clients]
 
     def limits(self) -> tuple[int, int] | None:
         """(max_model_len, vocab_size) the serving nodes of this model last reported (the
@@ -154,6 +173,7 @@ class ClusterView:
         for node in left:
             logger.warning("node %s left the registry: probing it", node.url)
             node.in_registry = False
+        self.invalidate()
         return left
 
     def apply_probe(self, node: NodeState, record: NodeRecord | None, error: str | None) -> None:
@@ -165,6 +185,7 @@ class ClusterView:
             if node.healthy:
                 logger.warning("node %s failed its health probe: %s", node.url, error)
             node.healthy, node.last_error = False, error
+        self.invalidate()
 
     async def aclose(self) -> None:
         for node in self.nodes.values():

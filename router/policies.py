@@ -18,11 +18,17 @@ waiting for p (in-flight prefills, or registry running+waiting times the mean pr
 blocks); `active_d` is the KV d already holds for running requests. Dynamo's cost is
 `overlap_weight x new prefill blocks + active decode blocks` over one worker; splitting it
 per role lets the decode choice count d's own prefix and the prefill choice p's.
+
+`kv_temperature` T (config, in KV blocks): T = 0 picks the cheapest node (ties as above);
+T > 0 samples node i with probability softmax(-cost_i / T), as Dynamo's router does, so
+that near-equal nodes share the work instead of one taking every request until its load
+catches up: a node that costs T more blocks than another is e times less likely.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Callable
 
@@ -81,10 +87,18 @@ class LeastLoaded:
 
 
 class KVAware:
-    def __init__(self, role: str, overlap_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        role: str,
+        overlap_weight: float = 1.0,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> None:
         self.role = role
         self.w = overlap_weight
+        self.temperature = temperature
         self._rr = itertools.count()
+        self._rng = random.Random(seed)
 
     def cost(self, n: NodeState, ctx: Context) -> float:
         missing = max(0, ctx.prompt_blocks - ctx.hits.get(n.url, 0))
@@ -92,26 +106,36 @@ class KVAware:
             return self.w * missing + prefill_queue_blocks(n, ctx)
         return missing + decode_active_blocks(n)
 
+    def probabilities(self, costs: list[float]) -> list[float]:
+        """softmax(-cost / T) (T > 0), shifted by the cheapest cost so exp never overflows."""
+        best, t = min(costs), self.temperature
+        weights = [math.exp((best - c) / t) for c in costs]
+        total = sum(weights)
+        return [w / total for w in weights]
+
     def __call__(self, nodes: list[NodeState], ctx: Context) -> NodeState:
         turn = next(self._rr)
-        ordered = sorted(nodes, key=lambda n: n.url)
-        k = len(ordered)
-        best = min(
-            range(k),
-            key=lambda i: (
-                self.cost(ordered[i], ctx),
-                _requests_load(ordered[i]),
-                (i - turn) % k,
-            ),
-        )
-        return ordered[best]
+        costs = [self.cost(n, ctx) for n in nodes]
+        if self.temperature > 0 and len(nodes) > 1:
+            return self._rng.choices(nodes, weights=self.probabilities(costs))[0]
+        best = min(costs)
+        tied = [n for n, c in zip(nodes, costs) if c == best]
+        if len(tied) == 1:
+            return tied[0]
+        # ties: the less loaded, then in turn (by url, so every router rotates alike)
+        loads = [_requests_load(n) for n in tied]
+        low = min(loads)
+        tied = sorted((n for n, ld in zip(tied, loads) if ld == low), key=lambda n: n.url)
+        return tied[turn % len(tied)]
 
 
-def make_policy(name: str, role: str, overlap_weight: float = 1.0) -> Policy:
+def make_policy(
+    name: str, role: str, overlap_weight: float = 1.0, temperature: float = 0.0
+) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "kv_aware":
-        return KVAware(role, overlap_weight)
+        return KVAware(role, overlap_weight, temperature)
     raise ValueError(f"unknown policy {name!r}")

@@ -107,10 +107,17 @@ def _check_status(node: NodeState, resp: httpx.Response) -> None:
             )
 
 
-async def send_json(node: NodeState, path: str, body: dict, headers: dict) -> httpx.Response:
-    """A non-streaming attempt: the node's whole answer, or AttemptFailed."""
+def encode_body(body: dict) -> bytes:
+    """The JSON body for a node (msgspec: several times faster than the stdlib encoder
+    httpx uses; the caller has already rejected NaN and infinities)."""
+    return msgspec.json.encode(body)
+
+
+async def send_json(node: NodeState, path: str, body: bytes, headers: dict) -> httpx.Response:
+    """A non-streaming attempt (`body`: JSON bytes): the node's whole answer, or
+    AttemptFailed."""
     try:
-        resp = await node.client.post(path, json=body, headers=headers)
+        resp = await node.client.post(path, content=body, headers=headers)
     except httpx.HTTPError as e:
         raise AttemptFailed("connect", f"{node.url}: {type(e).__name__}: {e}") from e
     _check_status(node, resp)
@@ -118,7 +125,7 @@ async def send_json(node: NodeState, path: str, body: dict, headers: dict) -> ht
 
 
 async def open_stream(
-    node: NodeState, path: str, body: dict, headers: dict, preamble_events: int
+    node: NodeState, path: str, body: bytes, headers: dict, preamble_events: int
 ) -> OpenStream | httpx.Response:
     """Start a streaming attempt and read up to its first token.
 
@@ -126,7 +133,7 @@ async def open_stream(
     `preamble_events` leading events carry no token (chat's role chunk) and do not count.
     Raises AttemptFailed when the attempt fails before its first token.
     """
-    request = node.client.build_request("POST", path, json=body, headers=headers)
+    request = node.client.build_request("POST", path, content=body, headers=headers)
     try:
         resp = await node.client.send(request, stream=True)
     except httpx.HTTPError as e:

@@ -44,8 +44,9 @@ class Selector:
         self.config = config
         self.view = view
         self.membership = membership
-        self.decode_policy = make_policy(config.decode_policy, "decode", config.overlap_weight)
-        self.prefill_policy = make_policy(config.prefill_policy, "prefill", config.overlap_weight)
+        w, t = config.overlap_weight, config.kv_temperature
+        self.decode_policy = make_policy(config.decode_policy, "decode", w, t)
+        self.prefill_policy = make_policy(config.prefill_policy, "prefill", w, t)
         self.kv_aware = "kv_aware" in (config.decode_policy, config.prefill_policy)
         self.mean_prompt_blocks = 8.0  # running mean, for queue estimates
         self._roots: dict[tuple[str, int], bytes] = {}

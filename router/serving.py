@@ -33,6 +33,7 @@ from router.relay import (
     AttemptFailed,
     OpenStream,
     decode_event,
+    encode_body,
     open_stream,
     send_json,
 )
@@ -41,6 +42,10 @@ from router.token_budget import TokenBudget, client_key
 from router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
+
+
+_COMPLETION_PROMPT = frozenset({"kv_transfer_params", "prompt"})
+_CHAT_PROMPT = frozenset({"kv_transfer_params", "messages", "prompt_token_ids"})
 
 
 class ModelNotFoundError(LookupError):
@@ -169,13 +174,12 @@ class RouterServing:
         if self.budget.enabled:  # after the checks: a refused request is not charged
             self.budget.admit(client_key(request.scope), len(tokens))
         rid = request_id(request)
-        body = req.model_dump(exclude_unset=True, exclude={"kv_transfer_params"})
+        # the prompt goes as token ids: the client's prompt/messages are neither dumped nor
+        # walked (a long prompt made both cost more than the rest of the request)
+        prompt_fields = _CHAT_PROMPT if route == "chat" else _COMPLETION_PROMPT
+        body = req.model_dump(exclude_unset=True, exclude=prompt_fields)
         _check_finite(body)
-        if route == "chat":
-            body.pop("messages", None)
-            body["prompt_token_ids"] = tokens
-        else:
-            body["prompt"] = tokens
+        body["prompt_token_ids" if route == "chat" else "prompt"] = tokens
         if req.stream:
             body["stream_options"] = {"include_usage": True}
         path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
@@ -186,11 +190,16 @@ class RouterServing:
             if decision is None:
                 break
             self._observe_decision(decision)
-            headers = {"X-Request-Id": rid, "X-Attempt": str(attempt)}
+            headers = {
+                "X-Request-Id": rid,
+                "X-Attempt": str(attempt),
+                "Content-Type": "application/json",
+            }
             if decision.prefill is not None:
                 body["kv_transfer_params"] = {"prefill_node": decision.prefill.record.kv_control}
             else:
                 body.pop("kv_transfer_params", None)
+            content = encode_body(body)
             logger.info(
                 "request %s attempt %d: %d tokens -> decode %s, prefill %s (predicted hit %d)",
                 rid, attempt, len(tokens), decision.decode.url,
@@ -198,7 +207,7 @@ class RouterServing:
                 decision.predicted_hit_tokens,
             )  # fmt: skip
             try:
-                return await self._attempt(decision, path, body, headers, req, route, request)
+                return await self._attempt(decision, path, content, headers, req, route, request)
             except AttemptFailed as e:
                 last = e
                 if e.reason == "prefill_rejected":  # the decode node is fine; that pair is not
@@ -226,7 +235,14 @@ class RouterServing:
         m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
 
     async def _attempt(
-        self, d: Decision, path: str, body: dict, headers: dict, req, route: str, request: Request
+        self,
+        d: Decision,
+        path: str,
+        body: bytes,
+        headers: dict,
+        req,
+        route: str,
+        request: Request,
     ) -> Response:
         """One attempt. A client that disconnects before the answer (or, streaming, before
         the first token) cancels it, which closes the node connection: the node aborts."""

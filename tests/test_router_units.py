@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
+from collections import Counter
 
 import httpx
+import pytest
 
+from cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
 from cluster.registry import NodeRecord
 from router.breaker import CircuitBreaker
+from router.config import RouterConfig, RouterConfigError
 from router.nodes import NodeState
 from router.policies import Context, KVAware, LeastLoaded, RoundRobin
 from router.relay import SSESplitter, decode_event
@@ -77,3 +83,83 @@ def test_sse_splitter_reassembles_events_across_any_cut():
     first, err, done = SSESplitter().feed(stream)
     assert decode_event(first).choices and decode_event(err).error is not None
     assert decode_event(done) is None
+
+
+def _costed(costs: list[int]) -> tuple[list[NodeState], Context]:
+    """Prefill nodes whose kv_aware cost (w=1, no hits) is `costs[i]` + the prompt blocks."""
+    nodes = [node(f"http://t{i}") for i in range(len(costs))]
+    for n, c in zip(nodes, costs):
+        n.prefill_blocks = c
+    return nodes, Context(prompt_blocks=4, hits={}, mean_prompt_blocks=4)
+
+
+def test_kv_temperature_samples_the_softmax_of_minus_cost():
+    nodes, ctx = _costed([0, 2, 4])
+    policy = KVAware("prefill", temperature=2.0, seed=1)
+    want = [math.exp(-c / 2.0) for c in (0, 2, 4)]
+    want = [w / sum(want) for w in want]  # 0.665, 0.245, 0.090
+    costs = [policy.cost(n, ctx) for n in nodes]
+    assert policy.probabilities(costs) == pytest.approx(want)
+    n = 6000
+    picks = Counter(policy(nodes, ctx).url for _ in range(n))
+    for node_, p in zip(nodes, want):
+        sigma = math.sqrt(n * p * (1 - p))
+        assert abs(picks[node_.url] - n * p) < 4 * sigma, (picks, want)
+    # a huge cost gap neither overflows nor loses the cheap node
+    far, ctx = _costed([0, 10_000])
+    assert KVAware("prefill", temperature=0.5).probabilities([4.0, 10_004.0]) == [1.0, 0.0]
+    assert all(KVAware("prefill", temperature=0.5)(far, ctx) is far[0] for _ in range(50))
+
+
+def test_kv_temperature_zero_is_the_deterministic_argmin():
+    nodes, ctx = _costed([3, 1, 2, 1])
+    runs = []
+    for _ in range(2):  # two routers pick the same sequence: cheapest, ties in url order
+        policy = KVAware("prefill", temperature=0.0)
+        runs.append([policy(nodes, ctx).url for _ in range(6)])
+    assert runs[0] == runs[1] == ["http://t1", "http://t3"] * 3
+
+
+def test_kv_temperature_config_is_checked():
+    with pytest.raises(RouterConfigError, match="kv_temperature"):
+        RouterConfig(decode_urls=("http://a",), kv_temperature=-1.0)
+    with pytest.raises(RouterConfigError, match="kv_temperature"):
+        RouterConfig(decode_urls=("http://a",), kv_temperature=float("nan"))
+    assert RouterConfig(decode_urls=("http://a",), kv_temperature=0.5).kv_temperature == 0.5
+
+
+def test_prompt_chain_equals_the_engine_block_by_block_chain():
+    root = root_hash("m", 4)
+    for n in (0, 3, 4, 9, 64):
+        tokens = [(i * 7919) % 50_000 for i in range(n)]
+        chain, parent = [], root
+        for start in range(0, n - 3, 4):
+            parent = hash_block_tokens(parent, tokens[start : start + 4])
+            chain.append(parent)
+        assert hash_prompt_blocks(tokens, 4, root) == chain
+
+
+def test_prefix_hits_counts_leading_blocks_per_node_in_one_script(redis_server):
+    from cluster.kv_index import PrefixHits
+    from cluster.redis_client import connect
+    from cluster.registry import ClusterKeys
+
+    keys = ClusterKeys("t")
+    chain = [bytes([i]) * 16 for i in range(1, 41)]  # a 40-block prompt
+    held = {"a": 0, "b": 1, "c": 17, "d": 39, "e": 40}  # leading blocks each node holds
+
+    async def run() -> dict[str, int]:
+        redis = connect(redis_server.url)
+        pipe = redis.pipeline(transaction=False)
+        for node_id, n in held.items():
+            pipe.sadd(keys.kv(node_id, 1), b"", *chain[:n], b"other-prompt-block")
+        pipe.sadd(keys.kv("a", 0), *chain)  # a's previous boot: never counts
+        await pipe.execute()
+        recs = [NodeRecord(node_id=i, role="prefill", url=f"http://{i}", model="m",
+                           block_size=16, epoch=1) for i in held]  # fmt: skip
+        try:
+            return await PrefixHits(redis, keys)(recs, lambda rec: chain)
+        finally:
+            await redis.aclose()
+
+    assert asyncio.run(run()) == held
