@@ -3,10 +3,15 @@
 Every backend exposes the same functions with the contracts documented in
 `kernels.reference`: store_kv, paged_decode_attention, paged_prefill_attention, rms_norm,
 fused_add_rms_norm, rotary_embedding, silu_and_mul.
+
+`torch` on CPU is `kernels.cpu_ops`: the reference plus a native paged decode attention
+that reads the KV blocks in place (built with the system C++ compiler on first use; the
+reference if none). `PDSERVE_CPU_ATTENTION=reference` selects the pure reference instead.
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 BACKENDS = ("torch", "triton")
@@ -15,13 +20,25 @@ BACKENDS = ("torch", "triton")
 DECODE_MAX_SPLITS = 32  # decode split-K: a power of two up to this
 DECODE_MIN_SPLIT_KEYS = 256  # a split gets at least this many keys
 PREFILL_BLOCK_M = (16, 64)  # query rows per prefill program: chunks <= 32 rows, longer
+CPU_ATTENTION_ENV = "PDSERVE_CPU_ATTENTION"
+CPU_ATTENTION_CHOICES = ("native", "reference")
 
 
 def get_ops(name: str) -> ModuleType:
     if name == "torch":
-        from kernels import reference
+        choice = os.environ.get(CPU_ATTENTION_ENV) or "native"
+        if choice not in CPU_ATTENTION_CHOICES:
+            raise ValueError(
+                f"{CPU_ATTENTION_ENV}={choice!r}; expected one of {CPU_ATTENTION_CHOICES}"
+            )
+        if choice == "reference":
+            from kernels import reference
 
-        return reference
+            return reference
+        from kernels import cpu_attention, cpu_ops
+
+        cpu_attention.available()  # build (or load) the kernel now, not in the first step
+        return cpu_ops
     if name == "triton":
         from kernels import triton_ops
 

@@ -1,0 +1,112 @@
+"""Paged decode attention on CPU that reads the KV blocks in place (kernels/csrc/paged_decode.cpp).
+
+Same contract as `kernels.reference.paged_decode_attention`; the reference gathers every
+sequence's blocks into a contiguous K/V (`aten::index`) and runs SDPA, this kernel walks
+the block table instead. Inputs it does not handle (a non-CPU device, a dtype other than
+fp32/bf16, a cache that is not contiguous) and a machine where the kernel cannot be built
+go to the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import reference
+from kernels.native import load_library
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MIN_SPLIT_KEYS = 128  # a key split gets at least this many keys
+ITEMS_PER_THREAD = 4  # split long contexts until there are this many work items per thread
+
+_i64 = ctypes.c_int64
+_ARGTYPES = [ctypes.c_void_p] * 6 + [_i64] * 10 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+
+
+def _decode_fn():
+    lib = load_library("paged_decode")
+    if lib is None:
+        return None
+    fn = lib.pdserve_paged_decode
+    if fn.argtypes is None:
+        fn.argtypes = _ARGTYPES
+        fn.restype = ctypes.c_int
+    return fn
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loaded on this machine."""
+    return _decode_fn() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and k_cache.dtype == q.dtype
+        and v_cache.dtype == q.dtype
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and q.stride(-1) == 1
+        and q.shape[-1] <= 1024
+    )
+
+
+def num_splits(num_items: int, max_len: int, threads: int) -> int:
+    """Key splits per (sequence, kv head): 1 unless too few items to keep every thread busy."""
+    want = ITEMS_PER_THREAD * threads
+    if num_items >= want:
+        return 1
+    return max(1, min(-(-want // num_items), max_len // MIN_SPLIT_KEYS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D], one query token per sequence
+    k_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    v_cache: torch.Tensor,  # [N, bs, Hkv, D]
+    block_tables: torch.Tensor,  # [B, M] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+) -> torch.Tensor:  # [B, H, D]
+    """Attention of each sequence's newest token over its whole paged context (GQA aware)."""
+    fn = _decode_fn()
+    if fn is None or not supports(q, k_cache, v_cache):
+        return reference.paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, scale
+        )
+    b, h, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    out = torch.empty((b, h, d), dtype=q.dtype)
+    if b == 0:
+        return out
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    max_len = int(lens.max())
+    threads = torch.get_num_threads()
+    splits = num_splits(b * hkv, max_len, threads)
+    split_keys = max(1, -(-max_len // splits))
+    rc = fn(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        h,
+        hkv,
+        d,
+        bs,
+        tables.shape[1],
+        q.stride(0),
+        q.stride(1),
+        split_keys,
+        splits,
+        scale,
+        _DTYPES[q.dtype],
+        threads,
+    )
+    if rc != 0:
+        raise ValueError(f"paged_decode_attention: unsupported shapes q={tuple(q.shape)}")
+    return out
