@@ -2,7 +2,7 @@
 
 Each source is compiled by the system C++ compiler (`$CXX`, else g++/c++) with
 `-O3 -march=native -fopenmp` into a cache directory (`$PDSERVE_KERNEL_CACHE`, else
-`~/.cache/pdserve/kernels`), under a name that hashes the source, the flags, the compiler
+`$PDSERVE_CACHE_DIR/kernels`, else `~/.cache/pdserve/kernels`), under a name that hashes the source, the flags, the compiler
 and this CPU's feature flags, so a cache shared between machines never serves a library
 built for another CPU. The build takes about a second (plain C++, no torch headers) and
 is atomic (temp file + rename), so concurrent processes are safe. The library is loaded
@@ -37,8 +37,8 @@ def cache_dir() -> Path:
     env = os.environ.get("PDSERVE_KERNEL_CACHE")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pdserve" / "kernels"
+    base = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
+    return Path(base) / "kernels"
 
 
 def find_compiler() -> str | None:

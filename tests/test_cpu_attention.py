@@ -146,3 +146,19 @@ def test_get_ops_torch_selects_native_unless_reference_is_asked_for(monkeypatch)
     monkeypatch.setenv(CPU_ATTENTION_ENV, "fast")
     with pytest.raises(ValueError, match=CPU_ATTENTION_ENV):
         get_ops("torch")
+
+
+@pytest.mark.parametrize("mode", ["native", "reference"])
+def test_engine_greedy_equals_hugging_face_with_either_kernel(mode, tiny_llama_dir, monkeypatch):
+    from engine import LLM, SamplingParams
+    from tests.hf_reference import hf_greedy, load_hf
+
+    monkeypatch.setenv(CPU_ATTENTION_ENV, mode)
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256)
+    attn = llm.engine.runner.model.model.layers[0].self_attn.attn
+    assert attn.ops is (cpu_ops if mode == "native" else ref)
+    hf = load_hf(tiny_llama_dir)
+    prompts = [[(7 * i + 3 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate([1, 5, 37])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for p, out in zip(prompts, llm.generate(prompts, params)):
+        assert out.token_ids == hf_greedy(hf, p, 12), f"prompt len {len(p)}"

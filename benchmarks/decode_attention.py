@@ -1,0 +1,139 @@
+"""Paged decode attention on CPU: the reference (gather + SDPA) vs the native in-place kernel.
+
+    python benchmarks/decode_attention.py --out results/decode_attention.json [--inductor]
+
+SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head_dim 64, block size 16,
+30 layers) at 32 rows x context 150, 32 rows x 1000 and 1 row x 2000, fp32 and bf16.
+Implementations run round-robin, one call each per round, so a busy machine disturbs
+them alike; per-layer min and median over the rounds, and the median x 30 layers (one
+decode step's attention). `--inductor` adds a torch.compile formulation whose loads index
+the cache through the block table inside the compiled loop (no gather buffer), with its
+compile time. Prints one JSON line per case and writes them all to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import cpu_attention, native, reference  # noqa: E402
+
+CASES = {"32x150": [150] * 32, "32x1000": [1000] * 32, "1x2000": [2000]}
+HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_case(lens: list[int], dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    need = [(n + BLOCK - 1) // BLOCK for n in lens]
+    n_blocks = sum(need) + 1
+    shape = (n_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    perm = torch.randperm(n_blocks - 1, generator=g) + 1
+    table = torch.zeros((len(lens), max(need)), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used : used + n]
+        used += n
+    q = torch.randn((len(lens), HEADS, HEAD_DIM), generator=g).to(dtype)
+    return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def decode_in_loop(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Decode attention written so inductor fuses the block-table loads into its loops."""
+    b, h, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    keys = torch.arange(block_tables.shape[1] * bs)
+    slot = block_tables[:, keys // bs].long() * bs + keys % bs  # [B, L]
+    qg = q.view(b, hkv, h // hkv, 1, d).float()
+    k = k_cache.view(-1, hkv, d)[slot].permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, L, D]
+    s = (qg * k.float()).sum(-1) * scale
+    live = keys[None, :] < context_lens[:, None]
+    p = torch.softmax(s.masked_fill(~live[:, None, None, :], float("-inf")), dim=-1)
+    v = v_cache.view(-1, hkv, d)[slot].permute(0, 2, 1, 3)[:, :, None]
+    return (p[..., None] * v.float()).sum(-2).reshape(b, h, d).to(q.dtype)
+
+
+def bench_case(name: str, dtype: str, rounds: int, inductor: bool) -> dict:
+    args = make_case(CASES[name], DTYPES[dtype])
+    scale = HEAD_DIM**-0.5
+    impls = {
+        "gather_sdpa": reference.paged_decode_attention,
+        "native": cpu_attention.paged_decode_attention,
+    }
+    row: dict = {"case": name, "dtype": dtype}
+    if inductor:
+        compiled = torch.compile(decode_in_loop, dynamic=False)
+        t0 = time.perf_counter()
+        compiled(*args, scale)
+        row["inductor_compile_s"] = round(time.perf_counter() - t0, 1)
+        impls["inductor"] = compiled
+    expected = reference.paged_decode_attention(*args, scale).float()
+    for key, fn in impls.items():
+        row[f"{key}_max_abs_err"] = float((fn(*args, scale).float() - expected).abs().max())
+    times: dict[str, list[float]] = {k: [] for k in impls}
+    for _ in range(rounds):
+        for key, fn in impls.items():
+            t0 = time.perf_counter()
+            fn(*args, scale)
+            times[key].append(time.perf_counter() - t0)
+    for key, ts in times.items():
+        med = statistics.median(ts)
+        row[f"{key}_ms_per_layer_min"] = round(min(ts) * 1e3, 3)
+        row[f"{key}_ms_per_layer_median"] = round(med * 1e3, 3)
+        row[f"{key}_ms_per_step_x{LAYERS}"] = round(med * LAYERS * 1e3, 1)
+    row["speedup_native_vs_gather_median"] = round(
+        statistics.median(times["gather_sdpa"]) / statistics.median(times["native"]), 2
+    )
+    row["speedup_native_vs_gather_min"] = round(min(times["gather_sdpa"]) / min(times["native"]), 2)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--inductor", action="store_true", help="add the torch.compile formulation")
+    ap.add_argument("--out", default="results/decode_attention.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    if not cpu_attention.available():
+        raise SystemExit("the native kernel could not be built (see the log)")
+    build_s = time.perf_counter() - t0
+    results = []
+    with torch.inference_mode():
+        for dtype in args.dtypes.split(","):
+            for name in args.cases.split(","):
+                row = bench_case(name, dtype, args.rounds, args.inductor)
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "native_load_or_build_s": round(build_s, 2),
+        "kernel_library": str(native.build("paged_decode")),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "loadavg_at_end": os.getloadavg()[0],
+    }
+    out.write_text(json.dumps({**meta, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
