@@ -77,7 +77,7 @@ def _prefill_main(ctx: dict, model_dir: str, address: str, stop, results) -> Non
     from node.roles import build_kv_role
 
     cfg = _config(ctx, model_dir, role="prefill", node_id="gpucheck-p", control_address=address)
-    core = EngineCore(cfg, build_kv_role(cfg.kv_transfer))
+    core = EngineCore(cfg, build_kv_role(cfg))
     results.put({"ready": True})
     while not stop.is_set():
         core.step()
@@ -116,7 +116,7 @@ def pd_two_processes(ctx: dict) -> dict:
         results.get(timeout=180)  # the prefill engine is up
         cfg = _config(ctx, model_dir, role="decode", node_id="gpucheck-d",
                       prefill_nodes=(address,))  # fmt: skip
-        core = EngineCore(cfg, build_kv_role(cfg.kv_transfer))
+        core = EngineCore(cfg, build_kv_role(cfg))
         for i, p in enumerate(prompts):
             core.add_request(f"pd{i}", p, params, remote_prefill=address)
         got: dict[str, list[int]] = {f"pd{i}": [] for i in range(len(prompts))}

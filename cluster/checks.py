@@ -24,6 +24,11 @@ def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Pro
     if needs_connector and group.connector is None and group.count > 0:
         why = "a prefill group" if role == "prefill" else "a decode group with prefill nodes"
         problems.append(((role, "connector"), f"{why} needs a KV connector, e.g. {{kind: nixl}}"))
+    if role == "decode" and has_prefill and group.connector and cfg.prefill.connector:
+        if group.connector.kind != cfg.prefill.connector.kind:
+            problems.append(
+                ((role, "connector", "kind"), "must match the prefill group's connector kind")
+            )
     if role == "prefill" and group.kv_port is None and group.count > 0:
         problems.append(((role, "kv_port"), "prefill nodes need a KV control port"))
     for key in ("host", "port", "kv_port", "device"):

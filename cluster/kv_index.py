@@ -13,6 +13,11 @@ them in one pipeline every `flush_interval_s`. If Redis fails, the buffer is dro
 the set is rebuilt from a snapshot of the engine's cache once Redis answers again.
 Reader (`PrefixHits`, in the router): one round trip (a server-side script over every
 candidate's set) gives how many leading blocks of a prompt each node holds.
+
+The shared KV store (LMCache prefix store) has a set too, `{prefix}:kv:store:{store_id}`:
+every node saving to it adds the hashes of the full blocks of each prompt it saved. A node
+that loads from that store (`NodeRecord.kv_store`) counts as holding the longer of its
+own prefix and the store's, so a prompt whose prefix is in the store is cheap on any node.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from cluster.registry import ClusterKeys, NodeRecord
 logger = logging.getLogger(__name__)
 
 SENTINEL = b""
+# The store's chunks live until Redis evicts them; a block listed here but gone from the
+# store costs a misjudged route, never a wrong answer (the node then computes it).
+STORE_TTL_S = 24 * 3600
 _CHUNK = 10_000  # members per SADD when rebuilding
 
 
@@ -48,9 +56,14 @@ class KVIndexPublisher:
         snapshot: Callable[[], Awaitable[list[bytes]]],
         flush_interval_s: float = 0.05,
         max_pending: int = 200_000,
+        store_key: str | None = None,
     ):
+        """`store_key`: the index set of the shared KV store this node saves to (shared by
+        every node on that store; added to, never rebuilt, refreshed to `STORE_TTL_S`)."""
         self.redis = redis
         self.key = key
+        self.store_key = store_key
+        self._store_pending: list[bytes] = []
         self.ttl_ms = int(ttl_s * 1000)
         self.snapshot = snapshot
         self.flush_interval_s = flush_interval_s
@@ -69,6 +82,11 @@ class KVIndexPublisher:
         if self._num_pending > self.max_pending:  # Redis is slow or gone: rebuild later
             self._drop_pending()
             self.need_rebuild = True
+
+    def add_store_saved(self, hashes: list[bytes]) -> None:
+        """Queue hashes of blocks the shared store now holds (flushed with the rest)."""
+        if self.store_key is not None and len(self._store_pending) < self.max_pending:
+            self._store_pending += hashes
 
     def _drop_pending(self) -> None:
         self._pending.clear()
@@ -89,6 +107,12 @@ class KVIndexPublisher:
     async def flush(self) -> None:
         if self.need_rebuild:
             await self._rebuild()
+        if self._store_pending:
+            saved, self._store_pending = self._store_pending, []
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.sadd(self.store_key, *saved)
+            pipe.expire(self.store_key, STORE_TTL_S)
+            await pipe.execute()
         if not self._pending:
             return
         batches, n = self._pending, self._num_pending
@@ -172,6 +196,10 @@ class PrefixHits:
             if not chain:
                 continue
             keys = [self.keys.kv(n.node_id, n.epoch) for n in members]
-            counts = await self._script(keys=keys, args=chain)
-            hits.update((n.node_id, int(c)) for n, c in zip(members, counts))
+            stores = sorted({n.kv_store for n in members if n.kv_store})
+            keys += [self.keys.kv_store(s) for s in stores]
+            counts = [int(c) for c in await self._script(keys=keys, args=chain)]
+            in_store = dict(zip(stores, counts[len(members) :]))
+            for n, c in zip(members, counts):  # a node can load what its store holds
+                hits[n.node_id] = max(c, in_store.get(n.kv_store, 0))
         return hits

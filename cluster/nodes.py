@@ -131,9 +131,10 @@ def node_settings(
         redis_url = cfg.redis.url
     settings["redis_url"] = redis_url  # None: embedded, known only once launched
     st = cfg.kv_store
+    uses_store = st.backend or (g.connector is not None and g.connector.kind == "lmcache")
     settings.update(
         kv_store=st.backend,
-        kv_store_url=st.url if st.backend else None,  # "cluster": the node's --redis-url
+        kv_store_url=st.url if uses_store else None,  # "cluster": the node's --redis-url
         kv_store_chunk_size=st.chunk_size,
         kv_store_local_bytes=int(st.local_cpu_bytes),
         kv_store_namespace=None,

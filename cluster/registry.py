@@ -43,6 +43,9 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     kv_used: int = 0
     kv_total: int = 0
     updated: float = 0.0
+    # the shared KV store this node loads prefixes from ("": none); its blocks are in the
+    # index set `{prefix}:kv:store:{kv_store}`, so they count as this node's hits too
+    kv_store: str = ""
 
     @property
     def serves_clients(self) -> bool:
@@ -82,6 +85,9 @@ class ClusterKeys:
 
     def kv(self, node_id: str, epoch: int) -> str:
         return f"{self.prefix}:kv:{node_id}:{epoch}"
+
+    def kv_store(self, store_id: str) -> str:
+        return f"{self.prefix}:kv:store:{store_id}"
 
 
 async def read_nodes(redis: Redis, keys: ClusterKeys) -> list[NodeRecord]:

@@ -136,7 +136,11 @@ class RouterSection(Section):
 class ConnectorSection(Section):
     """How KV blocks move from prefill to decode nodes."""
 
-    kind: Literal["nixl"] = Field("nixl", description="KV connector")
+    kind: Literal["nixl", "lmcache"] = Field(
+        "nixl",
+        description="KV connector: `nixl` (point to point) or `lmcache` (through the "
+        "`kv_store.url` Redis)",
+    )
     transfer_timeout_s: float = Field(60.0, gt=0, description="deadline for a prompt's KV")
     abort_grace_s: float = Field(
         2.0, ge=0, description="after a deadline or abort, wait before reusing blocks"

@@ -40,6 +40,7 @@ class CacheEvents:
 
     stored: list[bytes] = field(default_factory=list)
     evicted: list[bytes] = field(default_factory=list)
+    store_saved: list[bytes] = field(default_factory=list)  # now in the shared KV store
 
 
 class BlockPool:
@@ -169,6 +170,11 @@ class BlockPool:
     def cached_hashes(self) -> list[bytes]:
         """Every hash in the prefix cache now (a snapshot for rebuilding the KV index)."""
         return list(self._cached)
+
+    def note_store_saved(self, block_hashes: list[bytes]) -> None:
+        """Blocks the shared KV store (engine/kv_store.py) now holds, for its index set."""
+        if self.record_events:
+            self._events.store_saved += block_hashes
 
     def take_events(self) -> CacheEvents:
         events, self._events = self._events, CacheEvents()

@@ -97,6 +97,7 @@ class SchedulerConfig:
 
 
 ROLES = ("colocated", "prefill", "decode")
+CONNECTORS = ("nixl", "lmcache")  # kv_transfer/nixl_connector.py, kv_transfer/lmcache_connector.py
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,10 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError("kv_transfer.role", f"must be one of {ROLES}, got {self.role!r}")
+        if self.connector not in CONNECTORS:
+            raise ConfigError(
+                "kv_transfer.connector", f"must be one of {CONNECTORS}, got {self.connector!r}"
+            )
         if self.role == "prefill" and not self.control_address:
             raise ConfigError("kv_transfer.control_address", "a prefill node needs one")
         for addr in ((self.control_address,) if self.control_address else ()) + self.prefill_nodes:
@@ -198,7 +203,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
-        if self.kv_store.backend and self.kv_store.chunk_size % self.cache.block_size:
+        pd_lmcache = (
+            self.kv_transfer.role != "colocated" and self.kv_transfer.connector == "lmcache"
+        )
+        if pd_lmcache and self.kv_store.remote_url is None:
+            raise ConfigError(
+                "kv_store.remote_url",
+                "kv_transfer.connector 'lmcache' moves KV through this shared Redis: set it",
+            )
+        lmcache = self.kv_store.backend or pd_lmcache
+        if lmcache and self.kv_store.chunk_size % self.cache.block_size:
             raise ConfigError(
                 "kv_store.chunk_size",
                 f"{self.kv_store.chunk_size} is not a multiple of cache.block_size "

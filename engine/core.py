@@ -107,6 +107,7 @@ class EngineCore:
         self.last_step_idle = True
         self._store_parked: dict[str, list[str]] = {}  # request id -> park keys of late loads
         self._store_jobs = 0  # numbers the owner keys of store jobs
+        self._store_saving: dict[str, list[bytes]] = {}  # save key -> its full blocks' hashes
         if kv_role is not None:
             kv_role.attach(self)
         if kv_store is not None:
@@ -290,6 +291,9 @@ class EngineCore:
             rid = ev.request_id
             if isinstance(ev, SaveDone):
                 self.kv.release(rid)  # the save job's pin key
+                hashes = self._store_saving.pop(rid, [])
+                if ev.ok:
+                    self.kv.pool.note_store_saved(hashes)
             elif isinstance(ev, LoadSettled):
                 keys = self._store_parked.get(rid)
                 if keys:
@@ -321,6 +325,8 @@ class EngineCore:
                 continue  # loaded whole from the store
             key = self._store_key(req.request_id, "save")
             ids = self.kv.pin(req.request_id, -(-n // bs), key)
+            whole = n - n % self.config.kv_store.chunk_size  # a partial chunk matches only itself
+            self._store_saving[key] = req.block_hashes[: whole // bs]
             slots = self._slots(ids, n)
             self.kv_store.start_save(key, req.prompt_token_ids, slots, req.store_tokens)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import zmq
 
-from engine.config import EngineConfig, KVTransferConfig
+from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import InvalidRequestError
 from engine.kv_role import KVRole
@@ -50,7 +50,7 @@ from engine.messages import (
 )
 from engine.outputs import EngineCoreOutput
 
-RoleFactory = Callable[[KVTransferConfig], KVRole | None]
+RoleFactory = Callable[[EngineConfig], KVRole | None]
 StoreFactory = Callable[[EngineConfig], KVStore | None]
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def run_engine_core(
 ) -> None:
     """Process entry point (target of a spawned `multiprocessing.Process`).
 
-    `role_factory` builds the node's PD role from its KV-transfer config (the node package
+    `role_factory` builds the node's PD role from its config (the node package
     wires engine + role + connector; the engine itself knows no role). It must be a
     module-level function: the spawned process imports it by name.
     """
@@ -122,7 +122,7 @@ class EngineCoreProc:
         self._out_thread.start()
         try:
             t = time.perf_counter()
-            role = role_factory(config.kv_transfer) if role_factory is not None else None
+            role = role_factory(config) if role_factory is not None else None
             store = store_factory(config) if store_factory is not None else None
             self.core = EngineCore(config, role, kv_store=store)
             logger.info("engine loaded %s in %.1f s", self.core.model_dir, time.perf_counter() - t)
@@ -168,10 +168,11 @@ class EngineCoreProc:
         """Queue a step's outputs, with the prefix-cache events it caused (if recorded)."""
         pool = self.core.kv.pool
         events = pool.take_events() if pool.record_events else None
-        if outs or (events is not None and (events.stored or events.evicted)):
+        if outs or (events is not None and (events.stored or events.evicted or events.store_saved)):
             batch = OutputBatch(outputs=outs, stats=self.core.stats())
             if events is not None:
                 batch.kv_stored, batch.kv_evicted = events.stored, events.evicted
+                batch.kv_store_saved = events.store_saved
             self.outputs.put(batch)
 
     def _process_inputs(self) -> None:

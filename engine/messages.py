@@ -72,6 +72,8 @@ class OutputBatch(msgspec.Struct, tag=True, kw_only=True):
     # With `cache.kv_events`: block hashes that entered / left the prefix cache, in order.
     kv_stored: list[bytes] = msgspec.field(default_factory=list)
     kv_evicted: list[bytes] = msgspec.field(default_factory=list)
+    # With `cache.kv_events` and a KV store: block hashes the store now holds.
+    kv_store_saved: list[bytes] = msgspec.field(default_factory=list)
 
 
 class UtilityResult(msgspec.Struct, tag=True, kw_only=True):

@@ -176,6 +176,8 @@ def register_connector(name: str):
 def create_connector(name: str, **kwargs) -> DecodeConnector | PrefillConnector:
     if name == "nixl":
         import kv_transfer.nixl_connector  # noqa: F401  (registers itself)
+    elif name == "lmcache":
+        import kv_transfer.lmcache_connector  # noqa: F401  (registers itself)
     if name not in _REGISTRY:
-        raise ValueError(f"unknown KV connector {name!r}; known: {sorted(_REGISTRY) or ['nixl']}")
+        raise ValueError(f"unknown KV connector {name!r}; known: nixl, lmcache")
     return _REGISTRY[name](**kwargs)  # type: ignore[return-value]

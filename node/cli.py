@@ -69,7 +69,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=[],
         help="decode role: control address of a prefill node (repeatable; round-robin)",
     )
-    g.add_argument("--kv-connector", default=kv.connector, choices=["nixl"])
+    g.add_argument(
+        "--kv-connector",
+        default=kv.connector,
+        choices=["nixl", "lmcache"],
+        help="how KV moves: nixl (point to point) or lmcache (through the --kv-store-url Redis)",
+    )
     g.add_argument("--kv-transfer-timeout", type=float, default=kv.transfer_timeout_s)
     g.add_argument("--kv-abort-grace", type=float, default=kv.abort_grace_s)
     g.add_argument(

@@ -24,6 +24,7 @@ from cluster.kv_index import KVIndexPublisher
 from cluster.registry import ClusterKeys, NodeRecord, read_nodes
 from engine.config import EngineConfig
 from engine.messages import OutputBatch
+from node.roles import store_index_id
 
 if TYPE_CHECKING:  # the CLI imports this module for ClusterOptions: keep it light
     from engine.async_llm import AsyncLLM
@@ -71,6 +72,7 @@ class ClusterAgent:
         self.options = options
         self.epoch = time.time_ns()
         self.keys = ClusterKeys(options.cluster)
+        self.store_id = store_index_id(config)  # "": no shared KV store
         self.redis: Redis | None = None
         self.publisher: KVIndexPublisher | None = None
         self._tasks: list[asyncio.Task] = []
@@ -95,6 +97,7 @@ class ClusterAgent:
             local_prefill_max_tokens=cfg.scheduler.local_prefill_max_tokens,
             kv_total=info.num_blocks if info else 0,
             updated=time.time(),
+            kv_store=self.store_id,
         )
         if stats is not None:
             rec.running, rec.waiting = stats.num_running, stats.num_waiting
@@ -104,6 +107,8 @@ class ClusterAgent:
     def on_batch(self, batch: OutputBatch) -> None:
         if self.publisher is not None:
             self.publisher.add(batch.kv_stored, batch.kv_evicted)
+            if batch.kv_store_saved:
+                self.publisher.add_store_saved(batch.kv_store_saved)
 
     async def start(self) -> None:
         if self.options.redis_url is None:
@@ -116,6 +121,7 @@ class ClusterAgent:
             self.keys.kv(self.node_id, self.epoch),
             self.options.node_ttl_s,
             self.llm.client.get_cached_hashes,
+            store_key=self.keys.kv_store(self.store_id) if self.store_id else None,
         )
         self._tasks = [
             asyncio.create_task(self._heartbeat(), name="registry-heartbeat"),

@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig, KVTransferConfig
+from engine.config import EngineConfig
 from engine.kv_role import KVRole
 from engine.kv_store import KVStore
 from kv_transfer.base import create_connector
 
 
-def build_kv_role(cfg: KVTransferConfig) -> KVRole | None:
+def build_kv_role(config: EngineConfig) -> KVRole | None:
     """None for a colocated node; else the role with its connector (not yet attached)."""
+    cfg = config.kv_transfer
     if cfg.role == "colocated":
         return None
+    extra: dict = {"net_devices": cfg.net_devices}
+    if cfg.connector == "lmcache":  # PD through the shared store of `kv_store`
+        from kv_transfer.lmcache_connector import LMCacheSettings
+
+        st = config.kv_store
+        extra = {
+            "lmcache": LMCacheSettings(
+                remote_url=st.remote_url,
+                namespace=st.namespace or config.model.model,
+                chunk_size=st.chunk_size,
+                local_cpu_bytes=st.local_cpu_bytes,
+            )
+        }
     connector = create_connector(
         cfg.connector,
         node_id=cfg.node_id,
@@ -20,7 +34,7 @@ def build_kv_role(cfg: KVTransferConfig) -> KVRole | None:
         abort_grace_s=cfg.abort_grace_s,
         peer_timeout_s=cfg.peer_timeout_s,
         cluster_secret=cfg.cluster_secret,
-        net_devices=cfg.net_devices,
+        **extra,
     )
     if cfg.role == "prefill":
         from prefill.role import PrefillRole
@@ -34,6 +48,15 @@ def build_kv_role(cfg: KVTransferConfig) -> KVRole | None:
         prefill_locally_on_failure=cfg.on_prefill_failure == "local",
         prefill_nodes=cfg.prefill_nodes,
     )
+
+
+def store_index_id(config: EngineConfig) -> str:
+    """Names the prefix store's index set in the cluster's KV index ("": no store): nodes
+    that share chunks (same namespace and dtype) share it."""
+    st = config.kv_store
+    if st.backend is None:
+        return ""
+    return f"{st.namespace or config.model.model}|{config.model.dtype_name}"
 
 
 def build_kv_store(config: EngineConfig) -> KVStore | None:

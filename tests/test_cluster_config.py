@@ -244,6 +244,20 @@ def test_kv_store_section_points_nodes_at_the_cluster_redis(tmp_path):
         load_config(write(tmp_path, bad, "bad.yaml"))
 
 
+def test_lmcache_connector_moves_kv_through_the_cluster_redis(tmp_path):
+    from node.cli import engine_config_from_args, resolve_settings
+
+    text = GOOD.replace("{kind: nixl}", "{kind: lmcache}") + "kv_store: {chunk_size: 64}\n"
+    path = write(tmp_path, text)
+    argv = ["--config", str(path), "--node", "decode-0", "--redis-url", "redis://10.0.0.5:6400"]
+    cfg = engine_config_from_args(resolve_settings(serve_parser().parse_args(argv)))
+    assert cfg.kv_transfer.connector == "lmcache" and cfg.kv_store.backend is None
+    assert (cfg.kv_store.remote_url, cfg.kv_store.chunk_size) == ("redis://10.0.0.5:6400", 64)
+    mixed = GOOD.replace("connector: {kind: nixl}\nrouter", "connector: {kind: lmcache}\nrouter")
+    with pytest.raises(ConfigFileError, match=r"decode\.connector\.kind"):
+        load_config(write(tmp_path, mixed, "mixed.yaml"))
+
+
 def test_docs_reference_is_up_to_date():
     from cluster.docs import DOCS_FILE, updated_text
 
