@@ -16,7 +16,7 @@ from engine.errors import ConfigError, InvalidRequestError
 from engine.grammar import GrammarCompiler, PendingGrammars
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_role import KVRole
-from engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone
+from engine.kv_store import KVStore
 from engine.model_arch import ModelArch
 from engine.model_files import resolve_model
 from engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -24,6 +24,7 @@ from engine.outputs import EngineCoreOutput, EngineStats, RequestTimings, TokenL
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.store_driver import StoreDriver
 
 logger = logging.getLogger(__name__)
 
@@ -105,13 +106,13 @@ class EngineCore:
         )
         self.generated_tokens = 0
         self.last_step_idle = True
-        self._store_parked: dict[str, list[str]] = {}  # request id -> park keys of late loads
-        self._store_jobs = 0  # numbers the owner keys of store jobs
-        self._store_saving: dict[str, list[bytes]] = {}  # save key -> its full blocks' hashes
         if kv_role is not None:
             kv_role.attach(self)
+        self.store = None  # drives kv_store from the loop (engine/store_driver.py)
         if kv_store is not None:
             kv_store.attach(self.runner.kv_cache)
+            bs, chunk = cc.block_size, config.kv_store.chunk_size
+            self.store = StoreDriver(kv_store, self.kv, self.scheduler, bs, chunk)
             self.scheduler.store_loads_enabled = True
 
     # -- requests --------------------------------------------------------------------
@@ -192,8 +193,7 @@ class EngineCore:
             req.error = error
             logger.warning("request %s failed: %s", request_id, error)
         if req.status == RequestStatus.WAITING_FOR_STORE:  # the load may still write
-            self._park_store_load(request_id)
-            self.kv_store.abandon_load(request_id)
+            self.store.abandon_load(request_id)
         hold_key = self.scheduler.finish(req, status)
         if self.kv_role is not None:
             self.kv_role.on_abort(self, req, hold_key)
@@ -209,7 +209,7 @@ class EngineCore:
             self.scheduler.has_unfinished
             or bool(self.grammars)
             or (self.kv_role is not None and self.kv_role.has_pending())
-            or (self.kv_store is not None and (self.kv_store.has_pending() or self._store_parked))
+            or (self.store is not None and self.store.has_pending())
         )
 
     # -- the loop --------------------------------------------------------------------
@@ -223,8 +223,8 @@ class EngineCore:
                 self.scheduler.add_request(req)
             ends = [self.end_request(r, RequestStatus.FINISHED_ERROR, e) for r, e in failed]
             outs += [o for o in ends if o is not None]
-        if self.kv_store is not None:
-            self._apply_store_events()
+        if self.store is not None:
+            self.store.apply_events()
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for s in sched.scheduled:
@@ -234,8 +234,8 @@ class EngineCore:
             self.requests.pop(req.request_id, None)
             if role is not None:
                 role.on_abort(self, req, hold_key)
-        if self.kv_store is not None:
-            self._start_store_loads(sched)
+        if self.store is not None:
+            self.store.start_loads(sched)
         if role is not None:
             role.after_schedule(self, sched)
         finished: list[Request] = []
@@ -245,8 +245,8 @@ class EngineCore:
                 for s in sched.scheduled
             }
             sampled, failed = self.runner.execute(sched, block_ids)
-            if self.kv_store is not None:
-                self._save_prompts(sched)
+            if self.store is not None:
+                self.store.save_prompts(sched)
             finished = self.scheduler.update_from_output(sched, sampled)
             for rid, x in sampled.items():
                 req = self.requests[rid]
@@ -271,64 +271,6 @@ class EngineCore:
             self.requests.pop(req.request_id, None)
         self.last_step_idle = not sched.scheduled and not outs
         return outs
-
-    # -- KV store (engine/kv_store.py) ---------------------------------------------------
-    def _store_key(self, rid: str, what: str) -> str:
-        self._store_jobs += 1
-        return f"{rid}#store-{what}-{self._store_jobs}"
-
-    def _slots(self, block_ids: list[int], num_tokens: int) -> list[int]:
-        bs = self.config.cache.block_size
-        return [b * bs + i for b in block_ids for i in range(bs)][:num_tokens]
-
-    def _park_store_load(self, rid: str) -> str:
-        key = self._store_key(rid, "load")
-        self._store_parked.setdefault(rid, []).append(key)
-        return key
-
-    def _apply_store_events(self) -> None:
-        for ev in self.kv_store.poll():
-            rid = ev.request_id
-            if isinstance(ev, SaveDone):
-                self.kv.release(rid)  # the save job's pin key
-                hashes = self._store_saving.pop(rid, [])
-                if ev.ok:
-                    self.kv.pool.note_store_saved(hashes)
-            elif isinstance(ev, LoadSettled):
-                keys = self._store_parked.get(rid)
-                if keys:
-                    self.kv.release(keys.pop(0))
-                    if not keys:
-                        del self._store_parked[rid]
-            elif isinstance(ev, LoadDone) and rid in self.scheduler.store_loading:
-                park = self._park_store_load(rid) if ev.late else None
-                self.scheduler.store_load_done(rid, ev.num_tokens, park)
-
-    def _start_store_loads(self, sched) -> None:
-        for req in sched.store_loads:
-            slots = self._slots(self.kv.get_block_ids(req.request_id), req.num_tokens)
-            self.kv_store.start_load(
-                req.request_id, req.all_token_ids, slots, req.num_computed_tokens
-            )
-
-    def _save_prompts(self, sched) -> None:
-        """Save each prompt whose last chunk ran this step (its blocks pinned meanwhile)."""
-        bs = self.config.cache.block_size
-        for s in sched.scheduled:
-            req, n = s.request, s.request.num_prompt_tokens
-            if req.store_saved or not (
-                req.num_computed_tokens < n <= req.num_computed_tokens + s.num_new_tokens
-            ):
-                continue
-            req.store_saved = True
-            if req.store_tokens >= n:
-                continue  # loaded whole from the store
-            key = self._store_key(req.request_id, "save")
-            ids = self.kv.pin(req.request_id, -(-n // bs), key)
-            whole = n - n % self.config.kv_store.chunk_size  # a partial chunk matches only itself
-            self._store_saving[key] = req.block_hashes[: whole // bs]
-            slots = self._slots(ids, n)
-            self.kv_store.start_save(key, req.prompt_token_ids, slots, req.store_tokens)
 
     def make_output(
         self,

@@ -27,7 +27,6 @@ from there.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import uuid
 from dataclasses import dataclass
@@ -99,28 +98,26 @@ class LMCacheDecodeSide(DecodeSide):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # attempts whose retrieve runs: (attempt, its handle, the PrefillDone)
-        self._loading: dict[TransferKey, tuple[_Attempt, TransferHandle, m.PrefillDone]] = {}
+        # attempts whose retrieve runs: (attempt, its handle, the RecvDone it will give)
+        self._loading: dict[TransferKey, tuple[_Attempt, TransferHandle, RecvDone]] = {}
 
     def _on_control(self, node: str, msg: m.ToDecode) -> list[DecodeEvent]:
         if not isinstance(msg, m.PrefillDone):
             return super()._on_control(node, msg)
         key = (msg.request_id, msg.attempt)
         att = self._attempts.get(key)
-        if att is None or att.node != node or msg.nonce != att.order.nonce:
+        if att is None or att.node != node:
             return []  # stale, or not from the node we ordered from
-        del self._attempts[key]
-        if att.state is not RecvState.ORDERED:
-            return [Released(key)]  # the prefill node is done: nothing of it is pending
-        o, bs = att.order, self._data.layout.block_size
-        if msg.num_blocks != len(o.dst_block_ids):
-            reason = f"incomplete KV: {msg.num_blocks} of {len(o.dst_block_ids)} blocks"
-            return [RecvFailed(key, reason), Released(key)]
+        events = self._on_done(node, msg)  # the NIXL checks: nonce, block count, logprobs
+        if not (len(events) == 1 and isinstance(events[0], RecvDone)):
+            return events
+        o = att.order
         if self.clock() > o.expires_at:
             return [RecvFailed(key, "the KV was stored after the deadline"), Released(key)]
-        slots = _slots(o, o.dst_block_ids, o.first_block, bs)
-        handle = self._data.retrieve(o.prompt_token_ids, slots, o.first_block * bs, o.expires_at)
-        self._loading[key] = (att, handle, msg)
+        slots = _slots(o, o.dst_block_ids, o.first_block, self._data.layout.block_size)
+        skip = o.first_block * self._data.layout.block_size
+        handle = self._data.retrieve(o.prompt_token_ids, slots, skip, o.expires_at)
+        self._loading[key] = (att, handle, events[0])  # RecvDone once every token is in
         return []
 
     def poll(self) -> list[DecodeEvent]:
@@ -141,19 +138,12 @@ class LMCacheDecodeSide(DecodeSide):
             if att.state is not RecvState.ORDERED:
                 events.append(Released(key))
             elif state is TransferState.DONE and present >= n:
-                events.append(self._recv_done(key, done))
+                events.append(done)
             else:
                 reason = f"incomplete KV in the store: {present} of {n} prompt tokens"
                 logger.warning("request %s (attempt %d): %s", *key, reason)
                 events += [RecvFailed(key, reason), Released(key)]
         return events
-
-    @staticmethod
-    def _recv_done(key: TransferKey, msg: m.PrefillDone) -> RecvDone:
-        timing = (msg.prefill_queue_s, msg.prefill_compute_s)
-        if not all(math.isfinite(x) and 0 <= x < 1e6 for x in timing):
-            timing = (0.0, 0.0)
-        return RecvDone(key, msg.first_token, msg.logprob, msg.num_blocks, timing)
 
     def cancel(self, key: TransferKey) -> None:
         loading = self._loading.get(key)
@@ -202,30 +192,21 @@ class LMCachePrefillSide(PrefillSide):
             return self._end(key, s, "the order expired")
         self._blocks[key] += src_block_ids  # stored at finish, in one job
 
-    def finish(
-        self, key, src_block_ids, first_index, first_token, logprob, prefill_node_s=(0.0, 0.0)
-    ) -> None:
-        s = self._sends.get(key)
-        if s is None or s.state is not SendState.COMPUTING:
-            return
-        blocks = self._blocks[key] + list(src_block_ids)
-        done = m.PrefillDone(
-            request_id=key[0],
-            attempt=key[1],
-            first_token=first_token,
-            logprob=logprob,
-            num_blocks=len(s.order.dst_block_ids),
-            nonce=s.order.nonce,
-            prefill_queue_s=prefill_node_s[0],
-            prefill_compute_s=prefill_node_s[1],
-        )
-        s.final, s.state = (blocks, [], done), SendState.FINISHING
-        self._events += self._progress(key, s)
+    def finish(self, key, src_block_ids, first_index, *args, **kwargs) -> None:
+        if key in self._blocks:
+            self._blocks[key] += src_block_ids
+            super().finish(key, self._blocks[key], self._first[key], *args, **kwargs)
+
+    @staticmethod
+    def _map(s: _Send, src: list[int], first_index: int) -> tuple[list[int], list[int]]:
+        """The blocks of the ordered range (what `PrefillDone.num_blocks` counts); the
+        store job itself takes every block from the chunk boundary (`_blocks`)."""
+        return src[s.order.first_block - first_index :], []
 
     def _post(self, key, s: _Send, src: list[int], dst: list[int], notif: bytes | None) -> bool:
         o, bs = s.order, self._data.layout.block_size
         first = self._first[key]
-        slots = _slots(o, src, first, bs)
+        slots = _slots(o, self._blocks[key], first, bs)
         try:
             s.handles.append(self._data.store(o.prompt_token_ids, slots, first * bs, o.expires_at))
         except RuntimeError as e:
