@@ -57,7 +57,7 @@ def peer_env(threads: int, cache_root: str | None = None) -> dict[str, str]:
     env.update(
         VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)),
         VLLM_CPU_NUM_OF_RESERVED_CPU="0",  # else it keeps one of two cores for itself
-        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"),  # GiB
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB, as pdserve's default
         OMP_NUM_THREADS=str(threads),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",

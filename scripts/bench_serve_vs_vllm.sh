@@ -41,7 +41,7 @@ bench() {  # URL LABEL
 
 echo "== vllm serve ($THREADS threads on CPUs $CPUS)"
 env -u PYTHONPATH VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND="$CPUS" \
-    VLLM_CPU_KVCACHE_SPACE=2 VLLM_NO_USAGE_STATS=1 \
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 \
     nice -n "$NICE" "$VENV/bin/vllm" serve "$MODEL_DIR" --served-model-name smollm2-135m-instruct \
     --dtype float32 --host 127.0.0.1 --port "$VPORT" --max-model-len 2048 \
     >"$OUT/vllm_serve.log" 2>&1 &
