@@ -2,7 +2,7 @@
 # `vllm serve` and one pdserve node, back to back, under the same `pdserve bench serve` load,
 # then `pdserve bench compare`. Optional, never run by CI; needs scripts/setup_vllm_peer.sh.
 #   bash scripts/bench_serve_vs_vllm.sh [VENV] [OUT_DIR]    (defaults /work/vllm-venv, results)
-# Env: THREADS (default: all CPUs this process may use), RATES (default "inf 0.5"),
+# Env: THREADS (default: all CPUs), CPUS (default 0..THREADS-1), RATES (default "inf 0.5"),
 # NUM_PROMPTS (64), INPUT_LEN / OUTPUT_LEN (128 / 128), NICE (default 0), PDSERVE_PYTHON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ PY=${PDSERVE_PYTHON:-.venv/bin/python}
 THREADS=${THREADS:-$(nproc)}
 RATES=${RATES:-inf 0.5}
 NICE=${NICE:-0}
-CPUS=$(seq -s, 0 $((THREADS - 1)))
+CPUS=${CPUS:-$(seq -s, 0 $((THREADS - 1)))}  # both servers are pinned to these
 VPORT=${VLLM_PORT:-18000}
 PPORT=${PDSERVE_PORT:-18100}
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -52,7 +52,7 @@ bench "http://127.0.0.1:$VPORT" vllm
 stop "$VPID"
 
 echo "== pdserve serve ($THREADS threads)"
-nice -n "$NICE" "$PY" -m pdserve serve --model smollm2-135m-instruct --dtype float32 \
+taskset -c "$CPUS" nice -n "$NICE" "$PY" -m pdserve serve --model smollm2-135m-instruct --dtype float32 \
     --port "$PPORT" --num-threads "$THREADS" >"$OUT/pdserve_serve.log" 2>&1 &
 PPID_=$!
 trap 'stop $PPID_' EXIT

