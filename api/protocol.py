@@ -133,13 +133,6 @@ class CompletionRequest(_SamplingRequest):
             return list(p)  # type: ignore[arg-type]
         return [p]  # type: ignore[list-item]
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request (the router relays one prompt per request)."""
-        prompts = self.prompts()
-        if len(prompts) != 1:
-            raise InvalidRequestError("the router takes one prompt per request", "prompt")
-        return prompts[0]
-
     def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
         """Keyword arguments of the engine's `SamplingParams` for this request.
 

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from api import chat_tools
 from api.protocol import ChatCompletionRequest
 from api.structured import FunctionCall, ToolCall
 from engine.errors import InvalidRequestError
@@ -95,37 +96,8 @@ def _call_schema(fn) -> dict[str, Any]:
 
 
 def template_tools(req: ChatCompletionRequest, tokenizer) -> tuple[list[dict], dict]:
-    """(messages, extra template kwargs): tools for the template, or a system message."""
-    messages = [_render_calls(m.to_template_dict()) for m in req.messages]
-    if not req.tools or req.tool_choice == "none":
-        return messages, {}
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
-        return messages, {"tools": tools}
-    text = (
-        "You can call these functions. To call one, reply with "
-        '<tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>.\n'
-        + "\n".join(json.dumps(t["function"]) for t in tools)
-    )
-    if messages and messages[0]["role"] == "system":
-        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + text}
-    else:
-        messages.insert(0, {"role": "system", "content": text})
-    return messages, {}
-
-
-def _render_calls(msg: dict) -> dict:
-    """An assistant turn's earlier tool calls, as text for templates that drop them."""
-    calls = msg.pop("tool_calls", None)
-    if calls:
-        rendered = "".join(
-            "<tool_call>"
-            + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-            + "</tool_call>"
-            for c in calls
-        )
-        msg["content"] = (msg.get("content") or "") + rendered
-    return msg
+    """(messages, extra template kwargs) for this node's tokenizer (`api.chat_tools`)."""
+    return chat_tools.template_tools(req, getattr(tokenizer, "chat_template", None))
 
 
 def tool_calls(p: Plan, text: str) -> list[ToolCall] | None:

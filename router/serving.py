@@ -22,6 +22,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
+from api.chat_tools import template_tools
 from api.errors import InvalidRequestError
 from api.http import AbortOnDisconnectResponse, error_response, trace_id, until_disconnect
 from api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
@@ -85,14 +86,13 @@ class RouterServing:
         if model is not None and model != self.config.model_name:
             raise ModelNotFoundError(model)
 
-    def completion_tokens(self, req: CompletionRequest) -> list[int]:
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt (one, or a batch: the node answers every prompt)."""
         self._check_model(req.model)
-        prompt = req.single_prompt()
-        if isinstance(prompt, list):
-            return prompt
-        if self.tokenizer is None:
+        prompts = req.prompts()
+        if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
-        return self.tokenizer.encode(prompt)
+        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
 
     def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
         self._check_model(req.model)
@@ -102,8 +102,9 @@ class RouterServing:
             raise InvalidRequestError("messages must not be empty", "messages")
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: chat needs one", "messages")
+        messages, extra = template_tools(req, self.tokenizer.chat_template)  # as a node does
         try:
-            return self.tokenizer.apply_chat_template([m.to_template_dict() for m in req.messages])
+            return self.tokenizer.apply_chat_template(messages, extra.get("tools"))
         except Exception as e:  # the template itself may reject a conversation
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {e}", "messages"
@@ -160,26 +161,33 @@ class RouterServing:
         self,
         route: str,
         req: CompletionRequest | ChatCompletionRequest,
-        tokens: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
         request: Request,
     ) -> Response:
+        """Serve on one decode node; a batch goes whole to it, nodes chosen on prompt 0."""
         if req.kv_transfer_params is not None and req.kv_transfer_params.prefill_node:
             raise InvalidRequestError(
                 "the router chooses the prefill node; do not send one",
                 "kv_transfer_params.prefill_node",
             )
-        limits = self.check_prompt(tokens, max_tokens)
-        self.check_sampling(req, tokens, limits)
+        limits = None
+        for ids in prompts:
+            limits = self.check_prompt(ids, max_tokens)
+        self.check_sampling(req, max(prompts, key=len), limits)
+        tokens = prompts[0]
         if self.budget.enabled:  # after the checks: a refused request is not charged
-            self.budget.admit(client_key(request.scope), len(tokens))
+            self.budget.admit(client_key(request.scope), sum(map(len, prompts)))
         rid = request_id(request)
         # the prompt goes as token ids: the client's prompt/messages are neither dumped nor
         # walked (a long prompt made both cost more than the rest of the request)
         prompt_fields = _CHAT_PROMPT if route == "chat" else _COMPLETION_PROMPT
         body = req.model_dump(exclude_unset=True, exclude=prompt_fields)
         _check_finite(body)
-        body["prompt_token_ids" if route == "chat" else "prompt"] = tokens
+        if route == "chat":
+            body["prompt_token_ids"] = tokens
+        else:
+            body["prompt"] = prompts if len(prompts) > 1 else tokens
         if req.stream:
             body["stream_options"] = {"include_usage": True}
         path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
@@ -189,6 +197,9 @@ class RouterServing:
             decision = await self.selector.select(tokens, excluded)
             if decision is None:
                 break
+            if len(prompts) > 1:  # the node's load: every prompt of the batch
+                bs = decision.decode.record.block_size
+                decision.prompt_blocks = sum(len(p) // bs for p in prompts)
             self._observe_decision(decision)
             headers = {
                 "X-Request-Id": rid,

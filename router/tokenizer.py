@@ -66,6 +66,7 @@ class RouterTokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template or None  # its source
         self._template = _compile(template) if template else None
 
     @property
@@ -75,12 +76,14 @@ class RouterTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of the chat prompt, ending with the assistant's generation prompt."""
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template")
         text = self._template.render(
-            messages=messages, add_generation_prompt=True, tools=None, documents=None,
+            messages=messages, add_generation_prompt=True, tools=tools, documents=None,
             **self.special,
         )  # fmt: skip
         return self.encode(text)
