@@ -161,8 +161,23 @@ class EngineCoreProc:
         self.outputs.put(None)
         self._out_thread.join(timeout=5)
         self._wake.close(linger=0)
-        self.ctx.destroy(linger=0)
+        self._term_context()
         logger.info("engine stopped")
+
+    def _term_context(self, timeout_s: float = 5.0) -> None:
+        """End the ZMQ context without closing another thread's socket under it.
+
+        `Context.destroy()` closes every socket from this thread, the input thread's too
+        while it blocks in `recv`, and libzmq then aborts the process ("Assertion failed:
+        _term_acks > 0 (src/own.cpp:153)", or "pfd.revents & POLLIN (src/signaler.cpp:238)").
+        `term()` instead makes that `recv` raise ContextTerminated, the input thread closes
+        its own sockets, and `term()` returns once every socket is closed.
+        """
+        t = threading.Thread(target=self.ctx.term, name="zmq-term", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            logger.warning("ZMQ context still open after %.0f s; exiting anyway", timeout_s)
 
     def _put_batch(self, outs: list[EngineCoreOutput]) -> None:
         """Queue a step's outputs, with the prefix-cache events it caused (if recorded)."""
