@@ -8,7 +8,8 @@ The two sides share nothing but the address: the initiator (`--peer`, or this pr
 local mode, which starts a `--listen` child on a free loopback port) sends the geometry
 over a TCP control channel (`bench.kv_wire`), the listener allocates its KV tensor and
 answers with its NIXL metadata, and the initiator WRITEs into it. Afterwards the listener
-hashes the written blocks and the initiator checks them against its source bytes. UCX is
+hashes the written blocks (a scattered WRITE into each of its two paged caches, layer-major
+and block-major) and the initiator checks them against its source bytes. UCX is
 configured by each side's environment (UCX_TLS, UCX_NET_DEVICES, ...). Prints a table and
 writes JSON and a PNG plot (`--out`).
 """
@@ -102,26 +103,27 @@ def _serve_session(conn: socket.socket, peer_addr, max_bytes: int) -> None:
             logger.warning("bench kv: refused %s: %s", peer_addr, problem)
             send(conn, KVRefused(reason=problem))
             return
-        kv, flat, tensor = kv_cases.transports(g, f"bench-listener-{os.getpid()}", fill=False)
+        side = kv_cases.transports(g, f"bench-listener-{os.getpid()}", fill=False)
         try:
-            send(
-                conn, KVReady(kv_metadata=kv.local_metadata(), flat_metadata=flat.local_metadata())
-            )
+            ready = KVReady(kv_metadata=side.kv.local_metadata(),
+                            flat_metadata=side.flat.local_metadata(),
+                            bm_metadata=side.bm.local_metadata())  # fmt: skip
+            send(conn, ready)
             while True:
                 # Like an engine loop: progress NIXL every millisecond, answer the peer.
                 if not select.select([conn], [], [], 1e-3)[0]:
-                    kv.get_notifs()
-                    flat.get_notifs()
+                    for t in (side.kv, side.flat, side.bm):
+                        t.get_notifs()
                     continue
                 msg = recv(conn)
                 if isinstance(msg, KVChecksum):
                     ids = [b for b in msg.block_ids if 0 <= b < g.max_blocks]
+                    tensor = side.bm_tensor if msg.cache == "bm" else side.kv_tensor
                     send(conn, KVDigest(sha256=kv_cases.blocks_digest(tensor, ids)))
                 elif isinstance(msg, KVBye):
                     break
         finally:
-            kv.close()
-            flat.close()
+            side.close()
 
 
 def _check_geometry(g: KVGeometry, max_bytes: int, kv_cases) -> str | None:
@@ -170,23 +172,27 @@ def initiate(args: argparse.Namespace, addr: str) -> dict:
         if isinstance(ready, KVRefused):
             raise SystemExit(f"pdserve bench kv: the listener refused: {ready.reason}")
         assert isinstance(ready, KVReady)
-        kv, flat, tensor = kv_cases.transports(g, f"bench-initiator-{os.getpid()}", fill=True)
+        side = kv_cases.transports(g, f"bench-initiator-{os.getpid()}", fill=True)
         try:
-            kv_peer, flat_peer = kv.add_peer(ready.kv_metadata), flat.add_peer(ready.flat_metadata)
-            rows = kv_cases.measure(g, kv, flat, kv_peer, flat_peer, args.tokens, args.iters,
-                                    args.warmup, on_row=lambda r: logger.info("%s", json.dumps(r)),
+            peers = (side.kv.add_peer(ready.kv_metadata), side.flat.add_peer(ready.flat_metadata),
+                     side.bm.add_peer(ready.bm_metadata))  # fmt: skip
+            rows = kv_cases.measure(g, side, peers, args.tokens, args.iters, args.warmup,
+                                    on_row=lambda r: logger.info("%s", json.dumps(r)),
                                     progress=not args.no_progress)  # fmt: skip
-            digest = kv_cases.final_write(kv, kv_peer, tensor, max_req_blocks)
-            send(conn, KVChecksum(block_ids=list(range(max_req_blocks))))
-            remote = recv(conn)
+            # Last, each cache's scattered WRITE once more; the listener hashes what landed.
+            ids = list(range(max_req_blocks))
+            for cache, t, peer, tensor in (("kv", side.kv, peers[0], side.kv_tensor),
+                                           ("bm", side.bm, peers[2], side.bm_tensor)):  # fmt: skip
+                digest = kv_cases.final_write(t, peer, tensor, max_req_blocks, step=2)
+                send(conn, KVChecksum(block_ids=ids, cache=cache))
+                remote = recv(conn)
+                if not isinstance(remote, KVDigest) or remote.sha256 != digest:
+                    raise SystemExit(f"pdserve bench kv: the listener's {cache} blocks differ "
+                                     "from the bytes written")  # fmt: skip
+                t.check_integrity()
             send(conn, KVBye())
-            kv.check_integrity()
         finally:
-            kv.close()
-            flat.close()
-    intact = isinstance(remote, KVDigest) and remote.sha256 == digest
-    if not intact:
-        raise SystemExit("pdserve bench kv: the listener's blocks differ from the bytes written")
+            side.close()
     return {"config": _env_config(g, addr), "bytes_verified": True, "results": rows}
 
 
@@ -229,10 +235,10 @@ def _local(args: argparse.Namespace) -> dict:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'tokens':>7} {'method':<16} {'MiB':>8} {'descs':>6} {'p50 ms':>9} "
+    lines = [f"{'tokens':>7} {'method':<21} {'MiB':>8} {'descs':>6} {'p50 ms':>9} "
              f"{'p99 ms':>9} {'GB/s':>7} {'vs flat':>8}"]  # fmt: skip
     for r in report["results"]:
-        lines.append(f"{r['tokens']:>7} {r['method']:<16} {r['bytes'] / 2**20:>8.2f} "
+        lines.append(f"{r['tokens']:>7} {r['method']:<21} {r['bytes'] / 2**20:>8.2f} "
                      f"{r['descriptors']:>6} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} "
                      f"{r['gbps']:>7.2f} {r['vs_nixl_flat']:>8.3f}")  # fmt: skip
     return "\n".join(lines)

@@ -5,6 +5,9 @@ block 16). For each request size (tokens) the peer moves the request's KV blocks
 listener's paged KV tensor with `NixlTransport.write_blocks`:
 - `paged_contig`: consecutive block ids on both sides (2 descriptors per layer);
 - `paged_scattered`: every other source block (one descriptor per block per layer-kv);
+- `blockmajor_contig`, `blockmajor_scattered`: the same two block lists between block-major
+  KV caches (`kv_layout.alloc_block_major`: a block holds every layer's K and V, so a
+  run, or a lone scattered block, is ONE descriptor);
 - `nixl_flat`: one contiguous NIXL WRITE of the same byte count (a flat region);
 - `memcpy`: a torch `copy_` of the same byte count in one process (one thread).
 Latency is post-to-DONE wall time; GB/s is bytes / p50 latency. Methods run round-robin
@@ -15,28 +18,43 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from bench.kv_wire import KVGeometry
+from kv_transfer.kv_layout import alloc_block_major
 from kv_transfer.nixl_transport import NixlTransport, TransferState
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-METHODS = ("memcpy", "nixl_flat", "paged_contig", "paged_scattered")
+METHODS = ("memcpy", "nixl_flat", "paged_contig", "paged_scattered", "blockmajor_contig",
+           "blockmajor_scattered")  # fmt: skip
+
+
+class Side(NamedTuple):
+    """One side's transports and the KV tensors behind them."""
+
+    kv: NixlTransport  # layer-major paged cache (the engine's layout)
+    flat: NixlTransport
+    bm: NixlTransport  # block-major paged cache
+    kv_tensor: torch.Tensor
+    bm_tensor: torch.Tensor
+
+    def close(self) -> None:
+        for t in (self.kv, self.flat, self.bm):
+            t.close()
 
 
 def geometry_bytes(g: KVGeometry) -> int:
     """Bytes one side allocates for `g` (paged KV tensor + flat region)."""
     item = DTYPES[g.dtype].itemsize
     paged = g.layers * 2 * g.max_blocks * g.block_size * g.kv_heads * g.head_dim * item
-    return paged + g.flat_layers * 2 * g.flat_granule
+    return 2 * paged + g.flat_layers * 2 * g.flat_granule
 
 
-def transports(
-    g: KVGeometry, name: str, fill: bool
-) -> tuple[NixlTransport, NixlTransport, torch.Tensor]:
-    """The paged KV cache and a flat byte region of one side, and the KV tensor.
+def transports(g: KVGeometry, name: str, fill: bool) -> Side:
+    """The paged KV caches (layer- and block-major) and a flat byte region of one side.
 
     The flat region is shaped so that block 0 of layers [0, n) is the region's first
     n * 2 * granule bytes: those 2n planes are adjacent on both sides, so the transport
@@ -44,18 +62,28 @@ def transports(
     """
     kv = torch.zeros(g.layers, 2, g.max_blocks, g.block_size, g.kv_heads, g.head_dim,
                      dtype=DTYPES[g.dtype])  # fmt: skip
+    bm = alloc_block_major(g.layers, g.max_blocks, g.block_size, g.kv_heads, g.head_dim,
+                           dtype=DTYPES[g.dtype])  # fmt: skip
     if fill:
         kv.uniform_()
+        bm.copy_(kv)
     flat = torch.zeros(g.flat_layers, 2, 1, g.flat_granule, 1, 1, dtype=torch.uint8)
     kw = {
         "backend_params": {"ucx_error_handling_mode": g.error_mode},
         "progress_thread": g.progress_thread,
     }
-    return NixlTransport(f"{name}-kv", kv, **kw), NixlTransport(f"{name}-flat", flat, **kw), kv
+    return Side(
+        NixlTransport(f"{name}-kv", kv, **kw),
+        NixlTransport(f"{name}-flat", flat, **kw),
+        NixlTransport(f"{name}-bm", bm, **kw),
+        kv,
+        bm,
+    )
 
 
 def blocks_digest(kv: torch.Tensor, block_ids: list[int]) -> str:
-    """sha256 of blocks `block_ids` of every layer and plane, in that order."""
+    """sha256 of blocks `block_ids` of every layer and plane, in that order (the same
+    for a layer-major and a block-major cache holding the same values)."""
     idx = torch.tensor(block_ids, dtype=torch.long)
     data = kv.index_select(2, idx).contiguous().view(torch.uint8)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
@@ -88,10 +116,8 @@ def summary(tokens: int, method: str, nbytes: int, descs: int, times: list[float
 
 def measure(
     g: KVGeometry,
-    kv: NixlTransport,
-    flat: NixlTransport,
-    kv_peer: str,
-    flat_peer: str,
+    side: Side,
+    peers: tuple[str, str, str],
     tokens_list: list[int],
     iters: int,
     warmup: int,
@@ -100,6 +126,8 @@ def measure(
 ) -> list[dict]:
     from tqdm import tqdm
 
+    kv, flat, bm = side.kv, side.flat, side.bm
+    kv_peer, flat_peer, bm_peer = peers
     block_bytes = g.block_size * g.kv_heads * g.head_dim * DTYPES[g.dtype].itemsize
     torch.set_num_threads(1)  # memcpy baseline: one copying thread, like one CMA put
     src_mem = torch.empty(flat.layout.total_bytes, dtype=torch.uint8).random_()
@@ -116,6 +144,12 @@ def measure(
         "paged_contig": lambda nb, _: _time_write(kv, kv_peer, list(range(nb)), list(range(nb))),
         "paged_scattered": lambda nb, _: _time_write(
             kv, kv_peer, list(range(0, 2 * nb, 2)), list(range(nb))
+        ),
+        "blockmajor_contig": lambda nb, _: _time_write(
+            bm, bm_peer, list(range(nb)), list(range(nb))
+        ),
+        "blockmajor_scattered": lambda nb, _: _time_write(
+            bm, bm_peer, list(range(0, 2 * nb, 2)), list(range(nb))
         ),
     }
     plan = []
@@ -144,10 +178,12 @@ def measure(
     return with_ratios(rows)
 
 
-def final_write(kv: NixlTransport, kv_peer: str, tensor: torch.Tensor, nb: int) -> str:
-    """WRITE blocks [0, nb) once more, contiguously; the source digest to compare."""
-    _time_write(kv, kv_peer, list(range(nb)), list(range(nb)))
-    return blocks_digest(tensor, list(range(nb)))
+def final_write(t: NixlTransport, peer: str, tensor: torch.Tensor, nb: int, step: int) -> str:
+    """WRITE src blocks 0, step, 2 * step, ... into dst blocks [0, nb) once more; the
+    digest of the source blocks, for the listener's digest of [0, nb) to match."""
+    src = list(range(0, step * nb, step))
+    _time_write(t, peer, src, list(range(nb)))
+    return blocks_digest(tensor, src)
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:

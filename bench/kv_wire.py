@@ -3,9 +3,9 @@
 Only addresses are shared between the two sides; everything else crosses this socket:
 
   peer -> listener  `KVHello`      the benchmark geometry (the listener allocates to it)
-  listener -> peer  `KVReady`      NIXL metadata of its paged KV tensor and flat region
+  listener -> peer  `KVReady`      NIXL metadata of its paged KV tensors and flat region
                     `KVRefused`    the geometry is out of bounds (reason)
-  peer -> listener  `KVChecksum`   hash these destination blocks (every layer, K and V)
+  peer -> listener  `KVChecksum`   hash these destination blocks of one cache (all layers, K, V)
   listener -> peer  `KVDigest`     sha256 of those bytes: the peer compares with its source
   peer -> listener  `KVBye`        done; the listener closes its agents
 
@@ -42,6 +42,7 @@ class KVHello(msgspec.Struct, tag=True, kw_only=True):
 class KVReady(msgspec.Struct, tag=True, kw_only=True):
     kv_metadata: bytes
     flat_metadata: bytes
+    bm_metadata: bytes  # the block-major paged cache
 
 
 class KVRefused(msgspec.Struct, tag=True, kw_only=True):
@@ -50,6 +51,7 @@ class KVRefused(msgspec.Struct, tag=True, kw_only=True):
 
 class KVChecksum(msgspec.Struct, tag=True, kw_only=True):
     block_ids: list[int]
+    cache: str = "kv"  # "kv" (layer-major) or "bm" (block-major)
 
 
 class KVDigest(msgspec.Struct, tag=True, kw_only=True):

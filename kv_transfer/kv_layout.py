@@ -8,13 +8,19 @@ so block `b` of layer `l`, plane `kv` (0 = K, 1 = V) is the contiguous byte rang
 
     base_addr + ((l * 2 + kv) * num_blocks + b) * block_bytes   ...  + block_bytes
 
-and consecutive block ids are adjacent in memory inside one (layer, kv) plane. `KVLayout`
-records exactly the numbers needed to compute those addresses on a *remote* node, and is
-sent with the node's NIXL metadata (msgspec, never pickle).
+and consecutive block ids are adjacent in memory inside one (layer, kv) plane
+("layer-major"). A block-major cache stores the same logical tensor as the view
+`storage.permute(1, 2, 0, 3, 4, 5)` of a contiguous `[num_blocks, num_layers, 2, ...]`
+tensor (`alloc_block_major`): then block `b` of EVERY layer, K and V, is one contiguous
+range `base_addr + b * num_layers * 2 * block_bytes`, so a scattered block costs one
+descriptor instead of `2 * num_layers`. `KVLayout` records exactly the numbers needed to
+compute those addresses on a *remote* node, and is sent with the node's NIXL metadata
+(msgspec, never pickle). Both sides of a transfer must use the same kind of layout.
 
 `merge_runs` turns a src->dst block mapping into maximal runs where both sides are
 consecutive; `block_descs` turns runs into one (addr, len, dev) descriptor per
-(layer, kv, run), which is what the transport hands to NIXL.
+(layer, kv, run) (layer-major) or per run (block-major, all layers; per block for a
+subset of layers), which is what the transport hands to NIXL.
 """
 
 from __future__ import annotations
@@ -35,7 +41,28 @@ _DTYPES: dict[torch.dtype, str] = {
 }
 
 # Fields two layouts must share for a block of one to be a block of the other.
-_SHAPE_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "itemsize")
+_SHAPE_FIELDS = (
+    "num_layers",
+    "block_size",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "itemsize",
+    "block_major",
+)
+
+
+def alloc_block_major(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, **kw
+) -> torch.Tensor:
+    """A zeroed `[L, 2, N, bs, Hkv, D]` KV cache whose storage is block-major (a view)."""
+    storage = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, **kw)
+    return storage.permute(1, 2, 0, 3, 4, 5)
+
+
+def storage_of(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The contiguous tensor behind `kv_cache` (itself, or a block-major cache's storage)."""
+    return kv_cache if kv_cache.is_contiguous() else kv_cache.permute(2, 0, 1, 3, 4, 5)
 
 
 class KVLayout(msgspec.Struct, frozen=True):
@@ -51,11 +78,17 @@ class KVLayout(msgspec.Struct, frozen=True):
     mem_type: str  # "DRAM" (CPU tensor) or "VRAM" (CUDA tensor)
     device_id: int  # CUDA device index; 0 for DRAM
     base_addr: int  # address of kv_cache[0, 0, 0]
+    block_major: bool = False  # storage [N, L, 2, ...]: a block's layers are contiguous
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in one (layer, kv) plane."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def stride_bytes(self) -> int:
+        """Bytes from block b to block b + 1 of one (layer, kv) plane."""
+        return self.block_bytes * (2 * self.num_layers if self.block_major else 1)
 
     @property
     def plane_bytes(self) -> int:
@@ -68,14 +101,19 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_tensor(cls, kv_cache: torch.Tensor) -> KVLayout:
-        """Describe `kv_cache`; raises ValueError unless it is a contiguous 6-d KV tensor."""
+        """Describe `kv_cache`; raises ValueError unless it is a 6-d KV tensor that is
+        contiguous (layer-major) or a block-major view (`alloc_block_major`)."""
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError(
                 "kv_cache must be [num_layers, 2, num_blocks, block_size, num_kv_heads, "
                 f"head_dim], got shape {tuple(kv_cache.shape)}"
             )
-        if not kv_cache.is_contiguous():
-            raise ValueError("kv_cache must be contiguous (one registered memory region)")
+        block_major = not kv_cache.is_contiguous()
+        if block_major and not storage_of(kv_cache).is_contiguous():
+            raise ValueError(
+                "kv_cache must be contiguous, or a block-major view of a contiguous "
+                "[num_blocks, num_layers, 2, ...] tensor (one registered memory region)"
+            )
         if kv_cache.dtype not in _DTYPES:
             raise ValueError(f"unsupported kv_cache dtype {kv_cache.dtype}")
         if kv_cache.device.type not in ("cpu", "cuda"):
@@ -93,6 +131,7 @@ class KVLayout(msgspec.Struct, frozen=True):
             mem_type="VRAM" if is_cuda else "DRAM",
             device_id=(kv_cache.device.index or 0) if is_cuda else 0,
             base_addr=kv_cache.data_ptr(),
+            block_major=block_major,
         )
 
     def check_compatible(self, other: KVLayout) -> None:
@@ -154,15 +193,40 @@ def block_descs(
 ) -> np.ndarray:
     """NIXL descriptors [N, 3] (addr, len, dev) for runs `starts/lengths` in every plane.
 
-    One row per (layer in `layers`, kv in (K, V), run), ordered plane-major; the same
-    call on the peer's layout with the dst starts yields the matching remote rows.
+    Layer-major: one row per (layer in `layers`, kv in (K, V), run), ordered plane-major.
+    Block-major: one row per run when `layers` is every layer (the run's whole range), else
+    one row per (block, run) covering `layers`' K and V. The same call on the peer's layout
+    (of the same kind) with the dst starts yields the matching remote rows.
     """
+    if layout.block_major:
+        return _block_major_descs(layout, layers, starts, lengths)
     planes = np.array([layer * 2 + kv for layer in layers for kv in (0, 1)], dtype=np.uint64)
     bb = np.uint64(layout.block_bytes)
     offsets = planes[:, None] * np.uint64(layout.num_blocks) + starts.astype(np.uint64)[None, :]
     descs = np.empty((offsets.size, 3), dtype=np.uint64)
     descs[:, 0] = np.uint64(layout.base_addr) + offsets.reshape(-1) * bb
     descs[:, 1] = np.tile(lengths.astype(np.uint64) * bb, len(planes))
+    descs[:, 2] = layout.device_id
+    return descs
+
+
+def _block_major_descs(
+    layout: KVLayout, layers: range, starts: np.ndarray, lengths: np.ndarray
+) -> np.ndarray:
+    per_layer = np.uint64(2 * layout.block_bytes)
+    block = np.uint64(layout.stride_bytes)
+    first = np.uint64(layers.start) * per_layer
+    if len(layers) == layout.num_layers and layers.step == 1:
+        blocks, sizes = starts.astype(np.uint64), lengths.astype(np.uint64) * block
+    else:
+        if layers.step != 1:
+            raise ValueError(f"layers {layers} must be a contiguous range")
+        blocks = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+        blocks = blocks.astype(np.uint64)
+        sizes = np.full(blocks.size, np.uint64(len(layers)) * per_layer, dtype=np.uint64)
+    descs = np.empty((blocks.size, 3), dtype=np.uint64)
+    descs[:, 0] = np.uint64(layout.base_addr) + blocks * block + first
+    descs[:, 1] = sizes
     descs[:, 2] = layout.device_id
     return descs
 

@@ -13,7 +13,9 @@ Contract
   `dst[i]` for every layer in `layers` (default all) and both K and V. Pairs consecutive
   on both sides are merged, so each (layer, kv, run) is at most ONE NIXL descriptor: a
   contiguous request costs `2 * len(layers)` descriptors whatever its length (fewer when
-  runs span whole planes and so also touch across planes on both sides).
+  runs span whole planes and so also touch across planes on both sides). With block-major
+  KV caches on both sides (`kv_layout.alloc_block_major`) a run is ONE descriptor over
+  every layer, so even fully scattered blocks cost one descriptor each.
 * Posting may do the copy: between processes on one host UCX WRITEs through CMA
   (process_vm_writev), which completes inside `write_blocks` (the handle is DONE on
   return). Across hosts (TCP, RDMA) the data moves after `write_blocks` returns. Callers
@@ -60,7 +62,7 @@ import torch
 from nixl import _bindings as nixl_bindings
 from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
 
-from kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs
+from kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs, storage_of
 from kv_transfer.transfer_types import (
     PeerMetadata,
     TransferHandle,
@@ -111,7 +113,7 @@ class NixlTransport:
         )
         for backend in backends:
             self._agent.create_backend(backend, dict(backend_params or {}))
-        self._reg = self._agent.register_memory(kv_cache)
+        self._reg = self._agent.register_memory(storage_of(kv_cache))
         self._codec = msgspec.msgpack.Encoder()
         self._peers: dict[str, PeerMetadata] = {}
         self._inflight: dict[int, _InFlight] = {}
@@ -121,8 +123,9 @@ class NixlTransport:
         self._totals = TransportStats()
         self._closed = False
         logger.info(
-            "nixl transport %s: %s %.1f MiB registered (%d blocks x %d B per layer-kv)",
+            "nixl transport %s: %s %s %.1f MiB registered (%d blocks x %d B per layer-kv)",
             name,
+            "block-major" if self.layout.block_major else "layer-major",
             self.layout.mem_type,
             self.layout.total_bytes / 2**20,
             self.layout.num_blocks,

@@ -250,11 +250,16 @@ def test_bench_kv_between_two_processes_given_only_addresses(tmp_path):
     report = json.loads(out.read_text())
     assert report["bytes_verified"] is True and report["config"]["peer"] == addr
     rows = {(r["tokens"], r["method"]): r for r in report["results"]}
-    assert set(rows) == {(t, m) for t in (16, 64)
-                         for m in ("memcpy", "nixl_flat", "paged_contig", "paged_scattered")}  # fmt: skip
+    methods = ("memcpy", "nixl_flat", "paged_contig", "paged_scattered", "blockmajor_contig",
+               "blockmajor_scattered")  # fmt: skip
+    assert set(rows) == {(t, m) for t in (16, 64) for m in methods}
     assert rows[(64, "paged_contig")]["bytes"] == 4 * 30 * 2 * 16 * 3 * 64 * 4
     assert rows[(64, "paged_contig")]["descriptors"] == 60
     assert rows[(64, "paged_scattered")]["descriptors"] == 4 * 60
+    # block-major: a block's 30 layers, K and V, are one range; a run is one descriptor
+    assert rows[(64, "blockmajor_contig")]["descriptors"] == 1
+    assert rows[(64, "blockmajor_scattered")]["descriptors"] == 4
+    assert rows[(64, "blockmajor_scattered")]["bytes"] == rows[(64, "paged_contig")]["bytes"]
     assert all(r["gbps"] > 0 for r in report["results"])
     assert "paged_scattered" in p_out
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC

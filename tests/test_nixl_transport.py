@@ -22,6 +22,7 @@ import torch
 
 pytest.importorskip("nixl")
 
+from kv_transfer.kv_layout import alloc_block_major  # noqa: E402
 from kv_transfer.nixl_transport import (  # noqa: E402
     NixlTransport,
     PeerMetadata,
@@ -58,20 +59,20 @@ def _recv(f) -> bytes:
     return f.read(n)
 
 
-def _kv(shape: tuple[int, ...], fill: float | None = None) -> torch.Tensor:
+def _kv(shape: tuple[int, ...], fill: float | None = None, block_major=False) -> torch.Tensor:
     layers, blocks, bs, heads, hd = shape
-    if fill is None:
-        return torch.randn(layers, 2, blocks, bs, heads, hd)
-    return torch.full((layers, 2, blocks, bs, heads, hd), fill)
+    kv = alloc_block_major(*shape) if block_major else torch.empty(layers, 2, blocks, bs, heads, hd)
+    return kv.normal_() if fill is None else kv.fill_(fill)
 
 
 class Peer:
     """A NIXL agent in a child process, driven through its stdin/stdout."""
 
-    def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+    def __init__(self, name: str, shape: tuple[int, ...], block_major: bool = False) -> None:
         self.shape = shape
+        cmd = [sys.executable, __file__, "--peer", name, "--shape", ",".join(map(str, shape))]
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--peer", name, "--shape", ",".join(map(str, shape))],
+            cmd + (["--block-major"] if block_major else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env={**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")},
@@ -97,11 +98,11 @@ class Peer:
             self.proc.wait(timeout=10)
 
 
-def _run_peer(name: str, shape: tuple[int, ...]) -> None:
+def _run_peer(name: str, shape: tuple[int, ...], block_major: bool) -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed (NIXL, UCX) goes to stderr, never into the frames
     inp = sys.stdin.buffer
-    kv = _kv(shape, SENTINEL)
+    kv = _kv(shape, SENTINEL, block_major)
     transport = NixlTransport(name, kv)
     _send(out, transport.local_metadata())
     while True:
@@ -224,6 +225,47 @@ def test_bad_requests_raise_value_error(local, peer):
     assert local.num_inflight == 0
 
 
+def test_block_major_caches_move_each_run_as_one_descriptor(local):
+    """A block-major cache holds a block's every layer, K and V, in one range: a run of
+    blocks (or one scattered block) is ONE descriptor, and the bytes land bit-exact."""
+    bm_peer = Peer("peer-bm", (SMALL[0], 24, *SMALL[2:]), block_major=True)
+    try:
+        with pytest.raises(ValueError, match="block_major"):  # layouts must be of one kind
+            local.add_peer(bm_peer.metadata)
+        with NixlTransport("local-bm", _kv(SMALL, block_major=True)) as t:
+            assert t.layout.block_major and t.layout.stride_bytes == 2 * SMALL[0] * 8192
+            name = t.add_peer(bm_peer.metadata)
+            src, dst = [3, 0, 9, 10, 11, 5], [1, 23, 4, 5, 6, 12]
+            h = t.write_blocks(name, src, dst)
+            assert t.wait(h, timeout_s=10) is TransferState.DONE
+            t.release(h)
+            assert h.stats.descriptors == 4  # runs 3->1, 0->23, 9..11->4..6, 5->12
+            assert h.stats.bytes == len(src) * SMALL[0] * 2 * t.layout.block_bytes
+            remote, mine = bm_peer.kv(), t._kv_cache
+            for s, d in zip(src, dst, strict=True):
+                assert torch.equal(
+                    remote[:, :, d].view(torch.int32), mine[:, :, s].view(torch.int32)
+                )
+            untouched = [b for b in range(remote.shape[2]) if b not in dst]
+            assert bool((remote[:, :, untouched] == SENTINEL).all())
+
+            bm_peer.request(Cmd("fill"))
+            h = t.write_blocks(name, [4, 5, 6], [0, 1, 2], layers=range(1, 2))
+            assert t.wait(h, timeout_s=10) is TransferState.DONE
+            t.release(h)
+            assert h.stats.descriptors == 3  # one layer: one range per block
+            remote = bm_peer.kv()
+            assert torch.equal(remote[1, :, 0:3], mine[1, :, 4:7])
+            assert bool((remote[0] == SENTINEL).all()) and bool(
+                (remote[1, :, 3:] == SENTINEL).all()
+            )
+            t.check_integrity()
+    finally:
+        bm_peer.close()
+    with pytest.raises(ValueError, match="contiguous"):
+        NixlTransport("local-strided", _kv(SMALL)[:, :, ::2])
+
+
 def test_dropped_handle_is_reported_as_leak(peer):
     with NixlTransport("local-leak", _kv(SMALL)) as t:
         t.add_peer(peer.metadata)
@@ -264,6 +306,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--peer", required=True)
     parser.add_argument("--shape", required=True)
+    parser.add_argument("--block-major", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    _run_peer(args.peer, tuple(int(x) for x in args.shape.split(",")))
+    _run_peer(args.peer, tuple(int(x) for x in args.shape.split(",")), args.block_major)
