@@ -25,6 +25,8 @@ Prefill side (`PrefillConnector`, producer):
   * `end(key, reason)`: the prefill node dropped the attempt (abort, error, out of
     blocks); the decode node is told once nothing of it is in flight.
   * `reject(order, reason)`: a `NewOrder` the engine could not take.
+  * `flush(timeout_s)`: progress posted WRITEs (and the done notifications they carry)
+    for at most `timeout_s`, before the engine starts a step that polls nothing.
   After `NewOrder`, exactly one `SendDone` or `SendFailed` follows per attempt, once no
   WRITE of it is in flight (or the order's deadline plus grace passed): only then may the
   source blocks be reused.
@@ -68,6 +70,9 @@ class Released(msgspec.Struct, frozen=True):
 
 class NewOrder(msgspec.Struct, frozen=True):
     order: PrefillOrder
+    # How long the order sat unread before the prefill node's loop saw it (it reads orders
+    # between steps, so during a long step they wait): part of the prefill queue.
+    waited_s: float = 0.0
 
     @property
     def key(self) -> TransferKey:
@@ -160,6 +165,10 @@ class PrefillConnector(_Connector):
 
     @abc.abstractmethod
     def reject(self, order: PrefillOrder, reason: str) -> None: ...
+
+    def flush(self, timeout_s: float) -> None:
+        """Progress in-flight WRITEs until none is pending or `timeout_s` passes."""
+        return None
 
 
 _REGISTRY: dict[str, Callable[..., _Connector]] = {}

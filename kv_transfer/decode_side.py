@@ -83,7 +83,7 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
     # -- requests from the decode role ---------------------------------------------------
     def request_prefill(self, order: m.PrefillOrder, prefill_node: str) -> None:
         key = (order.request_id, order.attempt)
-        order = msgspec.structs.replace(order, nonce=secrets.randbits(63))
+        order = msgspec.structs.replace(order, nonce=secrets.randbits(63), sent_at=self.clock())
         if not self.control.alive(prefill_node):
             self._events += [RecvFailed(key, f"prefill node {prefill_node} is not answering")]
             self._events.append(Released(key))

@@ -45,6 +45,7 @@ class PrefillOrder(msgspec.Struct, tag=True, kw_only=True):
     dst_block_ids: list[int]  # decode blocks for prompt blocks first_block, first_block+1, ...
     expires_at: float  # wall clock: the prefill node writes nothing after this
     nonce: int = 0  # set by the decode side; PrefillDone must echo it
+    sent_at: float = 0.0  # wall clock when the decode side sent it (0: unknown)
 
 
 class AbortPrefill(msgspec.Struct, tag=True, kw_only=True):

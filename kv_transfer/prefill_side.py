@@ -263,7 +263,10 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             self.control.reply(ident, _rejected(*key, problem))
             return []
         self._sends[key] = _Send(order, ident)
-        return [NewOrder(order)]
+        # The wall clock the order was stamped with (as for expires_at); bounded, since
+        # it is only reported: a skewed peer clock must not make up a queue.
+        waited = min(max(0.0, self.clock() - order.sent_at), 3600.0) if order.sent_at else 0.0
+        return [NewOrder(order, waited)]
 
     def _progress(self, key: TransferKey, s: _Send) -> list[PrefillEvent]:
         t = self._data
@@ -316,6 +319,23 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         for h in s.handles:
             self._data.release(h)
         del self._sends[key]
+
+    def flush(self, timeout_s: float) -> None:
+        """Drive NIXL until no WRITE is pending, for at most `timeout_s`.
+
+        Without a NIXL progress thread nothing moves while the engine computes: a WRITE
+        posted after a step (its done notification with it) that is not complete at once
+        (the first to a peer waits for the connection) would otherwise complete, and the
+        decode node hear of it, only after the NEXT step, seconds later on a CPU node.
+        """
+        deadline = time.perf_counter() + timeout_s
+        pending = [h for s in self._sends.values() for h in s.handles]
+        delay = 1e-5
+        while pending := [h for h in pending if self._data.poll(h) is TransferState.PENDING]:
+            if time.perf_counter() >= deadline:
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def states(self) -> dict[TransferKey, SendState]:

@@ -28,6 +28,11 @@ from kv_transfer.base import (
 
 logger = logging.getLogger(__name__)
 
+# After a step that posted WRITEs, drive them this long at most before the next step: with
+# no NIXL progress thread a pending WRITE (and the done notification it carries) would
+# otherwise wait out that whole step. Same-host WRITEs finish in microseconds.
+FLUSH_S = 0.05
+
 
 @dataclass
 class _Export:
@@ -35,6 +40,7 @@ class _Export:
     first_block: int  # decode holds prompt blocks [0, first_block) already
     next_block: int  # next prompt block to push
     num_blocks: int  # prompt blocks in all
+    waited_s: float = 0.0  # the order unread in the control socket (part of the queue)
 
 
 def engine_request_id(key: TransferKey) -> str:
@@ -44,8 +50,10 @@ def engine_request_id(key: TransferKey) -> str:
 class PrefillRole:
     accepts_remote_prefill = False
 
-    def __init__(self, connector: PrefillConnector):
+    def __init__(self, connector: PrefillConnector, flush_s: float = FLUSH_S):
+        """`flush_s`: how long to drive posted WRITEs after a step (0: one pass)."""
         self.connector = connector
+        self.flush_s = flush_s
         self._exports: dict[str, _Export] = {}  # engine request id -> export progress
         self._keys: dict[str, TransferKey] = {}  # engine request id -> transfer key
         self._held: dict[TransferKey, HoldKey] = {}  # until SendDone/SendFailed
@@ -88,7 +96,7 @@ class PrefillRole:
         req.attempt = key[1]
         bs = core.config.cache.block_size
         n = -(-len(order.prompt_token_ids) // bs)
-        self._exports[eid] = _Export(key, order.first_block, order.first_block, n)
+        self._exports[eid] = _Export(key, order.first_block, order.first_block, n, ev.waited_s)
         self._keys[eid] = key
         self.num_orders += 1
 
@@ -100,7 +108,8 @@ class PrefillRole:
     ) -> list[EngineCoreOutput]:
         bs = core.config.cache.block_size
         done = {r.request_id for r in finished}
-        if any(s.request.request_id in self._exports for s in sched.scheduled):
+        exporting = any(s.request.request_id in self._exports for s in sched.scheduled)
+        if exporting:
             core.runner.wait_step_done()  # the NIC must not read blocks still being written
         for s in sched.scheduled:
             eid = s.request.request_id
@@ -116,7 +125,7 @@ class PrefillRole:
                 src = block_ids[exp.next_block : exp.num_blocks]
                 lp = req.output_logprobs[0] if req.output_logprobs else None
                 t = core.first_token_timings(req)  # its arrival here = the order's
-                timing = (t.queue_s or 0.0, t.prefill_s or 0.0)
+                timing = (exp.waited_s + (t.queue_s or 0.0), t.prefill_s or 0.0)
                 first = req.output_token_ids[0]
                 top = req.output_top_logprobs[0] if req.output_top_logprobs else None
                 plp = (
@@ -133,6 +142,8 @@ class PrefillRole:
                     exp.key, block_ids[exp.next_block : full], exp.next_block
                 )
                 exp.next_block = full
+        if exporting:
+            self.connector.flush(self.flush_s)
         # Outputs of exported requests are internal: drop them from this step's results.
         return []
 

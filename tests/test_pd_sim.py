@@ -17,6 +17,8 @@ import logging
 import os
 import time
 
+from kv_transfer.base import RecvDone
+from tests.pd_sim.cluster import Cluster
 from tests.pd_sim.scenario import run_seed
 
 SEEDS = int(os.environ.get("PD_SIM_SEEDS", "300"))
@@ -37,3 +39,25 @@ def test_seeded_simulation_holds_every_invariant(caplog):
         logging.disable(logging.NOTSET)
     elapsed = time.perf_counter() - t0
     assert not failures, f"{len(failures)}/{SEEDS} seeds failed in {elapsed:.1f} s: {failures}"
+
+
+def test_an_order_unread_during_a_prefill_stall_counts_as_prefill_queue():
+    """A prefill node reads orders only between steps: an order that sat unread while the
+    node was busy reports that wait in `prefill_queue` (the order's `sent_at` against the
+    node's clock), where the TTFT breakdown used to show it as `kv_transfer`."""
+    c = Cluster(seed=0, num_prefill=1)
+    done: list[RecvDone] = []
+    poll = c.dside.poll
+
+    def recording_poll():
+        events = poll()
+        done.extend(e for e in events if isinstance(e, RecvDone))
+        return events
+
+    c.dside.poll = recording_poll
+    c.stall(c.addrs[0], 0.3)  # below the 0.4 s peer timeout: no failover
+    c.submit("r0", list(range(1, 40)), max_tokens=2)
+    c.run_until_idle()
+    assert c.reqs["r0"].finish == "length" and len(done) == 1
+    queue, _ = done[0].prefill_node_s
+    assert 0.25 <= queue <= 0.5, queue  # ~the stall, minus the order's own (<= 20 ms) trip

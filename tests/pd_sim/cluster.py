@@ -86,7 +86,7 @@ class Cluster:
             )
             core = EngineCore(
                 _config(f"p{i}", prefill_blocks, prefill_budget),
-                PrefillRole(side),
+                PrefillRole(side, flush_s=0.0),  # sim WRITEs move only as the clock does
                 arch=stub_arch(),
                 runner_factory=StubRunner,
             )
