@@ -90,7 +90,11 @@ class DecodeRole:
                 self._tried.pop(rid, None)
                 self.bytes_received += ev.num_blocks * self._block_bytes
                 req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob, ev.top)
-                req.kv_done_time, req.prefill_node_s = time.monotonic(), ev.prefill_node_s
+                req.kv_done_time, (queue, compute) = time.monotonic(), ev.prefill_node_s
+                # the queue holds the order's unread time, taken on the wall clock against
+                # ours: never more of the round trip than the prefill compute left
+                queue = min(queue, max(0.0, req.kv_done_time - req.kv_order_time - compute))
+                req.prefill_node_s = (queue, compute)
                 if ev.prompt_logprobs is not None:  # checked against the order's prompt
                     req.prompt_logprobs = ev.prompt_logprobs
                 lp = None if ev.logprob is None else [ev.logprob]

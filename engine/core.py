@@ -310,10 +310,6 @@ class EngineCore:
             start = req.kv_order_time
             if req.kv_done_time is not None:  # the prefill node computed the prompt
                 queue, compute = req.prefill_node_s or (0.0, 0.0)
-                # the queue includes the order's unread time, measured on the wall clock
-                # against the decode node's: never more than the round trip allows
-                total = req.kv_done_time - req.kv_order_time
-                queue = min(queue, max(0.0, total - compute))
                 t.prefill_queue_s, t.prefill_compute_s = queue, compute
                 t.kv_transfer_s = req.kv_done_time - req.kv_order_time - queue - compute
                 t.first_decode_step_s = now - req.kv_done_time

@@ -19,6 +19,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -82,6 +83,14 @@ def run_engine_core(
     _die_with_parent(parent_pid)
     proc = EngineCoreProc(config, addresses, role_factory, store_factory)
     proc.run()
+    # Everything was closed in order above. Skip the interpreter's teardown: native
+    # destructors run there (NIXL/UCX, torch) next to daemon threads, and one in ~15
+    # prefill-engine exits on a loaded box died there by SIGABRT ("terminate called
+    # without an active exception") after a clean shutdown.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _die_with_parent(parent_pid: int) -> None:
