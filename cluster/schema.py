@@ -146,7 +146,7 @@ class ConnectorSection(Section):
         2.0, ge=0, description="after a deadline or abort, wait before reusing blocks"
     )
     peer_timeout_s: float = Field(
-        30.0,
+        5.0,
         gt=0,
         description="decode: a prefill node silent this long is dead (its requests fail over)",
     )

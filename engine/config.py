@@ -113,7 +113,7 @@ class KVTransferConfig:
     prefill_nodes: tuple[str, ...] = ()
     transfer_timeout_s: float = 60.0  # deadline for a prompt's KV to arrive
     abort_grace_s: float = 2.0  # after a deadline or abort, before blocks are reused
-    peer_timeout_s: float = 30.0  # decode: a prefill node silent this long is dead
+    peer_timeout_s: float = 5.0  # decode: a prefill node silent this long is dead
     on_prefill_failure: str = "local"  # "local": prefill on decode; "error": fail the request
     # seals every control frame (kv_transfer/frame_auth.py); None: unauthenticated
     cluster_secret: bytes | None = field(default=None, repr=False)

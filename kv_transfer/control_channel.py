@@ -14,10 +14,13 @@ peer never saw it. Liveness: while the caller says a peer is busy (`tick(busy)`)
 `peer_timeout_s` since an unanswered heartbeat is dead (`alive()` is False); it keeps
 getting heartbeats and is alive again as soon as it answers one.
 
-Prefill side (`PrefillControl`): one ROUTER; `recv` answers heartbeats itself (so a
-decode node sees this node alive exactly while its engine loop polls) and hands over
-every other message, or a `MalformedMessage`, with the sender's identity. `reply` never
-blocks: ZMQ drops what it cannot deliver, and the decode node's deadlines cover it.
+Prefill side (`PrefillControl`): one ROUTER, owned by a pump thread
+(kv_transfer/control_pump.py) that checks each frame's seal and answers heartbeats at
+once, even while the engine thread is inside a long step (so a decode node sees this node
+alive exactly while its process runs); `recv` hands over every other message, or a
+`MalformedMessage`, with the sender's identity. `reply` never blocks: ZMQ drops what it
+cannot deliver, and the decode node's deadlines cover it. With a `link` given (the
+simulator), there is no thread: `recv` screens frames and answers heartbeats itself.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from kv_transfer import messages as m
+from kv_transfer.control_pump import ControlPump
 from kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
 
 logger = logging.getLogger(__name__)
@@ -64,28 +68,6 @@ class ZmqDealerLink:
         self.socket.close(linger=0)
 
 
-class ZmqRouterLink:
-    """A prefill node's control socket: a bound ROUTER whose sends never block."""
-
-    def __init__(self, ctx: zmq.Context, address: str):
-        self.socket = ctx.socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(address)
-        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
-
-    def recv(self) -> list[bytes] | None:
-        return self.socket.recv_multipart() if self.socket.poll(0) else None
-
-    def send(self, ident: bytes, frame: bytes) -> None:
-        try:  # unroutable or full: dropped; the decode node's deadline covers it
-            self.socket.send_multipart([ident, frame], zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            logger.warning("control reply dropped: %s", e)
-
-    def close(self) -> None:
-        self.socket.close(linger=0)
-
-
 @dataclass
 class _Peer:
     link: ZmqDealerLink
@@ -102,7 +84,7 @@ class DecodeControl:
         hello: Callable[[], m.PeerHello],
         *,
         heartbeat_s: float = 1.0,
-        peer_timeout_s: float = 30.0,
+        peer_timeout_s: float = 5.0,
         idle_close_s: float = 60.0,
         max_peers: int = 64,
         max_queued: int = 1024,
@@ -255,40 +237,56 @@ class DecodeControl:
 
 class PrefillControl:
     def __init__(
-        self, address: str, link: ZmqRouterLink | None = None, auth: FrameAuth | None = None
+        self, address: str, link: ControlPump | None = None, auth: FrameAuth | None = None
     ):
-        """`link`: the bound socket (default: a ZMQ ROUTER at `address`). `auth`: frames
-        not sealed with the cluster secret, or replayed, are dropped unanswered."""
+        """`link`: a bound socket with `recv`/`send`/`socket`/`address`/`close` whose
+        frames `recv` screens (the simulator's); default: a `ControlPump` that binds a ZMQ
+        ROUTER at `address` and screens frames in its own thread. `auth`: frames not
+        sealed with the cluster secret, or replayed, are dropped unanswered."""
         self.auth = auth or FrameAuth(None)
         self.rejected_frames = 0
         self._ctx = zmq.Context() if link is None else None
-        self._link = link or ZmqRouterLink(self._ctx, address)
+        self._link = link or ControlPump(self._ctx, address, self._screen)
         self.address = self._link.address
         logger.info("prefill control channel on %s", self.address)
 
+    def _screen(self, ident: bytes, raw: bytes, send: Callable[[bytes, bytes], None]):
+        """The opened payload of an authentic frame for the engine, or None: a refused
+        frame is dropped, a `Heartbeat` is answered here through `send`."""
+        try:
+            raw = self.auth.open(raw)
+        except UnauthenticatedFrame as e:
+            self.rejected_frames += 1
+            logger.warning("dropping a control frame: %s", e)
+            return None
+        try:
+            msg = m.decode_to_prefill(raw)
+        except m.MalformedMessage:
+            return raw  # the engine thread decodes it again and answers the sender
+        if isinstance(msg, m.Heartbeat):
+            send(ident, self.auth.seal(m.encode(m.HeartbeatAck(seq=msg.seq))))
+            return None
+        return raw
+
     def recv(self) -> list[tuple[bytes, m.ToPrefill | m.MalformedMessage]]:
         out: list[tuple[bytes, m.ToPrefill | m.MalformedMessage]] = []
+        screened = getattr(self._link, "screened", False)
         while (frames := self._link.recv()) is not None:
             if len(frames) != 2:
                 logger.warning("dropping a control message of %d frames", len(frames))
                 continue
             ident, raw = frames
-            try:
-                raw = self.auth.open(raw)
-            except UnauthenticatedFrame as e:
-                self.rejected_frames += 1
-                logger.warning("dropping a control frame: %s", e)
-                continue
+            if not screened:
+                raw = self._screen(ident, raw, self._link.send)
+                if raw is None:
+                    continue
             try:
                 msg = m.decode_to_prefill(raw)
             except m.MalformedMessage as e:
                 logger.warning("malformed control message: %s", e)
                 out.append((ident, e))
                 continue
-            if isinstance(msg, m.Heartbeat):
-                self.reply(ident, m.HeartbeatAck(seq=msg.seq))
-            else:
-                out.append((ident, msg))
+            out.append((ident, msg))
         return out
 
     def reply(self, ident: bytes, msg: m.ToDecode) -> None:
