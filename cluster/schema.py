@@ -287,8 +287,9 @@ class ClusterConfig(Section):
     launcher: LauncherSection = Field(default_factory=LauncherSection, description="launcher")
     secret_file: str | None = Field(
         None,
-        description="file holding the cluster secret (16+ bytes): nodes then authenticate "
-        "KV control frames (HMAC) and answer HTTP only from the router (docs/operations.md)",
+        description="file holding the cluster secret (16+ bytes): nodes then encrypt "
+        "(CurveZMQ) and authenticate (HMAC) the KV control channel, seal KV-done "
+        "notifications and answer HTTP only from the router (docs/operations.md)",
     )
 
     @field_validator("redis", mode="before")

@@ -21,6 +21,10 @@ alive exactly while its process runs); `recv` hands over every other message, or
 `MalformedMessage`, with the sender's identity. `reply` never blocks: ZMQ drops what it
 cannot deliver, and the decode node's deadlines cover it. With a `link` given (the
 simulator), there is no thread: `recv` screens frames and answers heartbeats itself.
+
+With a cluster secret (`auth`), every frame is sealed (kv_transfer/frame_auth.py) and the
+connection is encrypted with CurveZMQ: the prefill node's key pair is derived from the
+secret (`curve_server_keys`), so only holders of the secret can connect at all.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils import z85
 
 from kv_transfer import messages as m
 from kv_transfer.control_pump import ControlPump
@@ -41,12 +46,17 @@ logger = logging.getLogger(__name__)
 
 
 class ZmqDealerLink:
-    """A decode node's connection to one prefill node: a DEALER that never blocks."""
+    """A decode node's connection to one prefill node: a DEALER that never blocks.
+    `server_key`: the prefill nodes' CURVE public key (encrypts the connection)."""
 
-    def __init__(self, ctx: zmq.Context, node: str):
+    def __init__(self, ctx: zmq.Context, node: str, server_key: bytes | None = None):
         self.socket = ctx.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IMMEDIATE, 1)  # queue in DecodeControl until connected
+        if server_key is not None:
+            public, secret = zmq.curve_keypair()  # any client key: the frames' MAC decides
+            self.socket.curve_serverkey = server_key
+            self.socket.curve_publickey, self.socket.curve_secretkey = public, secret
         try:
             self.socket.connect(node)
         except zmq.ZMQError as e:
@@ -66,6 +76,17 @@ class ZmqDealerLink:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+
+
+def curve_server_keys(auth: FrameAuth) -> tuple[bytes, bytes] | None:
+    """The prefill nodes' CURVE key pair (public, secret; Z85), derived from the cluster
+    secret: with a secret, ZMQ encrypts the control channel (CurveZMQ), and a client that
+    does not know the public key (so not the secret) cannot even complete a handshake."""
+    seed = auth.derive(b"zmq curve server")
+    if seed is None:
+        return None
+    secret = z85.encode(seed)
+    return zmq.curve_public(secret), secret
 
 
 @dataclass
@@ -98,7 +119,10 @@ class DecodeControl:
         self.auth = auth or FrameAuth(None)
         self.rejected_frames = 0
         self._ctx = zmq.Context() if connect is None else None
-        self._connect_link = connect or (lambda node: ZmqDealerLink(self._ctx, node))
+        server_key = curve_server_keys(self.auth)
+        self._connect_link = connect or (
+            lambda node: ZmqDealerLink(self._ctx, node, server_key and server_key[0])
+        )
         self._hello = hello
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
@@ -246,7 +270,9 @@ class PrefillControl:
         self.auth = auth or FrameAuth(None)
         self.rejected_frames = 0
         self._ctx = zmq.Context() if link is None else None
-        self._link = link or ControlPump(self._ctx, address, self._screen)
+        self._link = link or ControlPump(
+            self._ctx, address, self._screen, curve_server_keys(self.auth)
+        )
         self.address = self._link.address
         logger.info("prefill control channel on %s", self.address)
 

@@ -35,10 +35,21 @@ INNER_HWM = 100_000  # frames queued for the engine thread (a long step) before 
 class ControlPump:
     screened = True  # frames from `recv` were already opened by `screen`
 
-    def __init__(self, ctx: zmq.Context, address: str, screen: Screen):
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        address: str,
+        screen: Screen,
+        curve: tuple[bytes, bytes] | None = None,
+    ):
+        """`curve`: this node's CURVE (public, secret) key pair: clients must know the
+        public key, and everything on the connection is encrypted."""
         self._screen = screen
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            self._router.curve_server = True
+            self._router.curve_publickey, self._router.curve_secretkey = curve
         self._router.bind(address)
         self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         inproc = f"inproc://pdserve-control-{uuid.uuid4().hex}"

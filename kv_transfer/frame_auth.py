@@ -55,6 +55,12 @@ class FrameAuth:
     def enabled(self) -> bool:
         return self._secret is not None
 
+    def derive(self, label: bytes) -> bytes | None:
+        """A 32-byte key for `label`, derived from the secret (None without one)."""
+        if self._secret is None:
+            return None
+        return hmac.new(self._secret, b"pdserve key: " + label, hashlib.sha256).digest()
+
     def seal(self, payload: bytes) -> bytes:
         if self._secret is None:
             return payload
@@ -62,8 +68,11 @@ class FrameAuth:
         mac = hmac.new(self._secret, head + payload, hashlib.sha256).digest()
         return head + mac + payload
 
-    def open(self, frame: bytes) -> bytes:
-        """The payload of an authentic, fresh frame; else raises `UnauthenticatedFrame`."""
+    def open(self, frame: bytes, fresh: bool = True) -> bytes:
+        """The payload of an authentic, fresh frame; else raises `UnauthenticatedFrame`.
+        `fresh=False` checks only the MAC (for messages whose own content makes a replay
+        harmless, e.g. a `PrefillDone` naming an order's one-time nonce, and which may
+        wait longer than the window before they are read)."""
         if self._secret is None:
             return frame
         if len(frame) < _HEAD.size + _MAC_LEN:
@@ -76,6 +85,8 @@ class FrameAuth:
         want = hmac.new(self._secret, head + payload, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, want):
             raise UnauthenticatedFrame("bad MAC (wrong cluster secret or tampered frame)")
+        if not fresh:
+            return payload
         now = self.clock()
         if not abs(now - ts) <= self.window_s:  # also refuses NaN
             raise UnauthenticatedFrame(f"timestamp {now - ts:+.1f} s off (stale or replayed)")

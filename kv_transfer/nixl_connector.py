@@ -51,7 +51,8 @@ def nixl_connector(
     net_devices: str | None = None,
 ) -> DecodeSide | PrefillSide:
     """The decode or prefill side of the NIXL connector for one node. With
-    `cluster_secret`, control frames are sealed and checked (kv_transfer/frame_auth.py);
+    `cluster_secret`, control frames are sealed and checked (kv_transfer/frame_auth.py),
+    the control channel is encrypted (CurveZMQ) and `PrefillDone` notifications are sealed;
     `net_devices` (UCX_NET_DEVICES) keeps the data plane's listeners on those devices."""
     if role == "decode":
         return DecodeSide(

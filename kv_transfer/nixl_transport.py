@@ -108,9 +108,12 @@ class NixlTransport:
         self.name = name
         self.layout = KVLayout.from_tensor(kv_cache)
         self._kv_cache = kv_cache  # keep the registered memory alive
-        self._agent = nixl_agent(
-            name, nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        # No NIXL listen thread: peers' metadata arrives only inside sealed control frames
+        # (kv_transfer/prefill_side.py), never on a socket of NIXL's own.
+        self._agent_config = nixl_agent_config(
+            enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[]
         )
+        self._agent = nixl_agent(name, self._agent_config)
         for backend in backends:
             self._agent.create_backend(backend, dict(backend_params or {}))
         self._reg = self._agent.register_memory(storage_of(kv_cache))

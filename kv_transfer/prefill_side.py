@@ -287,10 +287,10 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             src, dst, done = s.final
             s.final_posted = True
             if src:
-                self._post(key, s, src, dst, m.encode(done))
+                self._post(key, s, src, dst, self._sealed(done))
             else:
                 try:
-                    t.send_notif(s.order.decode_agent, m.encode(done))
+                    t.send_notif(s.order.decode_agent, self._sealed(done))
                 except RuntimeError as e:
                     self._end(key, s, str(e))
                     return self._progress(key, s)
@@ -299,6 +299,10 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         if s.final_posted and t.poll(s.handles[-1]) is TransferState.DONE:
             return self._sent(key, s)
         return []
+
+    def _sealed(self, done: m.PrefillDone) -> bytes:
+        """The data-plane notification, sealed like a control frame (with a secret)."""
+        return self.control.auth.seal(m.encode(done))
 
     def _sent(self, key: TransferKey, s: _Send) -> list[PrefillEvent]:
         nbytes = sum(h.stats.bytes for h in s.handles)

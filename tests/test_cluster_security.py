@@ -4,6 +4,8 @@
   and the NIXL/UCX data plane, which UCX would otherwise open on every interface);
 * a node's HTTP API answers only requests carrying the router's node key (401 otherwise,
   `/health` stays open);
+* the KV control channel is encrypted (CurveZMQ, keys derived from the secret): a client
+  without the derived key gets no connection at all;
 * on the KV control port, garbage, unsigned, wrongly signed, replayed and stale frames are
   dropped unanswered, while a sealed heartbeat is answered, and the pair keeps serving.
 """
@@ -21,6 +23,7 @@ import zmq
 
 from api.cluster_secret import NODE_KEY_HEADER, node_key
 from kv_transfer import messages as m
+from kv_transfer.control_channel import curve_server_keys
 from kv_transfer.frame_auth import FrameAuth
 from tests.servers import ROOT, descendants, free_port, kill_server, wait_healthy
 
@@ -101,11 +104,41 @@ def test_node_http_answers_only_the_router(pair):
     assert complete(pair["decode"]).json()["usage"]["completion_tokens"] == 8
 
 
-def test_forged_and_replayed_control_frames_are_dropped(pair):
-    ctx = zmq.Context()
+def dealer(ctx: zmq.Context, address: str, server_key: bytes | None) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(pair["ctl"])
+    if server_key is not None:  # CurveZMQ, as a decode node connects
+        sock.curve_serverkey = server_key
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(address)
+    return sock
+
+
+def test_control_channel_is_encrypted(pair):
+    """Without the CURVE key derived from the secret, a client gets no connection: even a
+    correctly sealed heartbeat (the MAC alone would pass) is never answered; with it, the
+    same heartbeat is answered."""
+    ctx = zmq.Context()
+    server_key = curve_server_keys(FrameAuth(SECRET))[0]
+    wrong_key = curve_server_keys(FrameAuth(b"not the cluster secret at all"))[0]
+    socks = [dealer(ctx, pair["ctl"], k) for k in (None, wrong_key, server_key)]
+    try:
+        for sock in socks:
+            sock.send(FrameAuth(SECRET).seal(m.encode(m.Heartbeat(seq=1))))
+        assert socks[2].poll(60_000), "the CURVE client with the derived key got no answer"
+        reply = FrameAuth(SECRET).open(socks[2].recv())
+        assert m.decode_to_decode(reply) == m.HeartbeatAck(seq=1)
+        assert not socks[0].poll(2000) and not socks[1].poll(100)
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
+
+
+def test_forged_and_replayed_control_frames_are_dropped(pair):
+    """An insider that passes the CURVE handshake still needs the MAC of the secret."""
+    ctx = zmq.Context()
+    sock = dealer(ctx, pair["ctl"], curve_server_keys(FrameAuth(SECRET))[0])
 
     def answered(frame: bytes, wait_s: float) -> bytes | None:
         sock.send(frame)

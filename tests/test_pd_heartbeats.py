@@ -67,15 +67,16 @@ def test_heartbeats_answered_while_the_engine_thread_is_busy():
         # after the step the engine gets what arrived meanwhile, heartbeats excluded
         got = [type(msg).__name__ for _, msg in pc.recv()]
         assert got == ["PeerHello", "AbortPrefill"]
-        # a frame without the secret is dropped by the pump, never reaches the engine
+        # a client without the secret gets no connection (CurveZMQ): nothing reaches
+        # the engine, nothing is answered
         stranger = DecodeControl(lambda: m.PeerHello(agent_metadata=b"x"), auth=FrameAuth(None))
         stranger.send(node, m.Heartbeat(seq=1))
-        deadline = time.monotonic() + 30
-        while pc.rejected_frames < 2:  # its hello and its heartbeat
-            stranger.tick(set())  # flushes what waited for the connection
-            assert time.monotonic() < deadline
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            stranger.tick(set())  # would flush what waited for the connection
+            assert stranger.recv() == []
             time.sleep(0.05)
-        assert pc.recv() == [] and stranger.recv() == []
+        assert pc.recv() == []
         stranger.close()
     finally:
         dc.close()
