@@ -7,7 +7,11 @@ layers, 3 KV heads, head_dim 64, fp32, block 16) and the store's chunking:
   * lmcache store->visible: `LMCacheKVStore.store` of a prompt's blocks plus the wait
     until every chunk is visible in Redis (what a node on another machine needs);
   * lmcache retrieve: a second store (its own, empty local CPU tier, so every chunk comes
-    from Redis) loads the prompt into scattered blocks of its paged cache;
+    from Redis) loads the prompt into scattered blocks of its paged cache, through our
+    direct reader of LMCache's Redis chunks (`kv_transfer/lmcache_redis_reader.py`, the
+    default);
+  * lmcache retrieve (builtin): the same through LMCache's own Redis backend
+    (`fast_retrieve=False`, a third store), for comparison;
   * redis-py SET / GET: the same bytes, one value per chunk, pipelined (the floor the
     connector is measured against; goal: LMCache within 1.5x of it);
   * memcpy: a torch copy of the same bytes.
@@ -40,7 +44,7 @@ def _gbps(nbytes: int, times: list[float]) -> dict:
     return {"p50_s": med, "min_s": min(times), "gbps": nbytes / med / 1e9}
 
 
-def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, kv_a, kv_b) -> dict:
+def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, c, kv_a, kv_b) -> dict:
     import redis
 
     nblocks = kv_a.shape[2]
@@ -59,17 +63,24 @@ def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, kv_a, kv_b) 
         a.store(p, src_slots)
         assert a.wait_visible(p, time.monotonic() + 120), "chunks never became visible"
         put.append(time.perf_counter() - t)
-    for p in prompts:
+    builtin = []
+    for p in prompts:  # the two readers alternate, so load shifts hit both alike
         t = time.perf_counter()
         n = b.retrieve(p, dst_slots)
         get.append(time.perf_counter() - t)
         assert n == tokens, f"retrieved {n} of {tokens} tokens"
+        t = time.perf_counter()
+        n = c.retrieve(p, dst_slots)
+        builtin.append(time.perf_counter() - t)
+        assert n == tokens, f"retrieved {n} of {tokens} tokens (builtin)"
     # Bit-exact: the last prompt's KV in b's scattered blocks equals a's source blocks.
     flat_a = kv_a.view(LAYERS, 2, -1, KV_HEADS * HEAD_DIM)
     flat_b = kv_b.view(LAYERS, 2, -1, KV_HEADS * HEAD_DIM)
     assert torch.equal(
         flat_a[:, :, torch.tensor(src_slots)], flat_b[:, :, torch.tensor(dst_slots)]
     ), "retrieved KV differs from the stored KV"
+    flat_c = c._kv_cache.view(LAYERS, 2, -1, KV_HEADS * HEAD_DIM)
+    assert torch.equal(flat_b, flat_c), "the two retrieve paths disagree"
 
     # redis-py: the same bytes as one value per chunk, pipelined.
     client = redis.Redis.from_url(url)
@@ -112,12 +123,16 @@ def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, kv_a, kv_b) 
         "chunks": len(chunk_bytes),
         "lmcache_store_visible": _gbps(nbytes, put),
         "lmcache_retrieve": _gbps(nbytes, get),
+        "lmcache_retrieve_builtin": _gbps(nbytes, builtin),
         "redis_py_set": _gbps(nbytes, rset),
         "redis_py_get": _gbps(nbytes, rget),
         "memcpy": _gbps(nbytes, mem),
     }
     row["store_vs_redis_set"] = row["redis_py_set"]["gbps"] / row["lmcache_store_visible"]["gbps"]
     row["retrieve_vs_redis_get"] = row["redis_py_get"]["gbps"] / row["lmcache_retrieve"]["gbps"]
+    row["builtin_retrieve_vs_redis_get"] = (
+        row["redis_py_get"]["gbps"] / row["lmcache_retrieve_builtin"]["gbps"]
+    )
     return row
 
 
@@ -133,12 +148,14 @@ def bench(args: argparse.Namespace) -> dict:
         kw = dict(namespace="bench", chunk_size=args.chunk, local_cpu_bytes=local)
         a = LMCacheKVStore(kv_a, remote_url=server.url, **kw)
         b = LMCacheKVStore(kv_b, remote_url=server.url, **kw)
+        c = LMCacheKVStore(torch.zeros(shape), remote_url=server.url, fast_retrieve=False, **kw)
         try:
             for tokens in args.tokens:
-                row = bench_size(tokens, args.iters, args.chunk, server.url, a, b, kv_a, kv_b)
+                row = bench_size(tokens, args.iters, args.chunk, server.url, a, b, c, kv_a, kv_b)
                 logger.info(
                     "%5d tokens %6.1f MB: lmcache put %.2f / get %.2f GB/s, "
-                    "redis-py set %.2f / get %.2f GB/s (ratios %.2fx / %.2fx)",
+                    "redis-py set %.2f / get %.2f GB/s (ratios %.2fx / %.2fx; "
+                    "builtin retrieve %.2fx)",
                     tokens,
                     row["bytes"] / 1e6,
                     row["lmcache_store_visible"]["gbps"],
@@ -147,11 +164,13 @@ def bench(args: argparse.Namespace) -> dict:
                     row["redis_py_get"]["gbps"],
                     row["store_vs_redis_set"],
                     row["retrieve_vs_redis_get"],
+                    row["builtin_retrieve_vs_redis_get"],
                 )
                 rows.append(row)
         finally:
             a.close()
             b.close()
+            c.close()
     return {
         "benchmark": "kv_store",
         "model_shapes": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},
