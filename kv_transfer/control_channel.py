@@ -186,8 +186,9 @@ class DecodeControl:
         out: list[tuple[str, m.ToDecode | m.MalformedMessage]] = []
         for node, peer in self._peers.items():
             while (raw := peer.link.recv()) is not None:
-                try:
-                    raw = self.auth.open(raw)
+                try:  # MAC only: an answer may wait here through a long engine step
+                    # (past the freshness window); a CurveZMQ session admits no replays
+                    raw = self.auth.open(raw, fresh=False)
                 except UnauthenticatedFrame as e:
                     self.rejected_frames += 1
                     logger.warning("dropping a control frame from %s: %s", node, e)

@@ -71,8 +71,9 @@ class FrameAuth:
     def open(self, frame: bytes, fresh: bool = True) -> bytes:
         """The payload of an authentic, fresh frame; else raises `UnauthenticatedFrame`.
         `fresh=False` checks only the MAC (for messages whose own content makes a replay
-        harmless, e.g. a `PrefillDone` naming an order's one-time nonce, and which may
-        wait longer than the window before they are read)."""
+        harmless, e.g. a `PrefillDone` naming an order's one-time nonce, or that arrive
+        over a CurveZMQ session, and which may wait longer than the window before they
+        are read)."""
         if self._secret is None:
             return frame
         if len(frame) < _HEAD.size + _MAC_LEN:

@@ -83,6 +83,36 @@ def test_heartbeats_answered_while_the_engine_thread_is_busy():
         pc.close()
 
 
+def test_answers_read_after_a_long_decode_step_still_count():
+    """The decode node reads a heartbeat answer only after its own engine step: one that
+    lasted 40 s (longer than the frames' 30 s freshness window) must not turn a live,
+    answering prefill node into a dead one."""
+    pc = PrefillControl(f"tcp://127.0.0.1:{free_port()}", auth=FrameAuth(SECRET))
+    shift = [0.0]
+    dc = DecodeControl(
+        lambda: m.PeerHello(agent_metadata=b"md"),
+        heartbeat_s=0.1,
+        peer_timeout_s=1.0,
+        auth=FrameAuth(SECRET, clock=lambda: time.time() + shift[0]),
+        clock=lambda: time.monotonic() + shift[0],
+    )
+    try:
+        node = pc.address
+        assert dc.send(node, m.AbortPrefill(request_id="r", attempt=0, expires_at=0.0))
+        assert all(watch(dc, node, 1.0))
+        time.sleep(0.15)
+        dc.tick({node})  # a heartbeat goes out ...
+        assert dc._peers[node].ping_sent_at is not None
+        time.sleep(0.5)  # ... and its answer waits in the socket
+        shift[0] = 40.0  # the decode engine step took 40 s
+        dc.recv()
+        dc.tick({node})
+        assert dc.alive(node) and dc.rejected_frames == 0
+    finally:
+        dc.close()
+        pc.close()
+
+
 PREFILL_PROCESS = """
 import sys, time
 from kv_transfer.control_channel import PrefillControl

@@ -182,3 +182,23 @@ def test_router_refuses_half_a_tls_config(tiny_llama_dir, tmp_path):
     )  # fmt: skip
     assert out.returncode != 0
     assert "ssl_keyfile: give both ssl_certfile and ssl_keyfile" in out.stderr
+
+
+def test_cluster_config_passes_limits_and_tls_to_the_router(tmp_path):
+    from pydantic import ValidationError
+
+    from cluster.nodes import router_argv
+    from cluster.schema import ClusterConfig
+
+    base = {"model": {"name": "tiny"}, "decode": {"port": 9100}}
+    router = {"ssl_certfile": "c.pem", "ssl_keyfile": "k.pem", "max_prompt_tokens_per_request": 50,
+              "prompt_tokens_per_minute_per_key": 600}  # fmt: skip
+    argv = router_argv(ClusterConfig.model_validate(base | {"router": router}), None, [], "info")
+    for flag, value in [("--ssl-certfile", "c.pem"), ("--ssl-keyfile", "k.pem"),
+                        ("--max-prompt-tokens-per-request", "50"),
+                        ("--prompt-tokens-per-minute-per-key", "600")]:  # fmt: skip
+        assert argv[argv.index(flag) + 1] == value
+    with pytest.raises(ValidationError, match="give both ssl_certfile and ssl_keyfile"):
+        ClusterConfig.model_validate(base | {"router": {"ssl_certfile": "c.pem"}})
+    with pytest.raises(ValidationError, match="prompt_tokens_per_minute_per_key"):
+        ClusterConfig.model_validate(base | {"router": {"prompt_tokens_per_minute_per_key": -1}})
