@@ -8,7 +8,8 @@ Implementations run round-robin, one call each per round, so a busy machine dist
 them alike; per-layer min and median over the rounds, and the median x 30 layers (one
 decode step's attention). `--inductor` adds a torch.compile formulation whose loads index
 the cache through the block table inside the compiled loop (no gather buffer), with its
-compile time. Prints one JSON line per case and writes them all to --out.
+compile time. Also the process CPU time per call (with --threads 1: the work itself,
+robust to a busy machine). Prints one JSON line per case and writes them all to --out.
 """
 
 from __future__ import annotations
@@ -82,16 +83,21 @@ def bench_case(name: str, dtype: str, rounds: int, inductor: bool) -> dict:
     for key, fn in impls.items():
         row[f"{key}_max_abs_err"] = float((fn(*args, scale).float() - expected).abs().max())
     times: dict[str, list[float]] = {k: [] for k in impls}
+    cpu: dict[str, list[float]] = {k: [] for k in impls}
     for _ in range(rounds):
         for key, fn in impls.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn(*args, scale)
             times[key].append(time.perf_counter() - t0)
+            cpu[key].append(time.process_time() - c0)
     for key, ts in times.items():
         med = statistics.median(ts)
         row[f"{key}_ms_per_layer_min"] = round(min(ts) * 1e3, 3)
         row[f"{key}_ms_per_layer_median"] = round(med * 1e3, 3)
         row[f"{key}_ms_per_step_x{LAYERS}"] = round(med * LAYERS * 1e3, 1)
+        # CPU time of the process (all threads): with --threads 1 the work itself, which a
+        # busy machine does not inflate by descheduling the way it inflates wall time.
+        row[f"{key}_cpu_ms_per_layer_median"] = round(statistics.median(cpu[key]) * 1e3, 3)
     row["speedup_native_vs_gather_median"] = round(
         statistics.median(times["gather_sdpa"]) / statistics.median(times["native"]), 2
     )

@@ -79,10 +79,12 @@ struct Args {
 };
 
 // One split: scores, max, sum and un-normalized output of G heads over keys [t0, t1).
-template <typename T>
+// DC is the head dim when known at compile time (the common 64 and 128: fully unrolled
+// row loops), else 0 (read from the arguments).
+template <typename T, int DC>
 void run_split(const Args& a, int64_t b, int64_t kvh, int64_t t0, int64_t t1, float* m_out,
                float* l_out, float* acc, std::vector<float>& qf, std::vector<float>& s) {
-  const int64_t D = a.head_dim, G = a.num_heads / a.num_kv_heads, n = t1 - t0;
+  const int64_t D = DC ? DC : a.head_dim, G = a.num_heads / a.num_kv_heads, n = t1 - t0;
   const int64_t bs = a.block_size, row = a.num_kv_heads * D, blk = bs * row;
   const T* q = static_cast<const T*>(a.q);
   const T* kc = static_cast<const T*>(a.k);
@@ -173,6 +175,7 @@ void decode(const Args& a, int num_threads) {
   // barrier per call: a busy 2-core box deschedules threads, every barrier costs).
   std::vector<float> part(static_cast<size_t>(B * Hkv * S * G * (D + 2)));
   const int64_t items = B * Hkv * S;
+  auto split_fn = D == 64 ? run_split<T, 64> : D == 128 ? run_split<T, 128> : run_split<T, 0>;
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> qf, s;
@@ -193,7 +196,7 @@ void decode(const Args& a, int num_threads) {
         }
         continue;
       }
-      run_split<T>(a, b, kvh, t0, t1, m, l, acc, qf, s);
+      split_fn(a, b, kvh, t0, t1, m, l, acc, qf, s);
       if (S == 1) {  // the only split: normalize and write the output now
         for (int64_t g = 0; g < G; ++g) {
           const float inv = 1.0f / l[g];
