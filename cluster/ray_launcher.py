@@ -30,7 +30,14 @@ from cluster.supervisor import LaunchError, Service
 
 PLACEMENT_TIMEOUT_S = 120.0
 # Environment a node process needs from the launcher (the actor's own may differ).
-PASS_ENV = ("PYTHONPATH", "PDSERVE_CACHE_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+PASS_ENV = (
+    "PYTHONPATH",
+    "PDSERVE_CACHE_DIR",
+    "PDSERVE_CPU_ATTENTION",
+    "PDSERVE_KERNEL_CACHE",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+)
 
 
 class NodeActor:
