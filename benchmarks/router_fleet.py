@@ -8,6 +8,8 @@ percentiles, the router's decision time (its own histogram), and the router's CP
 per request (from /proc, so only the router process counts).
 
     python benchmarks/router_fleet.py --rate 300 --duration 20 --out results/router_fleet.json
+    python benchmarks/router_fleet.py --rate 40 --duration 15 \
+        --router-root /path/to/old/checkout --router-root . --out results/router_fleet_ab.json
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def spawn(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env)
+def spawn(args: list[str], root: Path = ROOT) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.Popen([sys.executable, *args], cwd=root, env=env)
 
 
 def wait_until(what: str, cond, timeout_s: float = 120.0) -> None:
@@ -64,15 +66,17 @@ def usable_nodes(router: str) -> int:
     return sum(1 for n in nodes if n["in_registry"] or n["healthy"])
 
 
-def start_router(args: list[str]) -> tuple[str, subprocess.Popen]:
+def start_router(args: list[str], root: Path = ROOT) -> tuple[str, subprocess.Popen]:
     port = free_port()
-    proc = spawn(["-m", "pdserve", "router", "--port", str(port), "--log-level", "warning", *args])
+    argv = ["-m", "pdserve", "router", "--port", str(port), "--log-level", "warning", *args]
+    proc = spawn(argv, root)
     return f"http://127.0.0.1:{port}", proc
 
 
-def decision_stats(router: str) -> dict:
+def decision_stats(router: str, text: str | None = None) -> dict:
     """Mean and bucket-estimated p50/p99 of the router's decision-time histogram."""
-    text = httpx.get(f"{router}/metrics", timeout=10).text
+    if text is None:
+        text = httpx.get(f"{router}/metrics", timeout=10).text
     buckets, total, count = [], 0.0, 0.0
     for line in text.splitlines():
         if line.startswith("pdserve_router_decision_seconds_bucket"):
@@ -152,6 +156,43 @@ async def drive(url: str, prompts: list[list[int]], rate: float, duration: float
     }
 
 
+def measure(args, redis_url: str, prompts: list[list[int]], root: Path) -> dict:
+    """Start a router from the code at `root` on the running fleet, drive it, stop it."""
+    router, rproc = start_router(
+        ["--model", str(write_tokenizerless_model()), "--served-model-name", "fake",
+         "--redis-url", redis_url, "--prefill-policy", args.policy,
+         "--decode-policy", args.policy],
+        root,
+    )  # fmt: skip
+    try:
+        total = args.prefill + args.decode
+        wait_until("the fleet", lambda: usable_nodes(router) == total)
+        asyncio.run(drive(router, prompts, 20, 2, not args.no_stream))  # warm-up
+        cpu0, t0 = cpu_seconds(rproc.pid), time.monotonic()
+        load = asyncio.run(drive(router, prompts, args.rate, args.duration, not args.no_stream))
+        cpu = cpu_seconds(rproc.pid) - cpu0
+        wall = time.monotonic() - t0
+        metrics = httpx.get(f"{router}/metrics", timeout=10).text
+    finally:
+        rproc.kill()
+        rproc.wait()
+    remote = [ln for ln in metrics.splitlines() if ln.startswith("pdserve_router_prefills")]
+    return {
+        "router_code": str(root),
+        "fleet": {"prefill": args.prefill, "decode": args.decode},
+        "policy": args.policy,
+        "stream": not args.no_stream,
+        "offered_rate": args.rate,
+        "duration_s": args.duration,
+        **load,
+        "router_cpu_s_per_request_ms": round(cpu / load["requests"] * 1000, 3),
+        "router_cpu_utilisation": round(cpu / wall, 3),
+        "decision": decision_stats(router, metrics),
+        "prefill_counts": remote,
+        "load_average": os.getloadavg(),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", type=int, default=64)
@@ -160,48 +201,28 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0)
     ap.add_argument("--policy", default="kv_aware")
     ap.add_argument("--no-stream", action="store_true")
+    ap.add_argument(
+        "--router-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="run the router from this checkout (repeatable: each in turn, on the same fleet "
+        "and load, for side-by-side comparisons); default: this one",
+    )
     ap.add_argument("--out", default="results/router_fleet.json")
     args = ap.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(1000) for _ in range(512)] for _ in range(64)]  # shared prefixes
-    procs: list[subprocess.Popen] = []
+    roots = [Path(r).resolve() for r in args.router_root] or [ROOT]
     with EmbeddedRedis() as redis:
+        fleet = spawn(["-m", "benchmarks.fake_fleet", "--redis-url", redis.url,
+                       "--prefill", str(args.prefill), "--decode", str(args.decode)])  # fmt: skip
         try:
-            procs.append(spawn(["-m", "benchmarks.fake_fleet", "--redis-url", redis.url,
-                                "--prefill", str(args.prefill), "--decode", str(args.decode)
-                                ]))  # fmt: skip
-            router, rproc = start_router(
-                ["--model", str(write_tokenizerless_model()), "--served-model-name", "fake",
-                 "--redis-url", redis.url, "--prefill-policy", args.policy,
-                 "--decode-policy", args.policy]
-            )  # fmt: skip
-            procs.append(rproc)
-            total = args.prefill + args.decode
-            wait_until("the fleet", lambda: usable_nodes(router) == total)
-            asyncio.run(drive(router, prompts, 20, 2, not args.no_stream))  # warm-up
-            cpu0, t0 = cpu_seconds(rproc.pid), time.monotonic()
-            load = asyncio.run(drive(router, prompts, args.rate, args.duration, not args.no_stream))
-            cpu = cpu_seconds(rproc.pid) - cpu0
-            wall = time.monotonic() - t0
-            metrics = httpx.get(f"{router}/metrics", timeout=10).text
-            remote = [ln for ln in metrics.splitlines() if ln.startswith("pdserve_router_prefills")]
-            result = {
-                "fleet": {"prefill": args.prefill, "decode": args.decode},
-                "policy": args.policy,
-                "stream": not args.no_stream,
-                "offered_rate": args.rate,
-                "duration_s": args.duration,
-                **load,
-                "router_cpu_s_per_request_ms": round(cpu / load["requests"] * 1000, 3),
-                "router_cpu_utilisation": round(cpu / wall, 3),
-                "decision": decision_stats(router),
-                "prefill_counts": remote,
-                "load_average": os.getloadavg(),
-            }
+            runs = [measure(args, redis.url, prompts, root) for root in roots]
         finally:
-            for p in procs:
-                p.kill()
-                p.wait()
+            fleet.kill()
+            fleet.wait()
+    result = runs[0] if len(runs) == 1 else {"runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -4,7 +4,7 @@ redis-py parses replies with hiredis when it is installed, but its asyncio conne
 every command in Python (one `encode` per argument). A KV index lookup sends ~130
 arguments (a key per candidate node, a hash per prompt block), so packing cost the router
 more CPU than the whole policy step; `connect()` gives connections that pack with
-`hiredis.pack_command` instead (redis-py's own serializer for its sync client).
+`hiredis.pack_command` in one call instead.
 """
 
 from __future__ import annotations
@@ -13,25 +13,26 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 
 try:
-    from redis.connection import HiredisRespSerializer
-    from redis.utils import HIREDIS_AVAILABLE
-except ImportError:  # an older or newer redis-py without it: plain packing
-    HIREDIS_AVAILABLE = False
+    import hiredis
+except ImportError:  # plain packing
+    hiredis = None
 
 
-if HIREDIS_AVAILABLE:
+class HiredisPackConnection(Connection):
+    """A TCP connection whose commands are packed in C (str, bytes, int, float arguments;
+    anything else goes the plain way, which raises redis-py's own errors)."""
 
-    class HiredisPackConnection(Connection):
-        """A TCP connection whose commands are packed in C."""
-
-        _packer = HiredisRespSerializer()
-
-        def pack_command(self, *args) -> list[bytes]:
-            return self._packer.pack(*args)
+    def pack_command(self, *args) -> list[bytes]:
+        if isinstance(args[0], str) and " " in args[0]:  # "CONFIG GET": words go apart
+            args = (*args[0].split(), *args[1:])
+        try:
+            return [hiredis.pack_command(args)]
+        except TypeError:
+            return super().pack_command(*args)
 
 
 def connect(url: str, **kwargs) -> Redis:
     """`Redis.from_url(url, **kwargs)`, packing in C for plain `redis://` URLs."""
-    if HIREDIS_AVAILABLE and url.startswith("redis://"):
+    if hiredis is not None and url.startswith("redis://"):
         kwargs.setdefault("connection_class", HiredisPackConnection)
     return Redis.from_url(url, **kwargs)

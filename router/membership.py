@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 
-import httpx
+import aiohttp
 import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -28,7 +28,7 @@ from router.nodes import ClusterView, NodeState
 
 logger = logging.getLogger(__name__)
 
-_PROBE_TIMEOUT_S = 2.0
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 
 class Membership:
@@ -96,11 +96,11 @@ class Membership:
 
     async def probe(self, node: NodeState) -> None:
         try:
-            resp = await node.client.get("/v1/node", timeout=_PROBE_TIMEOUT_S)
-            if resp.status_code != 200:
-                raise ValueError(f"/v1/node answered {resp.status_code}")
-            record = self._decoder.decode(resp.content)
-        except (httpx.HTTPError, ValueError, msgspec.DecodeError) as e:
+            async with node.client.get(node.url + "/v1/node", timeout=_PROBE_TIMEOUT) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"/v1/node answered {resp.status}")
+                record = self._decoder.decode(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgspec.DecodeError) as e:
             self.view.apply_probe(node, None, f"{type(e).__name__}: {e}")
             return
         if node.breaker.state == "half_open":

@@ -4,7 +4,10 @@ A node comes from the static lists (`--prefill`/`--decode`, probed over HTTP) or
 Redis registry; it is keyed by its HTTP url. It gets new work only when it is *usable*:
 its record is known, it is healthy (its last probe answered, or the registry lists it),
 its circuit breaker allows it, and it serves the router's model. Each node has ONE shared
-`httpx.AsyncClient` (connection pool), created when the node is first seen.
+`aiohttp.ClientSession` (connection pool), created when the node is first seen (inside the
+event loop). Its idle connections are dropped after 4 s, before a node's HTTP server
+(uvicorn: 5 s) closes them: a request sent on a connection the node is closing would fail
+and count against the node.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from api.cluster_secret import NODE_KEY_HEADER, node_key
 from cluster.registry import NodeRecord
@@ -24,11 +27,13 @@ from router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
 
+_KEEPALIVE_S = 4.0  # idle node connections kept this long (uvicorn closes them at 5 s)
+
 
 @dataclass(eq=False)
 class NodeState:
     url: str
-    client: httpx.AsyncClient
+    client: aiohttp.ClientSession
     breaker: CircuitBreaker
     static_role: str | None = None  # "prefill" | "decode" for a static node
     record: NodeRecord | None = None
@@ -93,6 +98,7 @@ class ClusterView:
         self.nodes: dict[str, NodeState] = {}
         self._usable: tuple[list[NodeState], list[NodeState]] | None = None
         self._usable_until = math.inf  # when an open breaker turns half-open
+        self.invalidate()
         # One TLS context for every node client (building one costs ~0.1 s of CPU).
         self._ssl = ssl.create_default_context()
         for url in config.prefill_urls:
@@ -107,12 +113,18 @@ class ClusterView:
             cfg = self.config
             node = NodeState(
                 url=url,
-                client=httpx.AsyncClient(
-                    base_url=url,
-                    timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                    verify=self._ssl,
+                client=aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(
+                        limit=0, keepalive_timeout=_KEEPALIVE_S, ssl=self._ssl
+                    ),
+                    # deadlines: to connect, and between two reads (a stream may be long)
+                    timeout=aiohttp.ClientTimeout(
+                        total=None,
+                        sock_connect=cfg.connect_timeout_s,
+                        sock_read=cfg.request_timeout_s,
+                    ),
                     headers=node_headers(cfg),
+                    auto_decompress=False,
                 ),
                 breaker=CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s),
                 static_role=static_role,
@@ -126,6 +138,7 @@ class ClusterView:
 
     def invalidate(self) -> None:
         self._usable = None
+        self._limits: tuple[int, int] | None | bool = False  # False: not computed
 
     def usable(self, serves_clients: bool) -> list[NodeState]:
         """Usable decode-capable nodes (decode, colocated), or usable prefill nodes, in url
@@ -145,7 +158,13 @@ class ClusterView:
 
     def limits(self) -> tuple[int, int] | None:
         """(max_model_len, vocab_size) the serving nodes of this model last reported (the
-        smallest), kept while nodes come and go, so bad prompts fail without a node."""
+        smallest), kept while nodes come and go, so bad prompts fail without a node.
+        Cached like the usable lists (records change only with registry reads and probes)."""
+        if self._limits is False:
+            self._limits = self._compute_limits()
+        return self._limits
+
+    def _compute_limits(self) -> tuple[int, int] | None:
         recs = [
             n.record
             for n in self.nodes.values()
@@ -189,7 +208,7 @@ class ClusterView:
 
     async def aclose(self) -> None:
         for node in self.nodes.values():
-            await node.client.aclose()
+            await node.client.close()
 
 
 def node_headers(cfg: RouterConfig) -> dict[str, str]:

@@ -7,6 +7,9 @@ Until then nothing has reached the client. A 4xx is the client's fault: it is re
 is, never retried. Once a token has been relayed, a broken stream ends with an OpenAI-style
 error event and `data: [DONE]`.
 
+The node client is aiohttp (router/nodes.py): per streamed request it costs less than half
+the CPU of httpx (C HTTP parser, fewer layers), and the router relays every token.
+
 SSE framing: the node frames each event as `data: <json>\\n\\n`; `SSESplitter` cuts the byte
 stream at blank lines (any split of the bytes across reads) and `Chunk` decodes only the
 fields the router looks at.
@@ -14,13 +17,17 @@ fields the router looks at.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import msgspec
 
 from router.nodes import NodeState
+
+# What a failed exchange with a node raises (connection, protocol, payload, deadline).
+NODE_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 DONE = b"data: [DONE]\n\n"
 
@@ -54,6 +61,16 @@ class Chunk(msgspec.Struct):
 _chunk_decoder = msgspec.json.Decoder(Chunk)
 
 
+def cached_tokens(answer: bytes) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` of a JSON answer (0 if absent)."""
+    try:
+        usage = _chunk_decoder.decode(answer).usage
+    except msgspec.DecodeError:
+        return 0
+    details = usage.prompt_tokens_details if usage else None
+    return details.cached_tokens if details else 0
+
+
 def decode_event(event: bytes) -> Chunk | None:
     """The chunk of a `data: {...}` event; None for `[DONE]` or anything not JSON."""
     if not event.startswith(b"data: ") or event.startswith(DONE[:12]):
@@ -80,74 +97,94 @@ class SSESplitter:
 
 
 @dataclass
+class NodeAnswer:
+    """A node's complete answer (a JSON request, or a non-200 to a streaming one)."""
+
+    status_code: int
+    content: bytes
+
+
+@dataclass
 class OpenStream:
     """A stream that has produced its first token: `held` events, then the rest."""
 
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     held: list[bytes]
     rest: AsyncIterator[bytes]  # raw bytes after the held events
     splitter: SSESplitter
 
+    def close(self) -> None:
+        """Done with the node's stream: a stream read to its end keeps its connection
+        (keep-alive); one cut short closes it, so the node sees the disconnect and aborts."""
+        close_response(self.response)
 
-def _check_status(node: NodeState, resp: httpx.Response) -> None:
+
+def close_response(resp: aiohttp.ClientResponse) -> None:
+    if resp.content.at_eof():
+        resp.release()
+    else:
+        resp.close()
+
+
+def _check_status(node: NodeState, status: int, content: bytes) -> None:
     """Raise AttemptFailed for a 5xx, or for a decode node refusing the chosen prefill node
     (it may not have seen that node in the registry yet): another choice may work."""
-    if resp.status_code >= 500:
-        raise AttemptFailed(
-            "status", f"{node.url} answered {resp.status_code}", resp.status_code, resp.content
-        )
-    if resp.status_code == 400 and b"kv_transfer_params.prefill_node" in resp.content:
+    if status >= 500:
+        raise AttemptFailed("status", f"{node.url} answered {status}", status, content)
+    if status == 400 and b"kv_transfer_params.prefill_node" in content:
         try:
-            param = msgspec.json.decode(resp.content)["error"]["param"]
+            param = msgspec.json.decode(content)["error"]["param"]
         except (msgspec.DecodeError, KeyError, TypeError):
             return
         if param == "kv_transfer_params.prefill_node":
             raise AttemptFailed(
-                "prefill_rejected", f"{node.url} refused the prefill node", 400, resp.content
+                "prefill_rejected", f"{node.url} refused the prefill node", 400, content
             )
 
 
 def encode_body(body: dict) -> bytes:
-    """The JSON body for a node (msgspec: several times faster than the stdlib encoder
-    httpx uses; the caller has already rejected NaN and infinities)."""
+    """The JSON body for a node (msgspec: several times faster than the stdlib encoder;
+    the caller has already rejected NaN and infinities)."""
     return msgspec.json.encode(body)
 
 
-async def send_json(node: NodeState, path: str, body: bytes, headers: dict) -> httpx.Response:
+async def send_json(node: NodeState, path: str, body: bytes, headers: dict) -> NodeAnswer:
     """A non-streaming attempt (`body`: JSON bytes): the node's whole answer, or
     AttemptFailed."""
     try:
-        resp = await node.client.post(path, content=body, headers=headers)
-    except httpx.HTTPError as e:
+        async with node.client.post(node.url + path, data=body, headers=headers) as resp:
+            answer = NodeAnswer(resp.status, await resp.read())
+    except NODE_ERRORS as e:
         raise AttemptFailed("connect", f"{node.url}: {type(e).__name__}: {e}") from e
-    _check_status(node, resp)
-    return resp
+    _check_status(node, answer.status_code, answer.content)
+    return answer
 
 
 async def open_stream(
     node: NodeState, path: str, body: bytes, headers: dict, preamble_events: int
-) -> OpenStream | httpx.Response:
+) -> OpenStream | NodeAnswer:
     """Start a streaming attempt and read up to its first token.
 
-    Returns an `OpenStream`, or the node's complete non-200 response (a 4xx to relay).
+    Returns an `OpenStream`, or the node's complete non-200 answer (a 4xx to relay).
     `preamble_events` leading events carry no token (chat's role chunk) and do not count.
     Raises AttemptFailed when the attempt fails before its first token.
     """
-    request = node.client.build_request("POST", path, content=body, headers=headers)
     try:
-        resp = await node.client.send(request, stream=True)
-    except httpx.HTTPError as e:
+        resp = await node.client.post(node.url + path, data=body, headers=headers)
+    except NODE_ERRORS as e:
         raise AttemptFailed("connect", f"{node.url}: {type(e).__name__}: {e}") from e
     try:
-        if resp.status_code != 200:
-            await resp.aread()
-            _check_status(node, resp)
-            return resp
+        if resp.status != 200:
+            answer = NodeAnswer(resp.status, await resp.read())
+            resp.release()
+            _check_status(node, answer.status_code, answer.content)
+            return answer
         splitter = SSESplitter()
         held: list[bytes] = []
-        raw = resp.aiter_raw()
+        raw = resp.content.iter_any()
         async for data in raw:
-            for event in splitter.feed(data):
+            events = splitter.feed(data)  # one read may carry several events
+            for k, event in enumerate(events):
                 held.append(event)
                 if len(held) <= preamble_events:
                     continue
@@ -156,11 +193,12 @@ async def open_stream(
                     raise AttemptFailed(
                         "stream", f"{node.url} failed the request: {event[6:200]!r}"
                     )
+                held += events[k + 1 :]  # the first token is in: the rest of the read too
                 return OpenStream(resp, held, raw, splitter)
         raise AttemptFailed("stream", f"{node.url} ended the stream before its first token")
-    except httpx.HTTPError as e:
-        await resp.aclose()
+    except NODE_ERRORS as e:
+        resp.close()
         raise AttemptFailed("stream", f"{node.url}: {type(e).__name__}: {e}") from e
     except BaseException:
-        await resp.aclose()
+        resp.close()
         raise

@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -31,8 +30,11 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.relay import (
     DONE,
+    NODE_ERRORS,
     AttemptFailed,
+    NodeAnswer,
     OpenStream,
+    cached_tokens,
     decode_event,
     encode_body,
     open_stream,
@@ -271,7 +273,7 @@ class RouterServing:
                     return Response(status_code=499)
                 node.breaker.record_success()
                 if resp.status_code == 200:
-                    self._observe_usage(resp.json().get("usage"))
+                    self.metrics.actual_hit_tokens.inc(cached_tokens(resp.content))
                 return Response(
                     resp.content,
                     status_code=resp.status_code,
@@ -285,7 +287,7 @@ class RouterServing:
                 return Response(status_code=499)
             node.breaker.record_success()
             release.prefill_done()
-            if isinstance(opened, httpx.Response):  # a 4xx: the client's mistake
+            if isinstance(opened, NodeAnswer):  # a 4xx: the client's mistake
                 return Response(
                     opened.content, status_code=opened.status_code, media_type="application/json"
                 )
@@ -311,7 +313,7 @@ class RouterServing:
                 for event in s.splitter.feed(data):
                     if self._keep(event, include_usage):
                         yield event
-        except httpx.HTTPError as e:
+        except NODE_ERRORS as e:
             logger.warning("request %s: stream from %s broke: %s", rid, s.response.url, e)
             err = ErrorResponse(
                 error=ErrorInfo(
@@ -323,7 +325,7 @@ class RouterServing:
             yield f"data: {err.model_dump_json()}\n\n".encode()
             yield DONE
         finally:
-            await s.response.aclose()
+            s.close()
             release.all()
 
     def _keep(self, event: bytes, include_usage: bool) -> bool:
@@ -333,10 +335,6 @@ class RouterServing:
         usage = chunk.usage.prompt_tokens_details
         self.metrics.actual_hit_tokens.inc(usage.cached_tokens if usage else 0)
         return include_usage
-
-    def _observe_usage(self, usage: dict | None) -> None:
-        details = (usage or {}).get("prompt_tokens_details") or {}
-        self.metrics.actual_hit_tokens.inc(details.get("cached_tokens") or 0)
 
     def count(self, route: str, status: int) -> None:
         self.metrics.requests.labels(route=route, status=str(status)).inc()
@@ -360,7 +358,7 @@ class _Relayed:
         try:
             await self._gen.aclose()
         finally:
-            await self._opened.response.aclose()
+            self._opened.close()
             self._release.all()
 
 

@@ -7,7 +7,6 @@ import math
 import time
 from collections import Counter
 
-import httpx
 import pytest
 
 from cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
@@ -22,7 +21,8 @@ from router.relay import SSESplitter, decode_event
 def node(url: str, role: str = "prefill", **load) -> NodeState:
     rec = NodeRecord(node_id=url, role=role, url=url, model="m", block_size=16, epoch=1,
                      kv_total=100, **load)  # fmt: skip
-    return NodeState(url=url, client=httpx.AsyncClient(), breaker=CircuitBreaker(), record=rec)
+    # policies never touch the HTTP client
+    return NodeState(url=url, client=None, breaker=CircuitBreaker(), record=rec)
 
 
 def test_breaker_opens_half_opens_and_closes():
@@ -163,3 +163,41 @@ def test_prefix_hits_counts_leading_blocks_per_node_in_one_script(redis_server):
             await redis.aclose()
 
     assert asyncio.run(run()) == held
+
+
+def test_open_stream_keeps_every_event_of_the_read_that_brings_the_first_token():
+    """A node may flush several events at once (one read): none may be lost."""
+    from aiohttp import ClientSession, web
+
+    from router.relay import open_stream
+
+    events = [b'data: {"choices": [{"text": "%d"}]}\n\n' % i for i in range(4)] + [
+        b"data: [DONE]\n\n"
+    ]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"".join(events))  # every event in one write
+        await resp.write_eof()
+        return resp
+
+    async def run() -> list[bytes]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        async with ClientSession() as client:
+            n = NodeState(url=f"http://127.0.0.1:{port}", client=client, breaker=CircuitBreaker())
+            opened = await open_stream(n, "/v1/completions", b"{}", {}, preamble_events=0)
+            got = list(opened.held)
+            async for data in opened.rest:
+                got += opened.splitter.feed(data)
+            opened.close()
+        await runner.cleanup()
+        return got
+
+    assert asyncio.run(run()) == events
