@@ -6,7 +6,9 @@ Workloads (prompts are seeded random token ids, EOS ignored):
   A: 1 prompt x 32 tokens -> 128 new tokens     (output tok/s; single-stream latency)
   B: 32 prompts x 128 tokens -> 128 new tokens  (output tok/s; batched decode)
   C: 32 prompts x 128 tokens -> 1 new token     (prompt tok/s; prefill)
-Each in fp32 and bf16. Prints one JSON line per workload and writes them all to --out.
+Each in fp32 and bf16, and with `--modes eager,compiled` both ways in the same run (the
+compiled step: engine/compiled_model.py). Prints one JSON line per workload and writes
+them all to --out.
 
     python benchmarks/engine_throughput.py --dtypes float32 --repeats 3 --peer vllm
 
@@ -143,6 +145,8 @@ def main() -> None:
                     help="also run vLLM-CPU on the same workloads in this run")  # fmt: skip
     ap.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON,
                     help="python of the venv vLLM-CPU is installed in")  # fmt: skip
+    ap.add_argument("--modes", default="eager",
+                    help="comma list of eager, compiled: the model step (engine/compiled_model.py)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default="results/engine_throughput.json")
     args = ap.parse_args()
@@ -156,40 +160,50 @@ def main() -> None:
     model_dir = resolve_model(args.model)
     results = []
     for dtype in args.dtypes.split(","):
-        llm = LLM(
-            args.model,
-            dtype=dtype,
-            num_threads=args.threads,
-            max_num_seqs=64,
-            max_num_batched_tokens=4096,
-        )
         hf = None
         if not args.no_hf:
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
             hf.train(False)
-        vocab = llm.engine.vocab_size
-        for w in args.workloads.split(","):
-            n, plen, new = WORKLOADS[w]
-            prompts = make_prompts(n, plen, vocab, seed=ord(w))
-            eng = statistics.median(time_engine(llm, prompts, new, args.repeats))
-            row = {
-                "workload": w,
-                "dtype": dtype,
-                "prompts": n,
-                "prompt_len": plen,
-                "new_tokens": new,
-                "metric": "prompt_tok_s" if new == 1 else "output_tok_s",
-                "engine_tok_s": round(tokens_per_s(eng, n, plen, new), 1),
-            }
-            if hf is not None:
-                hft = statistics.median(time_hf(hf, prompts, new, args.repeats))
-                row["hf_tok_s"] = round(tokens_per_s(hft, n, plen, new), 1)
-                row["ratio_vs_hf"] = round(row["engine_tok_s"] / row["hf_tok_s"], 2)
-            print(json.dumps(row), flush=True)
-            results.append(row)
-        del llm, hf
+        hf_tok_s: dict[str, float] = {}  # measured once per dtype, shared by the modes
+        for mode in args.modes.split(","):
+            t0 = time.perf_counter()
+            llm = LLM(
+                args.model,
+                dtype=dtype,
+                num_threads=args.threads,
+                max_num_seqs=64,
+                max_num_batched_tokens=4096,
+                enforce_eager=mode == "eager",
+            )
+            start_s = round(time.perf_counter() - t0, 1)
+            vocab = llm.engine.vocab_size
+            for w in args.workloads.split(","):
+                n, plen, new = WORKLOADS[w]
+                prompts = make_prompts(n, plen, vocab, seed=ord(w))
+                eng = statistics.median(time_engine(llm, prompts, new, args.repeats))
+                row = {
+                    "workload": w,
+                    "dtype": dtype,
+                    "mode": mode,
+                    "engine_start_s": start_s,
+                    "prompts": n,
+                    "prompt_len": plen,
+                    "new_tokens": new,
+                    "metric": "prompt_tok_s" if new == 1 else "output_tok_s",
+                    "engine_tok_s": round(tokens_per_s(eng, n, plen, new), 1),
+                }
+                if hf is not None:
+                    if w not in hf_tok_s:
+                        hft = statistics.median(time_hf(hf, prompts, new, args.repeats))
+                        hf_tok_s[w] = round(tokens_per_s(hft, n, plen, new), 1)
+                    row["hf_tok_s"] = hf_tok_s[w]
+                    row["ratio_vs_hf"] = round(row["engine_tok_s"] / row["hf_tok_s"], 2)
+                print(json.dumps(row), flush=True)
+                results.append(row)
+            del llm
+        del hf
         if args.peer == "vllm":
             try:  # pdserve's rows are kept when the peer fails
                 add_peer(args, model_dir, [r for r in results if r["dtype"] == dtype])

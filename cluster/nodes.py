@@ -95,6 +95,7 @@ def node_settings(
         "dtype": m.dtype,
         "block_size": m.block_size,
         "max_model_len": m.max_model_len,
+        "enforce_eager": m.enforce_eager,
         "host": node.host,
         "port": node.port,
         "device": node.device,

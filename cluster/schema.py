@@ -35,6 +35,12 @@ class ModelSection(Section):
         "CPU); float32 is token-exact vs HF",
     )
     block_size: int = Field(16, ge=1, description="tokens per KV block (a power of two)")
+    enforce_eager: bool | None = Field(
+        None,
+        description="true: run the model step as plain torch (the reference); false: "
+        "compiled piecewise with torch.compile (CPU; compiled code cached on disk under "
+        "the pdserve cache dir); null: compiled on CPU unless $PDSERVE_ENFORCE_EAGER=1",
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="longest sequence, prompt + output (default: the model's)"
     )

@@ -18,11 +18,24 @@ class ModelConfig:
     kernel_backend: str | None = None  # "torch" | "triton"; None picks by device
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     seed: int = 0
-    cpu_onednn: bool = (
-        True  # CPU fp32: wide projections through oneDNN (engine/models/cpu_linear.py)
-    )
+    # CPU fp32/bf16: projections' weights prepacked for oneDNN (engine/models/cpu_linear.py)
+    cpu_onednn: bool = True
     # The model's name in the API, the registry and the block-hash root (default: `model`).
     served_model_name: str | None = None
+    # True: plain torch (the reference). False: the step compiled piecewise
+    # (engine/compiled_model.py; CPU only, CUDA runs eager). None: compiled on CPU unless
+    # $PDSERVE_ENFORCE_EAGER=1 (the test suite sets it so that spawned nodes skip compiling).
+    enforce_eager: bool | None = None
+    compile_cache_dir: str | None = None  # None: <pdserve cache dir>/compile
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the step runs compiled (see `enforce_eager`)."""
+        if not self.device.startswith("cpu"):
+            return False
+        if self.enforce_eager is None:
+            return os.environ.get("PDSERVE_ENFORCE_EAGER", "") not in ("1", "true")
+        return not self.enforce_eager
 
     @property
     def name(self) -> str:

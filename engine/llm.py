@@ -48,9 +48,18 @@ class LLM:
         max_num_seqs: int = 64,
         num_threads: int | None = None,
         seed: int = 0,
+        enforce_eager: bool | None = None,  # None: compiled on CPU unless $PDSERVE_ENFORCE_EAGER=1
     ):
         config = EngineConfig(
-            model=ModelConfig(model, dtype, device, kernel_backend, max_model_len, seed),
+            model=ModelConfig(
+                model,
+                dtype,
+                device,
+                kernel_backend,
+                max_model_len,
+                seed,
+                enforce_eager=enforce_eager,
+            ),
             cache=CacheConfig(block_size, kv_cache_bytes, num_blocks, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
             num_threads=num_threads,

@@ -21,6 +21,7 @@ from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.model_arch import ModelArch
+from engine.model_files import default_cache_dir
 from engine.models import get_model_class
 from engine.models.cpu_linear import onednn_available
 from engine.request import Request
@@ -86,7 +87,7 @@ class ModelRunner:
         load_model_weights(model, model_dir)
         model.init_rope(self.device)  # fp32
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):
-            logger.info("oneDNN GEMMs for %d wide projections", model.use_onednn())
+            logger.info("oneDNN: %d projection weights prepacked", model.prepack())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         attn = model.model.layers[0].self_attn
         self.kv_cache = torch.zeros(
@@ -114,6 +115,22 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             self.warm_up()
+        if mc.compiled:
+            self._compile(mc.compile_cache_dir or str(default_cache_dir() / "compile"))
+
+    def _compile(self, cache_dir: str) -> None:
+        """Compile the step piecewise and warm it up (or load it from the disk cache)."""
+        from engine.compiled_model import CompiledPieces, set_compile_cache_dir, warm_up_compiled
+
+        set_compile_cache_dir(cache_dir)
+        self.model.pieces = CompiledPieces()
+        t0 = time.perf_counter()
+        warm_up_compiled(self.model, self.kv_cache, self.block_size)
+        logger.info(
+            "compiled model step ready in %.1f s (cache %s; --enforce-eager to skip)",
+            time.perf_counter() - t0,
+            cache_dir,
+        )
 
     def device_guard(self):
         """Makes this runner's GPU the current device (Triton launches there); CPU: no-op."""

@@ -39,6 +39,14 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--dtype", default=model.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=model.device)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_const",
+        const=True,
+        default=None,
+        help="run the model step as plain torch, not compiled (default: compiled on CPU "
+        "unless $PDSERVE_ENFORCE_EAGER=1; CUDA always eager)",
+    )
     p.add_argument("--block-size", type=int, default=cache.block_size)
     p.add_argument("--kv-cache-bytes", type=int, default=cache.kv_cache_bytes)
     p.add_argument("--num-blocks", type=int, default=None, help="overrides --kv-cache-bytes")
@@ -183,6 +191,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             dtype=args.dtype,
             device=args.device,
             max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

@@ -1,9 +1,12 @@
-"""The oneDNN path for wide CPU projections computes the same product as F.linear."""
+"""Prepacked oneDNN GEMMs compute the same product as F.linear, eager and compiled."""
+
+import gc
 
 import pytest
 import torch
 
-from engine.models.cpu_linear import OneDNNLinear, onednn_available, use_onednn_for_wide_linears
+from engine.models import cpu_linear
+from engine.models.cpu_linear import PackedLinear, linear, onednn_available, pack_weight
 
 pytestmark = pytest.mark.skipif(
     not onednn_available(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
@@ -11,20 +14,53 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_onednn_linear_equals_f_linear(rows):
+def test_packed_linear_equals_f_linear(rows):
     torch.manual_seed(rows)
-    w, b = torch.randn(3072, 576), torch.randn(3072)
+    m = PackedLinear(576, 3072)
     x = torch.randn(rows, 576)
-    ref = torch.nn.functional.linear(x, w, b)
-    out = OneDNNLinear(w, b)(x)
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(x, m.weight, m.bias)
+        m.pack()
+        assert cpu_linear._packed(m.weight) is not None
+        out = m(x)
     assert out.shape == ref.shape and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_only_wide_linears_are_swapped():
-    m = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.Linear(4096, 64))
-    x = torch.randn(3, 64)
-    ref = m(x)
-    assert use_onednn_for_wide_linears(m) == 1
-    assert isinstance(m[0], OneDNNLinear) and isinstance(m[1], torch.nn.Linear)
-    torch.testing.assert_close(m(x), ref, rtol=1e-4, atol=1e-4)
+@pytest.mark.skipif(
+    not onednn_available(torch.device("cpu"), torch.bfloat16), reason="no native bf16 here"
+)
+def test_packed_linear_bf16():
+    m = PackedLinear(576, 960, bias=False).to(torch.bfloat16)
+    x = torch.randn(32, 576, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = torch.nn.functional.linear(x.float(), m.weight.float())
+        m.pack()
+        out = m(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_unpacked_and_dead_weights_fall_back_to_f_linear():
+    w = torch.randn(64, 32)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(linear(x, w, None), x @ w.T)  # never packed
+    pack_weight(w)
+    ptr = w.data_ptr()
+    del w
+    gc.collect()
+    w2 = torch.randn(64, 32)  # may reuse the freed storage: must not see the old pack
+    out = linear(x, w2, None)
+    torch.testing.assert_close(out, x @ w2.T)
+    pack_weight(torch.randn(8, 8))  # packing prunes entries whose weight died
+    assert ptr not in cpu_linear._PACKED or cpu_linear._PACKED[ptr][0]() is not None
+
+
+def test_packed_linear_compiled_equals_eager():
+    m = PackedLinear(64, 96)
+    m.pack()
+    f = torch.compile(lambda layer, x: torch.relu(layer(x)) * 2, dynamic=True, fullgraph=True)
+    with torch.inference_mode():
+        for rows in (1, 5, 9):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(f(m, x), torch.relu(m(x)) * 2)

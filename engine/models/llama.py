@@ -15,11 +15,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.model_arch import ModelArch
-from engine.models.cpu_linear import (
-    MIN_OUT_FEATURES,
-    OneDNNLinear,
-    use_onednn_for_wide_linears,
-)
+from engine.models.cpu_linear import PackedLinear, linear, pack_linears, pack_weight
 from engine.models.rope import build_cos_sin_cache
 
 _STACKED = {  # HF name fragment -> (merged name, shard index)
@@ -39,14 +35,15 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = PackedLinear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = PackedLinear(self.q_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(ops, self.num_heads, self.num_kv_heads, self.head_dim)
         self.ops = ops
 
-    def forward(self, positions, x, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
+    def project_qkv(self, positions, x, cos_sin):
+        """[T, hidden] -> q [T, H, D], k and v [T, Hkv, D], RoPE applied."""
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.shape[0]
@@ -54,15 +51,14 @@ class LlamaAttention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         self.ops.rotary_embedding(positions, q, k, cos_sin)
-        o = self.attn(q, k, v, k_cache, v_cache, meta)  # [T, H, D]
-        return self.o_proj(o.reshape(t, self.q_size))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArch, ops: ModuleType):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
     def forward(self, x):
@@ -90,11 +86,32 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, positions, x, residual, cos_sin, k_cache, v_cache, meta):
+    # The layer runs as two pieces around attention, which reads and writes the paged KV
+    # cache in place: the pieces are pure functions of their inputs (and the weights), so
+    # they can be compiled (engine/compiled_model.py) while attention stays eager.
+    def before_attention(self, positions, x, residual, cos_sin):
+        """Input norm (+ the residual add of the previous layer), qkv projection, RoPE."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, cos_sin, k_cache, v_cache, meta)
+        q, k, v = self.self_attn.project_qkv(positions, x, cos_sin)
+        return q, k, v, residual
+
+    def after_attention(self, o, residual):
+        """o_proj, residual add + norm, MLP. o: [T, H, D]."""
+        x = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    return norm(x, residual)[0]
+
+
+class EagerPieces:
+    """The model step's pieces, run as plain torch (the reference)."""
+
+    before_attention = staticmethod(LlamaDecoderLayer.before_attention)
+    after_attention = staticmethod(LlamaDecoderLayer.after_attention)
+    final_norm = staticmethod(final_norm)
 
 
 class LlamaModel(nn.Module):
@@ -114,11 +131,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, ops)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # [max_pos, head_dim] fp32, filled by `init_rope` once the model is on its device
         # (the model is built under the meta device, and `.to(bf16)` would round it).
         self.register_buffer("cos_sin", torch.empty(0, cfg.head_dim), persistent=False)
-        self.lm_head_onednn: OneDNNLinear | None = None
+        self.pieces = EagerPieces  # or a compiled set (engine/compiled_model.py)
 
     def init_rope(self, device: torch.device) -> None:
         """Compute the RoPE table (fp32, whatever the model's dtype) on `device`."""
@@ -137,26 +154,22 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         x = self.model.embed_tokens(input_ids)
         residual = None
+        pieces = self.pieces
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(
-                positions, x, residual, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], meta
-            )
-        x, _ = self.model.norm(x, residual)
-        return x
+            q, k, v, residual = pieces.before_attention(layer, positions, x, residual, self.cos_sin)
+            o = layer.self_attn.attn(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)  # [T, H, D]
+            x, residual = pieces.after_attention(layer, o, residual)
+        return pieces.final_norm(self.model.norm, x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] fp32 logits, only for the rows that sample."""
-        if self.lm_head_onednn is not None:
-            return self.lm_head_onednn(hidden)
-        return torch.nn.functional.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None).float()
 
-    def use_onednn(self) -> int:
-        """CPU fp32: run the wide projections (gate_up, lm_head) through oneDNN."""
-        n = use_onednn_for_wide_linears(self.model)
-        if self.lm_head_weight.shape[0] >= MIN_OUT_FEATURES:
-            self.lm_head_onednn = OneDNNLinear(self.lm_head_weight)
-            n += 1
-        return n
+    def prepack(self) -> int:
+        """CPU: reorder every projection's weight (lm_head too) for oneDNN once."""
+        if self.tie_word_embeddings:
+            pack_weight(self.lm_head_weight)
+        return pack_linears(self)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
