@@ -49,6 +49,7 @@ class LLM:
         num_threads: int | None = None,
         seed: int = 0,
         enforce_eager: bool | None = None,  # None: compiled on CPU unless $PDSERVE_ENFORCE_EAGER=1
+        compile_cache_dir: str | None = None,  # None: <pdserve cache dir>/compile
     ):
         config = EngineConfig(
             model=ModelConfig(
@@ -59,6 +60,7 @@ class LLM:
                 max_model_len,
                 seed,
                 enforce_eager=enforce_eager,
+                compile_cache_dir=compile_cache_dir,
             ),
             cache=CacheConfig(block_size, kv_cache_bytes, num_blocks, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
