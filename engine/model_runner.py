@@ -24,6 +24,7 @@ from engine.model_arch import ModelArch
 from engine.model_files import default_cache_dir
 from engine.models import get_model_class
 from engine.models.cpu_linear import onednn_available
+from engine.models.llama import EagerPieces
 from engine.request import Request
 from engine.sampler import Sampled, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
@@ -125,7 +126,12 @@ class ModelRunner:
         set_compile_cache_dir(cache_dir)
         self.model.pieces = CompiledPieces()
         t0 = time.perf_counter()
-        warm_up_compiled(self.model, self.kv_cache, self.block_size)
+        try:
+            warm_up_compiled(self.model, self.kv_cache, self.block_size)
+        except Exception:  # e.g. no C++ compiler on this machine: serve eager, loudly
+            logger.exception("compiling the model step failed; running eager")
+            self.model.pieces = EagerPieces
+            return
         logger.info(
             "compiled model step ready in %.1f s (cache %s; --enforce-eager to skip)",
             time.perf_counter() - t0,
