@@ -15,10 +15,11 @@ prepacked-oneDNN custom op (engine/models/cpu_linear.py); inductor fuses the res
 (norms, RoPE, SiLU*mul, residual adds) into C++ loops.
 
 Shapes: the token count is a dynamic dimension (`dynamic=True`), so one graph serves
-every batch size: 3 graphs to compile, where fixed shapes would need 3 per bucket. Dynamo specialises a size of 1, so a one-token step is padded
-to 2 rows around the pieces. `warm_up_compiled` compiles the 3 graphs at start and
-serving never compiles again (tests check the dynamo counters). Compiled code is cached on disk by inductor's FX graph and
-AOT caches under `cache_dir`, so a restarted node loads instead of compiling.
+every batch size: 3 graphs to compile, where fixed shapes would need 3 per bucket.
+Dynamo specialises a size of 1, so a one-token step is padded to 2 rows around the
+pieces. `warm_up_compiled` compiles the 3 graphs at start and serving never compiles
+again (tests check the dynamo counters). Compiled code is cached on disk by inductor's
+FX graph and AOT caches under `cache_dir`, so a restarted node loads, not compiles.
 """
 
 from __future__ import annotations
