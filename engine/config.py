@@ -23,8 +23,9 @@ class ModelConfig:
     # The model's name in the API, the registry and the block-hash root (default: `model`).
     served_model_name: str | None = None
     # True: plain torch (the reference). False: the step compiled piecewise
-    # (engine/compiled_model.py; CPU only, CUDA runs eager). None: compiled on CPU unless
-    # $PDSERVE_ENFORCE_EAGER=1 (the test suite sets it so that spawned nodes skip compiling).
+    # (engine/compiled_model.py; CPU only, CUDA runs eager). None: compiled on CPU in fp32
+    # unless $PDSERVE_ENFORCE_EAGER=1 (the test suite sets it so that spawned nodes skip
+    # compiling); bf16 eager (measured slower compiled).
     enforce_eager: bool | None = None
     compile_cache_dir: str | None = None  # None: <pdserve cache dir>/compile
 
@@ -33,8 +34,9 @@ class ModelConfig:
         """Whether the step runs compiled (see `enforce_eager`)."""
         if not self.device.startswith("cpu"):
             return False
-        if self.enforce_eager is None:
-            return os.environ.get("PDSERVE_ENFORCE_EAGER", "") not in ("1", "true")
+        if self.enforce_eager is None:  # bf16 measured slower compiled (docs/benchmarks.md)
+            env_eager = os.environ.get("PDSERVE_ENFORCE_EAGER", "") in ("1", "true")
+            return not env_eager and self.dtype_name == "float32"
         return not self.enforce_eager
 
     @property

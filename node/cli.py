@@ -44,7 +44,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_const",
         const=True,
         default=None,
-        help="run the model step as plain torch, not compiled (default: compiled on CPU "
+        help="run the model step as plain torch, not compiled (default: compiled on CPU in fp32 "
         "unless $PDSERVE_ENFORCE_EAGER=1; CUDA always eager)",
     )
     p.add_argument("--block-size", type=int, default=cache.block_size)

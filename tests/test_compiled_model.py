@@ -60,6 +60,8 @@ def test_enforce_eager_default_follows_the_environment(monkeypatch):
     assert ModelConfig(enforce_eager=False).compiled
     monkeypatch.delenv("PDSERVE_ENFORCE_EAGER")
     assert ModelConfig().compiled
+    assert not ModelConfig(dtype="bfloat16").compiled  # measured slower compiled
+    assert ModelConfig(dtype="bfloat16", enforce_eager=False).compiled
     assert not ModelConfig(enforce_eager=True).compiled
     assert not ModelConfig(device="cuda", enforce_eager=False).compiled  # CUDA: eager
     assert os.environ.get("PDSERVE_ENFORCE_EAGER") is None
