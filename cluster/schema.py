@@ -39,8 +39,8 @@ class ModelSection(Section):
         None,
         description="true: run the model step as plain torch (the reference); false: "
         "compiled piecewise with torch.compile (CPU; compiled code cached on disk under "
-        "the pdserve cache dir); null: compiled on CPU in float32 unless "
-        "$PDSERVE_ENFORCE_EAGER=1, eager otherwise",
+        "the pdserve cache dir); null: eager (measured as fast or faster, "
+        "docs/benchmarks.md)",
     )
     max_model_len: int | None = Field(
         None, ge=2, description="longest sequence, prompt + output (default: the model's)"

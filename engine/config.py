@@ -23,9 +23,8 @@ class ModelConfig:
     # The model's name in the API, the registry and the block-hash root (default: `model`).
     served_model_name: str | None = None
     # True: plain torch (the reference). False: the step compiled piecewise
-    # (engine/compiled_model.py; CPU only, CUDA runs eager). None: compiled on CPU in fp32
-    # unless $PDSERVE_ENFORCE_EAGER=1 (the test suite sets it so that spawned nodes skip
-    # compiling); bf16 eager (measured slower compiled).
+    # (engine/compiled_model.py; CPU only, CUDA runs eager). None: eager, which measured
+    # as fast or faster on a quiet box (docs/benchmarks.md), and no compile per process.
     enforce_eager: bool | None = None
     compile_cache_dir: str | None = None  # None: <pdserve cache dir>/compile
 
@@ -34,9 +33,8 @@ class ModelConfig:
         """Whether the step runs compiled (see `enforce_eager`)."""
         if not self.device.startswith("cpu"):
             return False
-        if self.enforce_eager is None:  # bf16 measured slower compiled (docs/benchmarks.md)
-            env_eager = os.environ.get("PDSERVE_ENFORCE_EAGER", "") in ("1", "true")
-            return not env_eager and self.dtype_name == "float32"
+        if self.enforce_eager is None:  # measured: eager as fast or faster (docs/benchmarks.md)
+            return False
         return not self.enforce_eager
 
     @property

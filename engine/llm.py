@@ -48,7 +48,7 @@ class LLM:
         max_num_seqs: int = 64,
         num_threads: int | None = None,
         seed: int = 0,
-        enforce_eager: bool | None = None,  # None: compiled on CPU unless $PDSERVE_ENFORCE_EAGER=1
+        enforce_eager: bool | None = None,  # None: eager; False: compiled step (CPU)
         compile_cache_dir: str | None = None,  # None: <pdserve cache dir>/compile
     ):
         config = EngineConfig(

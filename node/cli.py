@@ -41,11 +41,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=model.device)
     p.add_argument(
         "--enforce-eager",
-        action="store_const",
-        const=True,
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="run the model step as plain torch, not compiled (default: compiled on CPU in fp32 "
-        "unless $PDSERVE_ENFORCE_EAGER=1; CUDA always eager)",
+        help="--no-enforce-eager: compile the model step piecewise (CPU); default: eager, "
+        "measured as fast or faster (docs/benchmarks.md)",
     )
     p.add_argument("--block-size", type=int, default=cache.block_size)
     p.add_argument("--kv-cache-bytes", type=int, default=cache.kv_cache_bytes)

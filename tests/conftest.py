@@ -8,10 +8,6 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# Every engine the suite builds, in-process or in a spawned node, runs eager unless its
-# test asks for the compiled step (tests/test_compiled_model.py): a compile per node
-# would cost minutes on a 2-core box.
-os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
 
 
 def make_tiny_llama(path: str, *, seed: int = 0, **overrides) -> str:
