@@ -133,6 +133,7 @@ async def run(args) -> dict:
         stats = await redis.info("commandstats")
         server_us = stats.get("cmdstat_evalsha", {}).get("usec_per_call")
         await membership.redis.aclose()
+        await view.aclose()  # the nodes' aiohttp sessions
         await redis.aclose()
     return {
         "nodes": args.nodes,
