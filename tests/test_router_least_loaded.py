@@ -49,8 +49,8 @@ def test_least_loaded_prefers_the_node_reporting_less_load(redis_server, tmp_pat
         deadline = time.monotonic() + 120
         while True:  # every node registered, with its pinned load visible to the router
             nodes = _nodes(url)
-            running = sorted(n["load"]["running"] or 0 for n in nodes if n["in_registry"])
-            if running == LOADS:
+            pinned = {n["url"]: n["load"]["running"] or 0 for n in nodes if n["in_registry"]}
+            if sorted(pinned.values()) == LOADS:
                 break
             assert time.monotonic() < deadline, f"fleet not registered: {nodes}"
             time.sleep(0.2)
@@ -59,9 +59,9 @@ def test_least_loaded_prefers_the_node_reporting_less_load(redis_server, tmp_pat
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
         served = {}
-        for n in _nodes(url):
-            stats = httpx.get(f"{n['url']}/fake/stats", timeout=10).json()
-            served[n["load"]["running"]] = stats["served"]
+        for node_url, load in pinned.items():  # keyed by the load seen before any request
+            stats = httpx.get(f"{node_url}/fake/stats", timeout=10).json()
+            served[load] = stats["served"]
         assert sum(served.values()) == N
         assert served[12] == 0, served  # never the lighter of two
         assert served[0] > served[6] > 0, served  # wins 2/3 of the draws, the middle 1/3
