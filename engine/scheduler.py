@@ -149,14 +149,8 @@ class Scheduler:
 
     def _admit_remote(self, req: Request, computed, num_computed: int) -> bool:
         """Hold blocks for the whole prompt (none cached until the KV lands)."""
-        req.num_computed_tokens = num_computed
-        if (
-            self.kv.allocate_slots(req, req.num_tokens - num_computed, computed, cache=False)
-            is None
-        ):
-            req.num_computed_tokens = 0
+        if not self._park(req, computed, num_computed):
             return False
-        self.waiting.popleft()
         req.num_cached_tokens = num_computed
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.remote_waiting[req.request_id] = req
@@ -165,6 +159,15 @@ class Scheduler:
     def _admit_store_load(self, req: Request, computed, num_computed: int) -> bool:
         """Hold blocks for the whole prompt while the store fills them (False: no room now,
         the request takes the normal path instead)."""
+        if not self._park(req, computed, num_computed):
+            return False
+        req.status = RequestStatus.WAITING_FOR_STORE
+        self.store_loading[req.request_id] = req
+        return True
+
+    def _park(self, req: Request, computed, num_computed: int) -> bool:
+        """Allocate the rest of the prompt uncached and take `req` off the waiting queue
+        (False, request untouched: no room now)."""
         req.num_computed_tokens = num_computed
         if (
             self.kv.allocate_slots(req, req.num_tokens - num_computed, computed, cache=False)
@@ -173,8 +176,6 @@ class Scheduler:
             req.num_computed_tokens = 0
             return False
         self.waiting.popleft()
-        req.status = RequestStatus.WAITING_FOR_STORE
-        self.store_loading[req.request_id] = req
         return True
 
     def store_load_done(self, request_id: str, num_tokens: int, park_as: str | None) -> Request:
