@@ -29,6 +29,7 @@ def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Pro
             problems.append(
                 ((role, "connector", "kind"), "must match the prefill group's connector kind")
             )
+    problems += _backend_problems(cfg, role, group)
     if role == "prefill" and group.kv_port is None and group.count > 0:
         problems.append(((role, "kv_port"), "prefill nodes need a KV control port"))
     for key in ("host", "port", "kv_port", "device"):
@@ -49,6 +50,27 @@ def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Pro
     hosts = group.host if isinstance(group.host, list) else [group.host]
     if "auto" in hosts and cfg.launcher.kind != "ray":
         problems.append(((role, "host"), "'auto' needs launcher.kind: ray"))
+    return problems
+
+
+def _backend_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Problem]:
+    if group.kv_backends is None:
+        return []
+    problems: list[Problem] = []
+    if cfg.kv_store.backend is not None:
+        problems.append(
+            ((role, "kv_backends"), "name the prefix store here or in kv_store.backend, not both")
+        )
+    transfers = [i for i, b in enumerate(group.kv_backends) if "transfer" in b.roles]
+    if len(transfers) > 1:
+        problems.append(((role, "kv_backends"), "at most one backend may have role 'transfer'"))
+    for i, b in enumerate(group.kv_backends):
+        if b.kind == "nixl" and b.roles != ["transfer"]:
+            problems.append(((role, "kv_backends", i, "roles"), "nixl: only 'transfer'"))
+        if "transfer" in b.roles and group.connector and b.kind != group.connector.kind:
+            problems.append(
+                ((role, "kv_backends", i, "kind"), "must match this group's connector.kind")
+            )
     return problems
 
 

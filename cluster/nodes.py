@@ -143,6 +143,7 @@ def node_settings(
         kv_store_save_timeout=st.save_timeout_s,
         kv_store_retry_after=st.retry_after_s,
     )
+    settings["kv_backend"] = [b.spec() for b in g.kv_backends or []]
     return settings
 
 

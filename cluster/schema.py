@@ -164,6 +164,34 @@ class ConnectorSection(Section):
     )
 
 
+class KVBackendSection(Section):
+    """One backend of a node's composed KV connector (kv_transfer/multi_connector.py)."""
+
+    kind: Literal["nixl", "lmcache"] = Field(description="`nixl` or `lmcache`")
+    roles: list[Literal["transfer", "load", "save"]] = Field(
+        min_length=1,
+        description="`transfer`: a PD request's KV between its nodes (one backend at most); "
+        "`load`: asked for stored prefixes, in list order, the first that has one serves it; "
+        "`save`: gets every prompt the node computes (lmcache only for load/save)",
+    )
+    url: str = Field(
+        "cluster",
+        description="lmcache: `cluster` (the cluster's Redis) or `redis://host:port`",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if v != "cluster" and not v.startswith("redis://"):
+            raise ValueError(f"must be 'cluster' or a redis:// URL, got {v!r}")
+        return v
+
+    def spec(self) -> str:
+        """As `pdserve serve --kv-backend` takes it."""
+        roles = f"{self.kind}:{','.join(self.roles)}"
+        return roles if self.kind == "nixl" else f"{roles}:{self.url}"
+
+
 class KVStoreSection(Section):
     """A shared, persistent KV store (LMCache): every node saves finished prompt chunks to
     it and loads the longest stored prefix before computing (kv_transfer/prefix_store.py)."""
@@ -233,6 +261,12 @@ class NodeGroup(Section):
     max_body_bytes: int = Field(4 << 20, ge=1, description="larger request bodies get HTTP 413")
     connector: ConnectorSection | None = Field(
         None, description="KV connector (required for prefill, and for decode with prefill nodes)"
+    )
+    kv_backends: list[KVBackendSection] | None = Field(
+        None,
+        description="the node's KV backends in order, replacing `connector.kind` and "
+        "`kv_store.backend` (its `transfer` backend must be of `connector.kind`; chunk size "
+        "and timeouts still come from `kv_store`); unset: derived from those two",
     )
     ray: RaySection = Field(default_factory=RaySection, description="Ray placement")
 

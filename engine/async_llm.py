@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core_client import EngineCoreClient
-from engine.core_proc import RoleFactory, StoreFactory
+from engine.core_proc import KVFactory
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import InvalidRequestError
 from engine.messages import EngineAddresses, Ready
@@ -54,11 +54,10 @@ class AsyncLLM:
         self,
         config: EngineConfig,
         addresses: EngineAddresses,
-        role_factory: RoleFactory | None = None,
-        store_factory: StoreFactory | None = None,
+        kv_factory: KVFactory | None = None,
     ):
         self.config = config
-        self.client = EngineCoreClient(config, addresses, role_factory, store_factory)
+        self.client = EngineCoreClient(config, addresses, kv_factory)
         self.tokenizer = None
         self.info: Ready | None = None
 

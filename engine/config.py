@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.errors import ConfigError
 
@@ -204,6 +204,41 @@ class KVStoreConfig:
             raise ConfigError("kv_store.retry_after_s", f"must be >= 0, got {self.retry_after_s}")
 
 
+BACKEND_KINDS = ("nixl", "lmcache")
+BACKEND_ROLES = ("transfer", "load", "save")
+
+
+@dataclass(frozen=True)
+class KVBackendConfig:
+    """One backend of the node's composed KV connector (kv_transfer/multi_connector.py).
+
+    Roles: `transfer` moves a PD request's KV between its prefill and decode node (at
+    most one backend; `nixl` or `lmcache`); `load` is asked, in list order, for a prompt's
+    stored prefix (the first that has it serves the load); `save` receives every prompt
+    this node computes (all of them). `load`/`save` are LMCache only."""
+
+    kind: str
+    roles: tuple[str, ...]
+    remote_url: str | None = None  # lmcache: its Redis; None: kv_store.remote_url
+    name: str | None = None  # in logs and metrics; None: "<kind>-<position>"
+
+    def check(self, where: str) -> None:
+        if self.kind not in BACKEND_KINDS:
+            raise ConfigError(f"{where}.kind", f"must be one of {BACKEND_KINDS}, got {self.kind!r}")
+        bad = [r for r in self.roles if r not in BACKEND_ROLES]
+        if not self.roles or bad or len(set(self.roles)) != len(self.roles):
+            raise ConfigError(
+                f"{where}.roles",
+                f"a non-empty list of distinct roles from {BACKEND_ROLES}, got {list(self.roles)}",
+            )
+        if self.kind == "nixl" and self.roles != ("transfer",):
+            raise ConfigError(f"{where}.roles", "nixl moves a request's blocks: only 'transfer'")
+        if self.remote_url is not None and not self.remote_url.startswith("redis://"):
+            raise ConfigError(
+                f"{where}.remote_url", f"must start with redis://, got {self.remote_url!r}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -211,26 +246,75 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
+    # The node's KV backends in order (kv_transfer/multi_connector.py). Empty: derived from
+    # kv_transfer.connector (the transfer of a PD node) and kv_store.backend (load + save).
+    kv_backends: tuple[KVBackendConfig, ...] = ()
     num_threads: int | None = None  # torch threads; None: one per core
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
-        pd_lmcache = (
-            self.kv_transfer.role != "colocated" and self.kv_transfer.connector == "lmcache"
-        )
-        if pd_lmcache and self.kv_store.remote_url is None:
+        self._check_backends()
+        transfer = next((b for b in self.backends if "transfer" in b.roles), None)
+        pd_lmcache = transfer is not None and transfer.kind == "lmcache"
+        if pd_lmcache and (transfer.remote_url or self.kv_store.remote_url) is None:
             raise ConfigError(
                 "kv_store.remote_url",
                 "kv_transfer.connector 'lmcache' moves KV through this shared Redis: set it",
             )
-        lmcache = self.kv_store.backend or pd_lmcache
+        lmcache = self.has_prefix_store or pd_lmcache
         if lmcache and self.kv_store.chunk_size % self.cache.block_size:
             raise ConfigError(
                 "kv_store.chunk_size",
                 f"{self.kv_store.chunk_size} is not a multiple of cache.block_size "
                 f"{self.cache.block_size}",
             )
+
+    def _check_backends(self) -> None:
+        if not self.kv_backends:
+            return
+        if self.kv_store.backend is not None:
+            raise ConfigError(
+                "kv_backends", "name the prefix store in kv_backends or kv_store.backend, not both"
+            )
+        transfers = 0
+        for i, b in enumerate(self.kv_backends):
+            b.check(f"kv_backends[{i}]")
+            transfers += "transfer" in b.roles
+        if transfers > 1:
+            raise ConfigError("kv_backends", "at most one backend may have the role 'transfer'")
+        pd = self.kv_transfer.role != "colocated"
+        if pd != (transfers == 1):
+            raise ConfigError(
+                "kv_backends",
+                f"a {self.kv_transfer.role} node needs exactly one 'transfer' backend"
+                if pd
+                else "a colocated node has no 'transfer' backend",
+            )
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ConfigError("kv_backends", f"backend names must differ, got {names}")
+
+    @property
+    def backends(self) -> tuple[KVBackendConfig, ...]:
+        """The node's KV backends in order, named (explicit, or derived from the shorthand)."""
+        given = self.kv_backends
+        if not given:
+            given = ()
+            if self.kv_transfer.role != "colocated":
+                given += (KVBackendConfig(self.kv_transfer.connector, ("transfer",)),)
+            if self.kv_store.backend is not None:
+                given += (KVBackendConfig(self.kv_store.backend, ("load", "save")),)
+        return tuple(b if b.name else replace(b, name=f"{b.kind}-{i}") for i, b in enumerate(given))
+
+    @property
+    def transfer_kind(self) -> str | None:
+        """The kind of the PD transfer backend (None on a colocated node)."""
+        return next((b.kind for b in self.backends if "transfer" in b.roles), None)
+
+    @property
+    def has_prefix_store(self) -> bool:
+        return any("load" in b.roles or "save" in b.roles for b in self.backends)
 
     @property
     def threads(self) -> int:

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from engine.config import EngineConfig
-from engine.core_proc import RoleFactory, StoreFactory, run_engine_core
+from engine.core_proc import KVFactory, run_engine_core
 from engine.errors import InvalidRequestError
 from engine.messages import (
     AbortRequests,
@@ -61,13 +61,11 @@ class EngineCoreClient:
         self,
         config: EngineConfig,
         addresses: EngineAddresses,
-        role_factory: RoleFactory | None = None,
-        store_factory: StoreFactory | None = None,
+        kv_factory: KVFactory | None = None,
     ):
         self.config = config
         self.addresses = addresses
-        self.role_factory = role_factory
-        self.store_factory = store_factory
+        self.kv_factory = kv_factory
         self.info: Ready | None = None
         self.dead: str | None = None
         self.latest_stats: EngineStats | None = None
@@ -95,8 +93,7 @@ class EngineCoreClient:
                 self.addresses,
                 logging.getLogger().getEffectiveLevel(),
                 os.getpid(),
-                self.role_factory,
-                self.store_factory,
+                self.kv_factory,
             ),
             name="EngineCore",
             daemon=True,

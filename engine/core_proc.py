@@ -51,8 +51,8 @@ from engine.messages import (
 )
 from engine.outputs import EngineCoreOutput
 
-RoleFactory = Callable[[EngineConfig], KVRole | None]
-StoreFactory = Callable[[EngineConfig], KVStore | None]
+# Builds the node's PD role and its prefix store (either may be None) from one config.
+KVFactory = Callable[[EngineConfig], tuple[KVRole | None, KVStore | None]]
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +67,12 @@ def run_engine_core(
     addresses: EngineAddresses,
     log_level: int,
     parent_pid: int,
-    role_factory: RoleFactory | None = None,
-    store_factory: StoreFactory | None = None,
+    kv_factory: KVFactory | None = None,
 ) -> None:
     """Process entry point (target of a spawned `multiprocessing.Process`).
 
-    `role_factory` builds the node's PD role from its config (the node package
-    wires engine + role + connector; the engine itself knows no role). It must be a
+    `kv_factory` builds the node's PD role and prefix store from its config (the node
+    package wires engine + role + connectors; the engine itself knows no role). It must be a
     module-level function: the spawned process imports it by name.
     """
     logging.basicConfig(
@@ -81,7 +80,7 @@ def run_engine_core(
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
     _die_with_parent(parent_pid)
-    proc = EngineCoreProc(config, addresses, role_factory, store_factory)
+    proc = EngineCoreProc(config, addresses, kv_factory)
     proc.run()
     # Everything was closed in order above. Skip the interpreter's teardown: native
     # destructors run there (NIXL/UCX, torch) next to daemon threads, and one in ~15
@@ -115,8 +114,7 @@ class EngineCoreProc:
         self,
         config: EngineConfig,
         addresses: EngineAddresses,
-        role_factory: RoleFactory | None = None,
-        store_factory: StoreFactory | None = None,
+        kv_factory: KVFactory | None = None,
     ):
         self.addresses = addresses
         self.inputs: queue.Queue[EngineInput] = queue.Queue()
@@ -131,8 +129,7 @@ class EngineCoreProc:
         self._out_thread.start()
         try:
             t = time.perf_counter()
-            role = role_factory(config) if role_factory is not None else None
-            store = store_factory(config) if store_factory is not None else None
+            role, store = kv_factory(config) if kv_factory is not None else (None, None)
             self.core = EngineCore(config, role, kv_store=store)
             logger.info("engine loaded %s in %.1f s", self.core.model_dir, time.perf_counter() - t)
         except BaseException as e:

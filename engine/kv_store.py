@@ -33,6 +33,7 @@ class LoadDone(msgspec.Struct, frozen=True):
     request_id: str
     num_tokens: int  # prompt prefix present in the request's blocks
     late: bool = False  # deadline passed: the load may still write; LoadSettled follows
+    failed: bool = False  # the store failed or was unavailable (not merely missing the prefix)
 
 
 class LoadSettled(msgspec.Struct, frozen=True):
@@ -56,6 +57,10 @@ class KVStore(Protocol):
         self, request_id: str, token_ids: list[int], slots: list[int], present: int
     ) -> None:
         """Fill slots of tokens [present, ...) with stored KV; `LoadDone` follows."""
+        ...
+
+    def abandon_load(self, request_id: str) -> None:
+        """The request ended mid-load: `LoadSettled` follows once nothing writes its slots."""
         ...
 
     def start_save(

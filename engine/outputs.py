@@ -91,3 +91,4 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_store_load_failures: int = 0
     kv_store_saves: int = 0
     kv_store_save_failures: int = 0
+    kv_store_fallbacks: int = 0  # loads passed to the next backend after one failed

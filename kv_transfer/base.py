@@ -33,6 +33,11 @@ Prefill side (`PrefillConnector`, producer):
 
 Worker side: `register_kv_cache(kv_cache)` once, before anything else.
 `check_integrity()` raises if any transfer table is inconsistent; `close()` is idempotent.
+
+Composition: a node's transfer connector and its prefix stores (the engine's `KVStore`
+hooks, engine/kv_store.py) are one `MultiConnector` (kv_transfer/multi_connector.py),
+built from the node's ordered `kv_backends`: load from the first that has it, save to
+every backend that should.
 """
 
 from __future__ import annotations

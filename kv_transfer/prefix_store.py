@@ -95,7 +95,7 @@ class PrefixStore:
         self, request_id: str, token_ids: list[int], slots: list[int], present: int
     ) -> None:
         if self._down(request_id, "load") or not self._started.is_set():
-            self._ready.append(LoadDone(request_id, present))
+            self._ready.append(LoadDone(request_id, present, failed=True))
             return
         job = _Job(
             "load", request_id, token_ids, slots, present, time.monotonic() + self.load_timeout_s
@@ -196,7 +196,8 @@ class PrefixStore:
                 self._results.put((job, self._run(job), None))
             except Exception as e:
                 ev = SaveDone(job.request_id, False) if job.kind == "save" else None
-                self._results.put((job, ev or LoadDone(job.request_id, job.present), repr(e)))
+                ev = ev or LoadDone(job.request_id, job.present, failed=True)
+                self._results.put((job, ev, repr(e)))
         if self._backend is not None:
             self._backend.close()
 

@@ -49,7 +49,7 @@ from node.cluster_agent import ClusterAgent, ClusterOptions
 from node.metrics import NodeMetrics
 from node.openai_serving import ModelNotFoundError, OpenAIServing
 from node.prefill_nodes import PrefillNodes
-from node.roles import build_kv_role, build_kv_store
+from node.roles import build_kv
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        llm = AsyncLLM(config, addresses, build_kv_role, build_kv_store)
+        llm = AsyncLLM(config, addresses, build_kv)
         metrics = NodeMetrics()
         agent = ClusterAgent(config, llm, cluster, registry_prefills)
 

@@ -19,6 +19,7 @@ from api.http import DEFAULT_MAX_BODY_BYTES
 from engine.config import (
     CacheConfig,
     EngineConfig,
+    KVBackendConfig,
     KVStoreConfig,
     KVTransferConfig,
     ModelConfig,
@@ -150,6 +151,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-store-load-timeout", type=float, default=st.load_timeout_s)
     g.add_argument("--kv-store-save-timeout", type=float, default=st.save_timeout_s)
     g.add_argument("--kv-store-retry-after", type=float, default=st.retry_after_s)
+    g.add_argument(
+        "--kv-backend",
+        action="append",
+        default=[],
+        metavar="KIND:ROLES[:URL]",
+        help="a KV backend, in order (repeatable; replaces --kv-connector/--kv-store): KIND "
+        "nixl or lmcache, ROLES from transfer,load,save, URL redis://... or `cluster`; e.g. "
+        "--kv-backend nixl:transfer --kv-backend lmcache:load,save:cluster",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -227,8 +237,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             save_timeout_s=args.kv_store_save_timeout,
             retry_after_s=args.kv_store_retry_after,
         ),
+        kv_backends=parse_backends(getattr(args, "kv_backend", []), args.redis_url),
         num_threads=args.num_threads,
     )
+
+
+def parse_backends(specs: list[str], redis_url: str | None) -> tuple[KVBackendConfig, ...]:
+    """`KIND:ROLES[:URL]` per backend (URL `cluster`: the node's --redis-url)."""
+    out = []
+    for i, spec in enumerate(specs):
+        parts = spec.split(":", 2)
+        if len(parts) < 2:
+            raise ConfigError(f"--kv-backend[{i}]", f"expected KIND:ROLES[:URL], got {spec!r}")
+        url = parts[2] if len(parts) == 3 else None
+        if url == "cluster":
+            if redis_url is None:
+                raise ConfigError(f"--kv-backend[{i}]", "URL `cluster` needs --redis-url")
+            url = redis_url
+        roles = tuple(r.strip() for r in parts[1].split(",") if r.strip())
+        out.append(KVBackendConfig(parts[0], roles, remote_url=url))
+    return tuple(out)
 
 
 def serve(args: argparse.Namespace) -> None:

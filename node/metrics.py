@@ -109,6 +109,11 @@ class _EngineStatsCollector(Collector):
                 "Prompt saves to the KV store that failed",
                 s.kv_store_save_failures,
             ),
+            (
+                "pdserve_kv_store_fallbacks",
+                "KV store loads passed to the next backend after one failed",
+                s.kv_store_fallbacks,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -258,6 +258,35 @@ def test_lmcache_connector_moves_kv_through_the_cluster_redis(tmp_path):
         load_config(write(tmp_path, mixed, "mixed.yaml"))
 
 
+def test_kv_backends_list_becomes_the_nodes_composed_connector(tmp_path):
+    from node.cli import engine_config_from_args, resolve_settings
+
+    backends = (
+        "  kv_backends:\n"
+        "    - {kind: nixl, roles: [transfer]}\n"
+        "    - {kind: lmcache, roles: [load, save]}\n"
+        "    - {kind: lmcache, roles: [load], url: 'redis://10.0.0.9:6379'}\n"
+    )
+    text = GOOD.replace(
+        "  connector: {kind: nixl}\nrouter", "  connector: {kind: nixl}\n" + backends + "router"
+    )
+    path = write(tmp_path, text + "kv_store: {chunk_size: 64}\n")
+    argv = ["--config", str(path), "--node", "decode-0", "--redis-url", "redis://10.0.0.5:6400"]
+    cfg = engine_config_from_args(resolve_settings(serve_parser().parse_args(argv)))
+    assert [(b.kind, b.roles, b.remote_url) for b in cfg.backends] == [
+        ("nixl", ("transfer",), None),
+        ("lmcache", ("load", "save"), "redis://10.0.0.5:6400"),  # `cluster`: the node's Redis
+        ("lmcache", ("load",), "redis://10.0.0.9:6379"),
+    ]
+    assert cfg.transfer_kind == "nixl" and cfg.has_prefix_store
+    bad = text.replace("{kind: nixl, roles: [transfer]}", "{kind: nixl, roles: [transfer, load]}")
+    with pytest.raises(ConfigFileError, match=r"decode\.kv_backends\[0\]\.roles"):
+        load_config(write(tmp_path, bad, "bad.yaml"))
+    both = text + "kv_store: {backend: lmcache}\n"
+    with pytest.raises(ConfigFileError, match=r"decode\.kv_backends"):
+        load_config(write(tmp_path, both, "both.yaml"))
+
+
 def test_docs_reference_is_up_to_date():
     from cluster.docs import DOCS_FILE, updated_text
 

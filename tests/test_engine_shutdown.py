@@ -17,7 +17,7 @@ import sys
 from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
 from engine.core_client import EngineCoreClient
 from engine.messages import EngineAddresses
-from node.roles import build_kv_role
+from node.roles import build_kv
 from tests.servers import ROOT, free_port, wait_healthy
 
 
@@ -26,7 +26,7 @@ async def _start_and_stop(model: str, base: str) -> int | None:
     config = EngineConfig(
         model=ModelConfig(model=model), cache=CacheConfig(num_blocks=64), kv_transfer=kv
     )
-    client = EngineCoreClient(config, EngineAddresses.from_base(base), build_kv_role)
+    client = EngineCoreClient(config, EngineAddresses.from_base(base), build_kv)
     await client.start()
     await client.shutdown(timeout_s=30)
     return client.proc.exitcode
