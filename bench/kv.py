@@ -12,6 +12,16 @@ hashes the written blocks (a scattered WRITE into each of its two paged caches, 
 and block-major) and the initiator checks them against its source bytes. UCX is
 configured by each side's environment (UCX_TLS, UCX_NET_DEVICES, ...). Prints a table and
 writes JSON and a PNG plot (`--out`).
+
+The same table carries the LMCache path (`--lmcache`, on when lmcache is installed): for
+the sizes up to `--lmcache-max-tokens`, this process stores a prompt's blocks from a paged
+cache into LMCache and waits until Redis holds every chunk (`lmcache_store_visible`: what
+a node on another host needs before it can read), then a second LMCache store with an
+empty local tier retrieves them into scattered blocks (`lmcache_retrieve`), with redis-py
+SET / GET of the same bytes, one value per chunk, pipelined, as the yardstick (`x redis`:
+LMCache's p50 time over redis-py's; goal <= 1.5). Redis: `--lmcache-url`, or a local
+redis-server started for the run (bench/kv_store.py measures; `bench kv-store` is the
+same with more detail).
 """
 
 from __future__ import annotations
@@ -66,6 +76,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen-timeout", type=float, default=600.0,
                    help="listener: give up if no initiator connects within this")  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--lmcache",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="add the LMCache path's rows (auto: when lmcache is installed)",
+    )
+    p.add_argument(
+        "--lmcache-url",
+        default=None,
+        help="redis:// URL the LMCache rows go through (default: a local one)",
+    )
+    p.add_argument("--lmcache-max-tokens", type=int, default=4096)
+    p.add_argument("--lmcache-iters", type=int, default=5)
+    p.add_argument("--lmcache-chunk", type=int, default=256, help="LMCache chunk (tokens)")  # fmt: skip
 
 
 # -- listener (target) --------------------------------------------------------------------
@@ -234,13 +258,40 @@ def _local(args: argparse.Namespace) -> dict:
             child.wait()
 
 
+def _lmcache_rows(args: argparse.Namespace, report: dict) -> None:
+    """Append the LMCache path's rows to `report` (bench/kv_store.py measures them)."""
+    if args.lmcache == "off":
+        return
+    try:
+        from bench.kv_store import kv_table_rows
+    except ImportError as e:
+        if args.lmcache == "on":
+            raise SystemExit(f"pdserve bench kv: --lmcache on needs lmcache: {e}") from None
+        logger.info("bench kv: no LMCache rows (%s)", e)
+        return
+    sizes = sorted({t for t in args.tokens if t <= args.lmcache_max_tokens})
+    if not sizes:
+        return
+    flat = {r["tokens"]: r["gbps"] for r in report["results"] if r["method"] == "nixl_flat"}
+    rows = kv_table_rows(sizes, args.lmcache_iters, args.lmcache_chunk, args.lmcache_url, flat)
+    report["results"] += rows
+    report["lmcache"] = {"redis": args.lmcache_url or "local redis-server",
+                         "chunk_size": args.lmcache_chunk, "iters": args.lmcache_iters,
+                         "bytes_verified": True}  # fmt: skip
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:>8.3f}" if x is not None else f"{'-':>8}"
+
+
 def format_table(report: dict) -> str:
     lines = [f"{'tokens':>7} {'method':<21} {'MiB':>8} {'descs':>6} {'p50 ms':>9} "
-             f"{'p99 ms':>9} {'GB/s':>7} {'vs flat':>8}"]  # fmt: skip
-    for r in report["results"]:
+             f"{'p99 ms':>9} {'GB/s':>7} {'vs flat':>8} {'x redis':>8}"]  # fmt: skip
+    for r in sorted(report["results"], key=lambda r: r["tokens"]):
         lines.append(f"{r['tokens']:>7} {r['method']:<21} {r['bytes'] / 2**20:>8.2f} "
                      f"{r['descriptors']:>6} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} "
-                     f"{r['gbps']:>7.2f} {r['vs_nixl_flat']:>8.3f}")  # fmt: skip
+                     f"{r['gbps']:>7.2f} {_ratio(r['vs_nixl_flat'])} "
+                     f"{_ratio(r.get('x_redis_py'))}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -250,6 +301,7 @@ def run(args: argparse.Namespace) -> None:
             listen(args.listen, args.max_bytes, args.listen_timeout)
             return
         report = initiate(args, args.peer) if args.peer else _local(args)
+        _lmcache_rows(args, report)
     except ValueError as e:
         raise SystemExit(f"pdserve bench kv: {e}") from None
     print(format_table(report), flush=True)

@@ -41,10 +41,12 @@ DEFAULT_TOKENS = (256, 1024, 2048)
 
 def _gbps(nbytes: int, times: list[float]) -> dict:
     med = statistics.median(times)
-    return {"p50_s": med, "min_s": min(times), "gbps": nbytes / med / 1e9}
+    p99 = sorted(times)[min(len(times) - 1, int(0.99 * len(times)))]
+    return {"p50_s": med, "p99_s": p99, "min_s": min(times), "gbps": nbytes / med / 1e9}
 
 
 def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, c, kv_a, kv_b) -> dict:
+    """One request size; `c` (LMCache's own Redis reader) may be None: not measured."""
     import redis
 
     nblocks = kv_a.shape[2]
@@ -69,18 +71,20 @@ def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, c, kv_a, kv_
         n = b.retrieve(p, dst_slots)
         get.append(time.perf_counter() - t)
         assert n == tokens, f"retrieved {n} of {tokens} tokens"
-        t = time.perf_counter()
-        n = c.retrieve(p, dst_slots)
-        builtin.append(time.perf_counter() - t)
-        assert n == tokens, f"retrieved {n} of {tokens} tokens (builtin)"
+        if c is not None:
+            t = time.perf_counter()
+            n = c.retrieve(p, dst_slots)
+            builtin.append(time.perf_counter() - t)
+            assert n == tokens, f"retrieved {n} of {tokens} tokens (builtin)"
     # Bit-exact: the last prompt's KV in b's scattered blocks equals a's source blocks.
     flat_a = kv_a.view(LAYERS, 2, -1, KV_HEADS * HEAD_DIM)
     flat_b = kv_b.view(LAYERS, 2, -1, KV_HEADS * HEAD_DIM)
     assert torch.equal(
         flat_a[:, :, torch.tensor(src_slots)], flat_b[:, :, torch.tensor(dst_slots)]
     ), "retrieved KV differs from the stored KV"
-    flat_c = c._kv_cache.view(LAYERS, 2, -1, KV_HEADS * HEAD_DIM)
-    assert torch.equal(flat_b, flat_c), "the two retrieve paths disagree"
+    if c is not None:
+        flat_c = c._kv_cache.view(LAYERS, 2, -1, KV_HEADS * HEAD_DIM)
+        assert torch.equal(flat_b, flat_c), "the two retrieve paths disagree"
 
     # redis-py: the same bytes as one value per chunk, pipelined.
     client = redis.Redis.from_url(url)
@@ -123,54 +127,100 @@ def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, c, kv_a, kv_
         "chunks": len(chunk_bytes),
         "lmcache_store_visible": _gbps(nbytes, put),
         "lmcache_retrieve": _gbps(nbytes, get),
-        "lmcache_retrieve_builtin": _gbps(nbytes, builtin),
         "redis_py_set": _gbps(nbytes, rset),
         "redis_py_get": _gbps(nbytes, rget),
         "memcpy": _gbps(nbytes, mem),
     }
     row["store_vs_redis_set"] = row["redis_py_set"]["gbps"] / row["lmcache_store_visible"]["gbps"]
     row["retrieve_vs_redis_get"] = row["redis_py_get"]["gbps"] / row["lmcache_retrieve"]["gbps"]
-    row["builtin_retrieve_vs_redis_get"] = (
-        row["redis_py_get"]["gbps"] / row["lmcache_retrieve_builtin"]["gbps"]
-    )
+    if builtin:
+        row["lmcache_retrieve_builtin"] = _gbps(nbytes, builtin)
+        row["builtin_retrieve_vs_redis_get"] = (
+            row["redis_py_get"]["gbps"] / row["lmcache_retrieve_builtin"]["gbps"]
+        )
     return row
 
 
-def bench(args: argparse.Namespace) -> dict:
-    nblocks = 2 * -(-max(args.tokens) // BLOCK) + 1
+# The `bench kv` table's LMCache rows: (method, this row's key, its redis-py yardstick)
+KV_TABLE = (
+    ("lmcache_store_visible", "lmcache_store_visible", "redis_py_set"),
+    ("lmcache_retrieve", "lmcache_retrieve", "redis_py_get"),
+    ("redis_py_set", "redis_py_set", None),
+    ("redis_py_get", "redis_py_get", None),
+)
+
+
+def kv_table_rows(
+    tokens: list[int], iters: int, chunk: int, url: str | None, flat_gbps: dict[int, float]
+) -> list[dict]:
+    """The LMCache path as `pdserve bench kv` rows (same fields as its NIXL rows), plus
+    `x_redis_py`: LMCache's p50 time over redis-py's for the same bytes (goal <= 1.5).
+    `url`: the Redis to go through (None: a local redis-server started here)."""
+    out = []
+    for row in run_sizes(tokens, iters, chunk, url, builtin=False):
+        for method, key, yardstick in KV_TABLE:
+            m = row[key]
+            out.append({
+                "tokens": row["tokens"],
+                "method": method,
+                "bytes": row["bytes"],
+                "descriptors": row["chunks"],  # one Redis value per chunk
+                "p50_ms": round(m["p50_s"] * 1e3, 4),
+                "p99_ms": round(m["p99_s"] * 1e3, 4),
+                "gbps": round(m["gbps"], 3),
+                "vs_nixl_flat": round(m["gbps"] / flat_gbps[row["tokens"]], 3)
+                if row["tokens"] in flat_gbps else None,
+                "x_redis_py": round(m["p50_s"] / row[yardstick]["p50_s"], 3)
+                if yardstick else None,
+            })  # fmt: skip
+    return out
+
+
+def run_sizes(
+    tokens_list: list[int], iters: int, chunk: int, url: str | None, builtin: bool = True
+) -> list[dict]:
+    """Every size through three stores on one Redis (`url`, or a local one started here)."""
+    if url is None:
+        with EmbeddedRedis() as server:
+            return run_sizes(tokens_list, iters, chunk, server.url, builtin)
+    nblocks = 2 * -(-max(tokens_list) // BLOCK) + 1
     shape = (LAYERS, 2, nblocks, BLOCK, KV_HEADS, HEAD_DIM)
     kv_a = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     kv_b = torch.zeros(shape)
-    biggest = max(args.tokens) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
-    local = max(64 << 20, (args.iters + 1) * biggest)
+    biggest = max(tokens_list) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+    local = max(64 << 20, (iters + 1) * biggest)
     rows = []
-    with EmbeddedRedis() as server:
-        kw = dict(namespace="bench", chunk_size=args.chunk, local_cpu_bytes=local)
-        a = LMCacheKVStore(kv_a, remote_url=server.url, **kw)
-        b = LMCacheKVStore(kv_b, remote_url=server.url, **kw)
-        c = LMCacheKVStore(torch.zeros(shape), remote_url=server.url, fast_retrieve=False, **kw)
-        try:
-            for tokens in args.tokens:
-                row = bench_size(tokens, args.iters, args.chunk, server.url, a, b, c, kv_a, kv_b)
-                logger.info(
-                    "%5d tokens %6.1f MB: lmcache put %.2f / get %.2f GB/s, "
-                    "redis-py set %.2f / get %.2f GB/s (ratios %.2fx / %.2fx; "
-                    "builtin retrieve %.2fx)",
-                    tokens,
-                    row["bytes"] / 1e6,
-                    row["lmcache_store_visible"]["gbps"],
-                    row["lmcache_retrieve"]["gbps"],
-                    row["redis_py_set"]["gbps"],
-                    row["redis_py_get"]["gbps"],
-                    row["store_vs_redis_set"],
-                    row["retrieve_vs_redis_get"],
-                    row["builtin_retrieve_vs_redis_get"],
-                )
-                rows.append(row)
-        finally:
-            a.close()
-            b.close()
-            c.close()
+    kw = dict(namespace="bench", chunk_size=chunk, local_cpu_bytes=local)
+    a = LMCacheKVStore(kv_a, remote_url=url, **kw)
+    b = LMCacheKVStore(kv_b, remote_url=url, **kw)
+    c = None  # LMCache's own Redis reader, for comparison
+    if builtin:
+        c = LMCacheKVStore(torch.zeros(shape), remote_url=url, fast_retrieve=False, **kw)
+    try:
+        for tokens in tokens_list:
+            row = bench_size(tokens, iters, chunk, url, a, b, c, kv_a, kv_b)
+            logger.info(
+                "%5d tokens %6.1f MB: lmcache put %.2f / get %.2f GB/s, "
+                "redis-py set %.2f / get %.2f GB/s (ratios %.2fx / %.2fx)",
+                tokens,
+                row["bytes"] / 1e6,
+                row["lmcache_store_visible"]["gbps"],
+                row["lmcache_retrieve"]["gbps"],
+                row["redis_py_set"]["gbps"],
+                row["redis_py_get"]["gbps"],
+                row["store_vs_redis_set"],
+                row["retrieve_vs_redis_get"],
+            )
+            rows.append(row)
+    finally:
+        for s in (a, b, c):
+            if s is not None:
+                s.close()
+    return rows
+
+
+def bench(args: argparse.Namespace) -> dict:
+    rows = run_sizes(args.tokens, args.iters, args.chunk, None)
     return {
         "benchmark": "kv_store",
         "model_shapes": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM},

@@ -8,6 +8,7 @@ address.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pdserve.cli import main as pdserve_main
 from tests.servers import ROOT, free_port, kill_server, start_server
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LMCACHE = importlib.util.find_spec("lmcache") is not None
 
 
 def _bench(tmp_path, url: str, *extra: str) -> dict:
@@ -242,7 +244,8 @@ def test_bench_kv_between_two_processes_given_only_addresses(tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     listener = _kv("--listen", addr)
     out = tmp_path / "kv.json"
-    peer = _kv("--peer", addr, "--tokens", "16", "64", "--iters", "5", "--out", str(out))
+    peer = _kv("--peer", addr, "--tokens", "16", "64", "--iters", "5", "--out", str(out),
+               *(("--lmcache", "on", "--lmcache-iters", "2") if LMCACHE else ("--lmcache", "off")))  # fmt: skip
     p_out, p_err = peer.communicate(timeout=300)
     listener.wait(timeout=60)
     assert peer.returncode == 0, p_err[-3000:]
@@ -252,6 +255,13 @@ def test_bench_kv_between_two_processes_given_only_addresses(tmp_path):
     rows = {(r["tokens"], r["method"]): r for r in report["results"]}
     methods = ("memcpy", "nixl_flat", "paged_contig", "paged_scattered", "blockmajor_contig",
                "blockmajor_scattered")  # fmt: skip
+    if LMCACHE:  # the LMCache path on the same table, redis-py SET/GET as its yardstick
+        methods += ("lmcache_store_visible", "lmcache_retrieve", "redis_py_set", "redis_py_get")
+        for m in ("lmcache_store_visible", "lmcache_retrieve"):
+            r = rows[(64, m)]
+            assert r["bytes"] == rows[(64, "paged_contig")]["bytes"] and r["descriptors"] == 1
+            assert r["x_redis_py"] > 0 and r["vs_nixl_flat"] > 0
+        assert report["lmcache"]["bytes_verified"] is True and "lmcache_retrieve" in p_out
     assert set(rows) == {(t, m) for t in (16, 64) for m in methods}
     assert rows[(64, "paged_contig")]["bytes"] == 4 * 30 * 2 * 16 * 3 * 64 * 4
     assert rows[(64, "paged_contig")]["descriptors"] == 60
