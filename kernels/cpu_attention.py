@@ -3,8 +3,9 @@
 Same contract as `kernels.reference.paged_decode_attention`; the reference gathers every
 sequence's blocks into a contiguous K/V (`aten::index`) and runs SDPA, this kernel walks
 the block table instead. Inputs it does not handle (a non-CPU device, a dtype other than
-fp32/bf16, a cache that is not contiguous) and a machine where the kernel cannot be built
-go to the reference.
+fp32/bf16, a cache whose blocks are not each contiguous) and a machine where the kernel
+cannot be built go to the reference. Blocks may be strided (a block-major cache's layer
+view, engine/kv_tensor.py): the kernel takes the block stride.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ MIN_SPLIT_KEYS = 128  # a key split gets at least this many keys
 ITEMS_PER_THREAD = 4  # split long contexts until there are this many work items per thread
 
 _i64 = ctypes.c_int64
-_ARGTYPES = [ctypes.c_void_p] * 6 + [_i64] * 10 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_ARGTYPES = [ctypes.c_void_p] * 6 + [_i64] * 11 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
 
 
 def _decode_fn():
@@ -40,14 +41,21 @@ def available() -> bool:
     return _decode_fn() is not None
 
 
+def blocks_contiguous(cache: torch.Tensor) -> bool:
+    """Whether each block `[bs, Hkv, D]` of a `[N, bs, Hkv, D]` cache is contiguous (the
+    stride between blocks is free)."""
+    _, bs, hkv, d = cache.shape
+    return cache.stride()[1:] == (hkv * d, d, 1) and cache.stride(0) >= bs * hkv * d
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
         q.device.type == "cpu"
         and q.dtype in _DTYPES
         and k_cache.dtype == q.dtype
         and v_cache.dtype == q.dtype
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and blocks_contiguous(k_cache)
+        and k_cache.stride() == v_cache.stride()
         and q.stride(-1) == 1
         and q.shape[-1] <= 1024
     )
@@ -101,6 +109,7 @@ def paged_decode_attention(
         tables.shape[1],
         q.stride(0),
         q.stride(1),
+        k_cache.stride(0),
         split_keys,
         splits,
         scale,

@@ -2,7 +2,10 @@
 
 Paged KV cache layout, shared by every kernel and by the KV connectors:
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-A token's slot is `block_id * block_size + offset`. Block tables are int32
+Each block's `[block_size, num_kv_heads, head_dim]` is contiguous; the stride between
+blocks is free (a layer's view of a block-major cache steps over every other layer's
+blocks, engine/kv_tensor.py), and K and V share it. A token's slot is
+`block_id * block_size + offset`. Block tables are int32
 [num_seqs, max_blocks_per_seq]; entries past a sequence's last block are padding and must
 hold a valid block id (0 is used), they are masked out by the sequence's length.
 """
@@ -25,8 +28,13 @@ def store_kv(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    k_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, key)
-    v_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, value)
+    if k_cache.is_contiguous() and v_cache.is_contiguous():
+        k_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, key)
+        v_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, value)
+        return
+    at = (slot_mapping // bs, slot_mapping % bs)  # strided blocks: (block, offset) pairs
+    k_cache.index_put_(at, key)
+    v_cache.index_put_(at, value)
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:

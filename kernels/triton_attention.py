@@ -1,7 +1,8 @@
 """Triton paged attention: decode (one query per sequence, split-K) and prefill/extend.
 
 Both read K/V through block tables from the paged cache `[N, bs, Hkv, D]` described in
-`kernels.reference`, with the same contracts as `paged_decode_attention` and
+`kernels.reference` (blocks contiguous, the stride between them passed in, so a
+block-major cache's layer view works as is), with the same contracts as `paged_decode_attention` and
 `paged_prefill_attention` there. Softmax is the online (flash) form in fp32, with the
 scale folded into a base-2 exponent. Keys are visited in tiles of BLOCK_N positions; each
 position's block id is gathered from the block table, so any block size works.
@@ -42,7 +43,9 @@ def _check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     assert q.dtype in _FLOAT_DTYPES, f"unsupported dtype {q.dtype}"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q and caches must share a dtype"
     assert q.stride(2) == 1, "q: head_dim must be contiguous"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    hkv_d = (k_cache.shape[2] * d, d, 1)
+    assert k_cache.stride()[1:] == hkv_d, "caches: each block [bs, Hkv, D] must be contiguous"
+    assert k_cache.stride() == v_cache.stride(), "k and v caches must share their strides"
 
 
 @triton.jit

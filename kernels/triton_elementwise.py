@@ -38,8 +38,8 @@ def _as_rows(x: torch.Tensor, name: str) -> torch.Tensor:
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_vt,
-    ROW: tl.constexpr, BLOCK: tl.constexpr,
+    stride_kt, stride_vt, stride_cache_block,
+    BS: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -49,8 +49,9 @@ def _store_kv_kernel(
     mask = offs < ROW
     k = tl.load(key_ptr + t * stride_kt + offs, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + offs, mask=mask)
-    tl.store(k_cache_ptr + slot * ROW + offs, k, mask=mask)
-    tl.store(v_cache_ptr + slot * ROW + offs, v, mask=mask)
+    dst = (slot // BS) * stride_cache_block + (slot % BS) * ROW + offs
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def store_kv(
@@ -66,7 +67,9 @@ def store_kv(
     assert k_cache.shape == v_cache.shape and k_cache.dim() == 4
     assert k_cache.shape[2:] == (hkv, d), f"cache {tuple(k_cache.shape)} vs key {(hkv, d)}"
     assert key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
-    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    _, bs, _, _ = k_cache.shape
+    assert k_cache.stride()[1:] == (hkv * d, d, 1), "cache blocks [bs, Hkv, D] must be contiguous"
+    assert k_cache.stride() == v_cache.stride(), "k and v caches must share their strides"
     for x, name in ((key, "key"), (value, "value")):
         assert x.stride(2) == 1 and x.stride(1) == d, f"{name}: [Hkv, D] must be contiguous"
     assert slot_mapping.shape == (t,) and slot_mapping.dtype in (torch.int64, torch.int32)
@@ -75,8 +78,8 @@ def store_kv(
     row = hkv * d
     _store_kv_kernel[(t,)](
         key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), value.stride(0),
-        ROW=row, BLOCK=triton.next_power_of_2(row),
+        key.stride(0), value.stride(0), k_cache.stride(0),
+        BS=bs, ROW=row, BLOCK=triton.next_power_of_2(row),
     )  # fmt: skip
 
 

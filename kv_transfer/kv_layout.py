@@ -31,6 +31,8 @@ import msgspec
 import numpy as np
 import torch
 
+from engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache
+
 _DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
     torch.float16: "float16",
@@ -56,8 +58,9 @@ def alloc_block_major(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, **kw
 ) -> torch.Tensor:
     """A zeroed `[L, 2, N, bs, Hkv, D]` KV cache whose storage is block-major (a view)."""
-    storage = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, **kw)
-    return storage.permute(1, 2, 0, 3, 4, 5)
+    return allocate_kv_cache(
+        BLOCK_MAJOR, num_layers, num_blocks, block_size, num_kv_heads, head_dim, **kw
+    )
 
 
 def storage_of(kv_cache: torch.Tensor) -> torch.Tensor:

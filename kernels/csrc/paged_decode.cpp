@@ -1,7 +1,9 @@
 // Paged decode attention on CPU, reading the KV blocks in place (no gather).
 //
 // Contract: kernels/reference.py `paged_decode_attention`. One query token per sequence;
-// caches [num_blocks, block_size, num_kv_heads, head_dim], contiguous; block tables int32
+// caches [num_blocks, block_size, num_kv_heads, head_dim], each block's [block_size,
+// num_kv_heads, head_dim] contiguous, blocks `block_stride` elements apart (K and V alike:
+// bs * Hkv * D for a layer-major cache, 2 * L times that for block-major); block tables int32
 // [B, M]; context_lens int32 [B]. Grouped-query attention: the G = H / Hkv query heads of
 // one kv head share each K/V row read. fp32 or bf16 storage, fp32 arithmetic.
 //
@@ -73,6 +75,7 @@ struct Args {
   void* out;
   int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t q_stride_seq, q_stride_head;  // elements; head_dim is contiguous
+  int64_t block_stride;                 // elements from one KV block to the next
   int64_t split_keys;                   // keys per split (a multiple of block_size)
   int64_t num_splits;                   // splits per (sequence, kv head)
   float scale;
@@ -85,7 +88,7 @@ template <typename T, int DC>
 void run_split(const Args& a, int64_t b, int64_t kvh, int64_t t0, int64_t t1, float* m_out,
                float* l_out, float* acc, std::vector<float>& qf, std::vector<float>& s) {
   const int64_t D = DC ? DC : a.head_dim, G = a.num_heads / a.num_kv_heads, n = t1 - t0;
-  const int64_t bs = a.block_size, row = a.num_kv_heads * D, blk = bs * row;
+  const int64_t bs = a.block_size, row = a.num_kv_heads * D, blk = a.block_stride;
   const T* q = static_cast<const T*>(a.q);
   const T* kc = static_cast<const T*>(a.k);
   const T* vc = static_cast<const T*>(a.v);
@@ -221,15 +224,16 @@ int pdserve_paged_decode(const void* q, const void* k_cache, const void* v_cache
                          const int32_t* block_tables, const int32_t* context_lens, void* out,
                          int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                         int64_t q_stride_seq, int64_t q_stride_head, int64_t split_keys,
-                         int64_t num_splits, float scale, int dtype, int num_threads) {
+                         int64_t q_stride_seq, int64_t q_stride_head, int64_t block_stride,
+                         int64_t split_keys, int64_t num_splits, float scale, int dtype,
+                         int num_threads) {
   if (head_dim > 1024 || num_kv_heads <= 0 || num_heads % num_kv_heads || split_keys <= 0 ||
-      num_splits <= 0 || num_threads <= 0)
+      num_splits <= 0 || num_threads <= 0 || block_stride < block_size * num_kv_heads * head_dim)
     return -1;
-  Args a{q,          k_cache,     v_cache,      block_tables,  context_lens,
-         out,        num_seqs,    num_heads,    num_kv_heads,  head_dim,
-         block_size, max_blocks,  q_stride_seq, q_stride_head, split_keys,
-         num_splits, scale};
+  Args a{q,            k_cache,      v_cache,      block_tables, context_lens,
+         out,          num_seqs,     num_heads,    num_kv_heads, head_dim,
+         block_size,   max_blocks,   q_stride_seq, q_stride_head, block_stride,
+         split_keys,   num_splits,   scale};
   if (dtype == 0) {
     decode<float>(a, num_threads);
   } else if (dtype == 1) {

@@ -1,0 +1,49 @@
+"""The paged KV cache tensor: one allocation per node, in either storage order.
+
+Every kernel and connector sees the same logical tensor
+
+    kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]  (2 = K, V)
+
+and a layer reads `kv_cache[layer, 0]` / `kv_cache[layer, 1]`, each `[N, bs, Hkv, D]`.
+What differs is the storage behind it (`cache.layout`):
+
+- `layer_major`: the tensor is contiguous. One layer's K (or V) is one contiguous plane,
+  block `b` of it at `b * bs * Hkv * D`.
+- `block_major`: the storage is a contiguous `[N, L, 2, bs, Hkv, D]` tensor and the
+  logical tensor is its permuted view. A block holds every layer's K and V in one
+  contiguous range (one NIXL descriptor per run of blocks, kv_transfer/kv_layout.py);
+  a layer's `[N, bs, Hkv, D]` view steps `2 * L * bs * Hkv * D` elements from block to
+  block, while each block's `[bs, Hkv, D]` stays contiguous. The kernels take that block
+  stride (kernels/reference.py documents the contract).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYER_MAJOR = "layer_major"
+BLOCK_MAJOR = "block_major"
+
+
+def allocate_kv_cache(
+    layout: str,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    **tensor_kw,
+) -> torch.Tensor:
+    """A zeroed `[L, 2, N, bs, Hkv, D]` KV cache stored in `layout` order."""
+    if layout == LAYER_MAJOR:
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        return torch.zeros(shape, **tensor_kw)
+    if layout == BLOCK_MAJOR:
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        return torch.zeros(shape, **tensor_kw).permute(1, 2, 0, 3, 4, 5)
+    raise ValueError(f"unknown KV cache layout {layout!r}; expected {LAYER_MAJOR} or {BLOCK_MAJOR}")
+
+
+def layout_of(kv_cache: torch.Tensor) -> str:
+    """`layer_major` for a contiguous cache, `block_major` for the permuted view."""
+    return LAYER_MAJOR if kv_cache.is_contiguous() else BLOCK_MAJOR
