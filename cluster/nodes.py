@@ -94,6 +94,7 @@ def node_settings(
         "served_model_name": m.served_name,
         "dtype": m.dtype,
         "block_size": m.block_size,
+        "kv_layout": m.kv_layout,
         "max_model_len": m.max_model_len,
         "enforce_eager": m.enforce_eager,
         "host": node.host,

@@ -35,6 +35,12 @@ class ModelSection(Section):
         "CPU); float32 is token-exact vs HF",
     )
     block_size: int = Field(16, ge=1, description="tokens per KV block (a power of two)")
+    kv_layout: Literal["layer_major", "block_major"] = Field(
+        "layer_major",
+        description="storage order of the paged KV cache: `layer_major` ([L, 2, N, ...]) or "
+        "`block_major` ([N, L, 2, ...]: a block's every layer in one range, one NIXL "
+        "descriptor per block run; not with LMCache)",
+    )
     enforce_eager: bool | None = Field(
         None,
         description="true: run the model step as plain torch (the reference); false: "

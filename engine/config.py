@@ -8,6 +8,11 @@ from dataclasses import dataclass, field, replace
 from engine.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# How the paged KV tensor is stored (kv_transfer/kv_layout.py). layer_major: storage
+# [L, 2, N, bs, Hkv, D]; block_major: storage [N, L, 2, bs, Hkv, D] (a block's every layer
+# is one contiguous range: one NIXL descriptor per block run). Prefill and decode nodes
+# must use the same one.
+KV_LAYOUTS = ("layer_major", "block_major")
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,11 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Report blocks entering/leaving the prefix cache with each output batch (KV index).
     kv_events: bool = False
+    layout: str = "layer_major"  # one of KV_LAYOUTS
 
     def __post_init__(self) -> None:
+        if self.layout not in KV_LAYOUTS:
+            raise ConfigError("cache.layout", f"must be one of {KV_LAYOUTS}, got {self.layout!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("cache.block_size", f"must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes < 1:
@@ -268,6 +276,12 @@ class EngineConfig:
                 "kv_store.chunk_size",
                 f"{self.kv_store.chunk_size} is not a multiple of cache.block_size "
                 f"{self.cache.block_size}",
+            )
+        if lmcache and self.cache.layout != "layer_major":
+            raise ConfigError(
+                "cache.layout",
+                f"{self.cache.layout!r} is not supported with LMCache (kv_store.backend or "
+                "kv_transfer.connector 'lmcache'): its adapter copies layer-major slot rows",
             )
 
     def _check_backends(self) -> None:

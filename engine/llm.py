@@ -50,6 +50,7 @@ class LLM:
         seed: int = 0,
         enforce_eager: bool | None = None,  # None: eager; False: compiled step (CPU)
         compile_cache_dir: str | None = None,  # None: <pdserve cache dir>/compile
+        kv_layout: str = "layer_major",  # or "block_major" (engine/kv_tensor.py)
     ):
         config = EngineConfig(
             model=ModelConfig(
@@ -62,7 +63,9 @@ class LLM:
                 enforce_eager=enforce_eager,
                 compile_cache_dir=compile_cache_dir,
             ),
-            cache=CacheConfig(block_size, kv_cache_bytes, num_blocks, enable_prefix_caching),
+            cache=CacheConfig(
+                block_size, kv_cache_bytes, num_blocks, enable_prefix_caching, layout=kv_layout
+            ),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
             num_threads=num_threads,
         )

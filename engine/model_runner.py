@@ -1,8 +1,8 @@
 """Executes one scheduled step: builds the flattened batch, runs the model, samples.
 
 The KV cache is one preallocated tensor `[num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim]`, sized from the configured byte budget; KV connectors register
-it whole. Logits are computed only for rows that sample (the last token of a sequence
+num_kv_heads, head_dim]`, sized from the configured byte budget and stored in the
+`cache.layout` order (engine/kv_tensor.py); KV connectors register it whole. Logits are computed only for rows that sample (the last token of a sequence
 whose known tokens are all computed after this step), and, for a request that asked for
 prompt logprobs, at its prompt positions in the same forward pass.
 """
@@ -20,6 +20,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from engine.kv_tensor import allocate_kv_cache
 from engine.model_arch import ModelArch
 from engine.model_files import default_cache_dir
 from engine.models import get_model_class
@@ -91,24 +92,24 @@ class ModelRunner:
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         attn = model.model.layers[0].self_attn
-        self.kv_cache = torch.zeros(
-            (
-                arch.num_hidden_layers,
-                2,
-                num_blocks,
-                self.block_size,
-                attn.num_kv_heads,
-                attn.head_dim,
-            ),
+        self.kv_layout = config.cache.layout
+        self.kv_cache = allocate_kv_cache(
+            self.kv_layout,
+            arch.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            attn.num_kv_heads,
+            attn.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
         # Recorded after each step's forward pass: its KV writes are done once it is.
         self._step_done = torch.cuda.Event() if self.device.type == "cuda" else None
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB, kernels=%s, %s %s",
+            "KV cache: %d blocks x %d tokens, %s, %.1f MiB, kernels=%s, %s %s",
             num_blocks,
             self.block_size,
+            self.kv_layout,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
             self.kernel_backend,
             self.device,

@@ -17,6 +17,7 @@ import tempfile
 from api.cluster_secret import load_cluster_secret
 from api.http import DEFAULT_MAX_BODY_BYTES
 from engine.config import (
+    KV_LAYOUTS,
     CacheConfig,
     EngineConfig,
     KVBackendConfig,
@@ -48,6 +49,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "measured as fast or faster (docs/benchmarks.md)",
     )
     p.add_argument("--block-size", type=int, default=cache.block_size)
+    p.add_argument(
+        "--kv-layout",
+        default=cache.layout,
+        choices=list(KV_LAYOUTS),
+        help="KV cache storage order (prefill and decode nodes must match; docs/configuration.md)",
+    )
     p.add_argument("--kv-cache-bytes", type=int, default=cache.kv_cache_bytes)
     p.add_argument("--num-blocks", type=int, default=None, help="overrides --kv-cache-bytes")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -204,6 +211,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         ),
         cache=CacheConfig(
             block_size=args.block_size,
+            layout=getattr(args, "kv_layout", CacheConfig.layout),
             kv_cache_bytes=args.kv_cache_bytes,
             num_blocks=args.num_blocks,
             enable_prefix_caching=not args.no_prefix_caching,

@@ -28,7 +28,9 @@ PROMPTS = [
 ]
 
 
-def greedy_tokens(model_dir: str, backend: str, prompts: list[list[int]]) -> list[list[int]]:
+def greedy_tokens(
+    model_dir: str, backend: str, prompts: list[list[int]], kv_layout: str = "layer_major"
+) -> list[list[int]]:
     llm = LLM(
         model_dir,
         device=DEVICE,
@@ -37,6 +39,7 @@ def greedy_tokens(model_dir: str, backend: str, prompts: list[list[int]]) -> lis
         block_size=4,
         num_blocks=96,
         max_num_batched_tokens=16,
+        kv_layout=kv_layout,
     )
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = [o.token_ids for o in llm.generate(prompts, params)]
@@ -53,3 +56,9 @@ def test_triton_backend_matches_torch_backend_greedy(tiny_llama_dir):
     actual = greedy_tokens(tiny_llama_dir, "triton", PROMPTS)
     assert all(len(t) == 8 for t in expected)
     assert actual == expected
+
+
+def test_triton_backend_on_a_block_major_cache(tiny_llama_dir):
+    """Strided block views (engine/kv_tensor.py): the same tokens as layer-major torch."""
+    expected = greedy_tokens(tiny_llama_dir, "torch", PROMPTS[:2])
+    assert greedy_tokens(tiny_llama_dir, "triton", PROMPTS[:2], "block_major") == expected
