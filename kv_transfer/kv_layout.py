@@ -143,12 +143,14 @@ class KVLayout(msgspec.Struct, frozen=True):
         The number of blocks may differ: each side validates ids against its own count.
         """
         diff = [
-            f"{f}: {getattr(self, f)} != {getattr(other, f)}"
+            f"{f}: ours {getattr(self, f)}, peer's {getattr(other, f)}"
             for f in _SHAPE_FIELDS
             if getattr(self, f) != getattr(other, f)
         ]
+        if self.block_major != other.block_major:
+            diff.append("prefill and decode nodes need the same cache.layout (--kv-layout)")
         if diff:
-            raise ValueError("incompatible KV layouts (" + ", ".join(diff) + ")")
+            raise ValueError("incompatible KV layouts (" + "; ".join(diff) + ")")
 
     def check_block_ids(self, ids: np.ndarray, side: str) -> None:
         """Raise ValueError if any id is outside [0, num_blocks)."""

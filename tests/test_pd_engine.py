@@ -20,10 +20,10 @@ from tests.hf_reference import hf_greedy, load_hf
 pytest.importorskip("nixl")
 
 
-def make_config(tiny_llama_dir, *, num_blocks=256, budget=32, local_max=4):
+def make_config(tiny_llama_dir, *, num_blocks=256, budget=32, local_max=4, layout="layer_major"):
     return EngineConfig(
         model=ModelConfig(tiny_llama_dir),
-        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks, layout=layout),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=budget, local_prefill_max_tokens=local_max
         ),
@@ -32,16 +32,24 @@ def make_config(tiny_llama_dir, *, num_blocks=256, budget=32, local_max=4):
 
 
 class Pair:
-    def __init__(self, tiny_llama_dir, timeout_s=10.0, prefill_locally=True, **kw):
+    def __init__(
+        self,
+        tiny_llama_dir,
+        timeout_s=10.0,
+        prefill_locally=True,
+        layouts=("layer_major", "layer_major"),  # (prefill node's, decode node's)
+        **kw,
+    ):
         self.pconn = nixl_connector(
             node_id="p", role="prefill", control_address="tcp://127.0.0.1:*"
         )
-        self.prefill = EngineCore(make_config(tiny_llama_dir, **kw), PrefillRole(self.pconn))
+        pcfg = make_config(tiny_llama_dir, layout=layouts[0], **kw)
+        self.prefill = EngineCore(pcfg, PrefillRole(self.pconn))
         self.dconn = nixl_connector(node_id="d", role="decode")
         self.drole = DecodeRole(
             self.dconn, transfer_timeout_s=timeout_s, prefill_locally_on_failure=prefill_locally
         )
-        self.decode = EngineCore(make_config(tiny_llama_dir, **kw), self.drole)
+        self.decode = EngineCore(make_config(tiny_llama_dir, layout=layouts[1], **kw), self.drole)
         self.addr = self.pconn.control_address
 
     def run(self, prompts, params, max_s=60.0, step_prefill=True):
