@@ -5,9 +5,10 @@ and the same state machines (`DecodeSide`, `PrefillSide`); only the data moves a
 way (`kv_transfer.lmcache_transport`):
 
     decode                                   prefill
-    PeerHello (layout only), PrefillOrder -> compute the prompt (chunk-aligned start)
-                                             finish: store its chunks, wait until Redis
-                                             holds all of them (deadline: the order's)
+    PeerHello (layout only), PrefillOrder -> compute the prompt (chunk-aligned start);
+                                             store each whole chunk as it is computed,
+                                             the rest at finish; wait until Redis holds
+                                             all of them (deadline: the order's)
                      <- PrefillDone (control) once visible; PrefillFailed if not
     retrieve the chunks by token ids into
     the ordered blocks (a worker job)
@@ -83,10 +84,12 @@ def _data_factory(node_id: str, s: LMCacheSettings):
     return build
 
 
-def _slots(order: m.PrefillOrder, block_ids: list[int], first: int, bs: int) -> list[int]:
-    """Slot of every prompt token: blocks `block_ids` hold prompt blocks first, first+1, ...;
-    tokens before block `first` get -1 (not touched)."""
-    n = len(order.prompt_token_ids)
+def _slots(
+    order: m.PrefillOrder, block_ids: list[int], first: int, bs: int, end: int | None = None
+) -> list[int]:
+    """Slot of every prompt token before `end` (default: all): blocks `block_ids` hold
+    prompt blocks first, first+1, ...; tokens before block `first` get -1 (not touched)."""
+    n = len(order.prompt_token_ids) if end is None else end
     slots = [-1] * (first * bs)
     for t in range(first * bs, n):
         slots.append(block_ids[t // bs - first] * bs + t % bs)
@@ -166,13 +169,20 @@ class LMCacheDecodeSide(DecodeSide):
 
 
 class LMCachePrefillSide(PrefillSide):
-    """Takes orders over the control channel; stores the prompt's chunks, then says done."""
+    """Takes orders over the control channel; stores the prompt's chunks, then says done.
+
+    Stores are pipelined with the prompt's compute: each whole chunk is posted for storing
+    as soon as the engine reports its blocks (a store job on the worker thread while the
+    engine computes the next chunk); `finish` posts the rest, and `PrefillDone` goes out
+    once every job has made its chunks visible in Redis."""
 
     def __init__(self, *args, chunk_size: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.chunk_size = chunk_size
         self._first: dict[TransferKey, int] = {}  # the block the engine reports from
         self._blocks: dict[TransferKey, list[int]] = {}  # source blocks seen so far
+        self._stored: dict[TransferKey, int] = {}  # prompt tokens posted for storing
+        self.early_stores = 0  # store jobs posted before the prompt finished (pipelined)
 
     def _on_order(self, ident: bytes, order: m.PrefillOrder) -> list[PrefillEvent]:
         events = super()._on_order(ident, order)
@@ -182,6 +192,7 @@ class LMCachePrefillSide(PrefillSide):
         bs = self._data.layout.block_size
         first = order.first_block * bs // self.chunk_size * self.chunk_size // bs
         self._first[key], self._blocks[key] = first, []
+        self._stored[key] = first * bs
         return [NewOrder(msgspec.structs.replace(order, first_block=first))]
 
     def send_blocks(self, key: TransferKey, src_block_ids: list[int], first_index: int) -> None:
@@ -190,7 +201,27 @@ class LMCachePrefillSide(PrefillSide):
             return
         if self.clock() > s.order.expires_at:
             return self._end(key, s, "the order expired")
-        self._blocks[key] += src_block_ids  # stored at finish, in one job
+        self._blocks[key] += src_block_ids
+        o, bs = s.order, self._data.layout.block_size
+        ready = (self._first[key] + len(self._blocks[key])) * bs
+        whole = min(ready, len(o.prompt_token_ids) - 1) // self.chunk_size * self.chunk_size
+        if whole > self._stored[key] and self._store(key, s, whole):  # the last: at finish
+            self.early_stores += 1
+
+    def _store(self, key: TransferKey, s: _Send, end: int) -> bool:
+        """Post a store job for prompt tokens [stored, end)."""
+        o, bs, first = s.order, self._data.layout.block_size, self._first[key]
+        slots = _slots(o, self._blocks[key], first, bs, end)
+        try:
+            handle = self._data.store(
+                o.prompt_token_ids[:end], slots, self._stored[key], o.expires_at
+            )
+        except RuntimeError as e:
+            self._end(key, s, f"cannot store the KV: {e}")
+            return False
+        s.handles.append(handle)
+        self._stored[key] = end
+        return True
 
     def finish(self, key, src_block_ids, first_index, *args, **kwargs) -> None:
         if key in self._blocks:
@@ -204,15 +235,7 @@ class LMCachePrefillSide(PrefillSide):
         return src[s.order.first_block - first_index :], []
 
     def _post(self, key, s: _Send, src: list[int], dst: list[int], notif: bytes | None) -> bool:
-        o, bs = s.order, self._data.layout.block_size
-        first = self._first[key]
-        slots = _slots(o, self._blocks[key], first, bs)
-        try:
-            s.handles.append(self._data.store(o.prompt_token_ids, slots, first * bs, o.expires_at))
-        except RuntimeError as e:
-            self._end(key, s, f"cannot store the KV: {e}")
-            return False
-        return True
+        return self._store(key, s, len(s.order.prompt_token_ids))  # the rest of the prompt
 
     def _sent(self, key: TransferKey, s: _Send) -> list[PrefillEvent]:
         self.control.reply(s.ident, s.final[2])  # every chunk is visible: tell decode
@@ -224,15 +247,16 @@ class LMCachePrefillSide(PrefillSide):
         return super()._close(key, s, reason)
 
     def _drop(self, key: TransferKey, s: _Send) -> None:
-        self._first.pop(key, None)
-        self._blocks.pop(key, None)
+        self._forget(key)
         super()._drop(key, s)
 
     def reject(self, order: m.PrefillOrder, reason: str) -> None:
-        key = (order.request_id, order.attempt)
-        self._first.pop(key, None)
-        self._blocks.pop(key, None)
+        self._forget((order.request_id, order.attempt))
         super().reject(order, reason)
+
+    def _forget(self, key: TransferKey) -> None:
+        for table in (self._first, self._blocks, self._stored):
+            table.pop(key, None)
 
 
 @register_connector("lmcache")

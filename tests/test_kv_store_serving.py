@@ -29,11 +29,13 @@ PROMPT = (
 )
 
 
-def node_args(redis_url: str) -> list[str]:
+def node_args(redis_url: str, as_backend: bool = False) -> list[str]:
+    """`as_backend`: the store named as a composed backend (`--kv-backend`), not `--kv-store`."""
+    store = (["--kv-backend", f"lmcache:load,save:{redis_url}"] if as_backend
+             else ["--kv-store", "lmcache", "--kv-store-url", redis_url])  # fmt: skip
     return [
         "--model", MODEL, "--kv-cache-bytes", str(64 << 20), "--num-threads", "1",
-        "--block-size", str(BS), "--log-level", "warning",
-        "--kv-store", "lmcache", "--kv-store-url", redis_url,
+        "--block-size", str(BS), "--log-level", "warning", *store,
         "--kv-store-chunk-size", str(CHUNK), "--kv-store-local-bytes", str(64 << 20),
         "--kv-store-load-timeout", "30", "--kv-store-retry-after", "0",
     ]  # fmt: skip
@@ -90,8 +92,9 @@ def test_nodes_share_prefixes_through_redis(redis_server):
         assert not [p for p in kids if alive(p)]
         assert shutdown_s < 10.0, f"node shutdown took {shutdown_s:.1f} s"
 
-        # A restarted node (empty cache, empty LMCache tier) still finds the prefix.
-        url_b2, proc_b2 = start_server(node_args(redis_server.url))
+        # A restarted node (empty cache, empty LMCache tier) still finds the prefix (its
+        # store given as a composed backend this time: the same behaviour).
+        url_b2, proc_b2 = start_server(node_args(redis_server.url, as_backend=True))
         procs.append(proc_b2)
         text_b2, _, cached_b2 = complete(url_b2, PROMPT)
         assert text_b2 == text_a and cached_b2 == expected_hit
@@ -105,6 +108,7 @@ def test_nodes_share_prefixes_through_redis(redis_server):
         assert stats["kv_store_load_failures"] >= 1
         metrics = httpx.get(f"{url_b2}/metrics", timeout=30).text
         assert "pdserve_kv_store_load_failures_total" in metrics
+        assert "pdserve_kv_store_fallbacks_total 0.0" in metrics  # one backend: none to pass to
     finally:
         for p in procs:
             kill_server(p)
