@@ -1,5 +1,7 @@
-"""The CPU kernel set behind `get_ops("torch")`: the pure-torch reference, except paged
-decode attention, which runs the native in-place kernel (kernels.cpu_attention).
+"""The CPU kernel set behind `get_ops("torch")`: native C++ ops where they exist (paged
+decode attention reading the KV blocks in place, kernels.cpu_attention; the layer's
+elementwise ops one call each, kernels.cpu_elementwise), the pure-torch reference for
+the rest (prefill attention).
 
 Select the plain reference for every op with `PDSERVE_CPU_ATTENTION=reference` (see
 `kernels.ops.get_ops`). Same contracts as `kernels.reference`.
@@ -8,14 +10,14 @@ Select the plain reference for every op with `PDSERVE_CPU_ATTENTION=reference` (
 from __future__ import annotations
 
 from kernels.cpu_attention import paged_decode_attention
-from kernels.reference import (
+from kernels.cpu_elementwise import (
     fused_add_rms_norm,
-    paged_prefill_attention,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
     store_kv,
 )
+from kernels.reference import paged_prefill_attention
 
 __all__ = [
     "fused_add_rms_norm",

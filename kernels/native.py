@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+# Per-source additions: the elementwise ops round like torch's separate ops (no FMA fusion).
+EXTRA_FLAGS = {"elementwise": ["-ffp-contract=off"]}
 BUILD_TIMEOUT_S = 300.0
 
 
@@ -66,10 +68,14 @@ def _compiler_version(cxx: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
+def flags(name: str) -> list[str]:
+    return [*CXXFLAGS, *EXTRA_FLAGS.get(name, [])]
+
+
 def library_path(name: str, cxx: str) -> Path:
     source = (CSRC / f"{name}.cpp").read_bytes()
     h = hashlib.sha256(source)
-    for part in (" ".join(CXXFLAGS), _compiler_version(cxx), _cpu_flags()):
+    for part in (" ".join(flags(name)), _compiler_version(cxx), _cpu_flags()):
         h.update(part.encode())
     return cache_dir() / f"{name}-{h.hexdigest()[:16]}.so"
 
@@ -90,7 +96,7 @@ def build(name: str) -> Path:
     os.close(fd)
     t0 = time.perf_counter()
     try:
-        cmd = [cxx, *CXXFLAGS, str(CSRC / f"{name}.cpp"), "-o", tmp]
+        cmd = [cxx, *flags(name), str(CSRC / f"{name}.cpp"), "-o", tmp]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip()[-2000:]}")

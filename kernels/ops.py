@@ -4,9 +4,9 @@ Every backend exposes the same functions with the contracts documented in
 `kernels.reference`: store_kv, paged_decode_attention, paged_prefill_attention, rms_norm,
 fused_add_rms_norm, rotary_embedding, silu_and_mul.
 
-`torch` on CPU is `kernels.cpu_ops`: the reference plus a native paged decode attention
-that reads the KV blocks in place (built with the system C++ compiler on first use; the
-reference if none). `PDSERVE_CPU_ATTENTION=reference` selects the pure reference instead.
+`torch` on CPU is `kernels.cpu_ops`: the reference plus native ops (paged decode attention
+reading the KV blocks in place, fused elementwise ops), built with the system C++ compiler
+on first use (the reference if none). `PDSERVE_CPU_ATTENTION=reference` selects the pure reference instead.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def get_ops(name: str) -> ModuleType:
             from kernels import reference
 
             return reference
-        from kernels import cpu_attention, cpu_ops
+        from kernels import cpu_attention, cpu_elementwise, cpu_ops
 
-        cpu_attention.available()  # build (or load) the kernel now, not in the first step
+        cpu_attention.available()  # build (or load) the kernels now, not in the first step
+        cpu_elementwise.available()
         return cpu_ops
     if name == "triton":
         from kernels import triton_ops

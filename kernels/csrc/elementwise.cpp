@@ -1,0 +1,223 @@
+// Fused elementwise ops of a decoder layer on CPU: RMSNorm (with the residual add),
+// rotary embedding (in place), SiLU(gate) * up, and the KV cache store.
+//
+// Contracts: kernels/reference.py (rms_norm, fused_add_rms_norm, rotary_embedding,
+// silu_and_mul, store_kv). Each is one call doing what the reference does in 4-26 torch
+// ops: in eager mode every torch op costs a few microseconds of dispatch, which is most
+// of a one-row decode step's non-GEMM time. Storage fp32 or bf16, arithmetic fp32; in
+// bf16 the result is rounded where the reference's torch ops round (after each op that
+// yields a bf16 tensor), so both agree to the last bit but for summation order.
+// Built with -ffp-contract=off (kernels/native.py): a*b - c*d is not fused into an FMA,
+// as torch's separate ops do not fuse it.
+//
+// Rows are split over OpenMP threads only when a call has enough work to pay for the
+// fork/join (`threads` is 1 below that; the caller decides).
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (NaN stays NaN)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_float(*p); }
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) { *p = float_to_bf16(x); }
+// The value a torch op on T tensors would hold: identity in fp32, rounded in bf16.
+inline float round_to(float x, const float*) { return x; }
+inline float round_to(float x, const uint16_t*) { return bf16_to_float(float_to_bf16(x)); }
+
+// exp(x), vectorizable: Cody-Waite range reduction x = i ln2 + r, |r| <= ln2/2, then a
+// degree-7 Taylor polynomial (relative error ~1e-7); x clamped to [-87, 88].
+#pragma omp declare simd notinbranch
+inline float exp_approx(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float fi = (x * 1.4426950408889634f + magic) - magic;
+  float r = x - fi * 0.693145751953125f;  // ln2 split in a short high part ...
+  r = r - fi * 1.428606765330187e-06f;    // ... and the rest
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// out = w * norm(x + res); res_out = x + res (res may be null: no add, res_out unused).
+template <typename T>
+void rms_norm(const T* x, int64_t xs, const T* res, int64_t rs, const T* w, T* out, int64_t os,
+              T* res_out, int64_t ros, int64_t rows, int64_t n, float eps, int threads) {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> buf(n);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = x + r * xs;
+      float ss = 0.0f;
+      if (res != nullptr) {
+        const T* rr = res + r * rs;
+        T* ro = res_out + r * ros;
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = round_to(load(xr + i) + load(rr + i), xr);
+          store(ro + i, v);
+          buf[i] = v;
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) buf[i] = load(xr + i);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < n; ++i) ss += buf[i] * buf[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+      T* orow = out + r * os;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) store(orow + i, load(w + i) * round_to(buf[i] * inv, xr));
+    }
+  }
+}
+
+// out[r, i] = silu(x[r, i]) * x[r, n + i]; silu(g) = g / (1 + exp(-g)).
+template <typename T>
+void silu_and_mul(const T* x, int64_t xs, T* out, int64_t os, int64_t rows, int64_t n,
+                  int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = x + r * xs;
+    const T* u = g + n;
+    T* o = out + r * os;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float gv = load(g + i);
+      const float s = round_to(gv / (1.0f + exp_approx(-gv)), g);
+      store(o + i, s * load(u + i));
+    }
+  }
+}
+
+// NeoX rotary embedding of `heads` heads of one token, in place: the two halves of D.
+template <typename T>
+inline void rotate(T* x, int64_t heads, int64_t head_stride, const float* cs, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    T* xh = x + h * head_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float c = round_to(cs[i], xh), s = round_to(cs[half + i], xh);
+      const float x1 = load(xh + i), x2 = load(xh + half + i);
+      const float a = round_to(x1 * c, xh), b = round_to(x2 * s, xh);
+      const float e = round_to(x2 * c, xh), f = round_to(x1 * s, xh);
+      store(xh + i, a - b);
+      store(xh + half + i, e + f);
+    }
+  }
+}
+
+template <typename T>
+void rope(const int64_t* positions, T* q, int64_t qs_t, int64_t qs_h, int64_t hq, T* k,
+          int64_t ks_t, int64_t ks_h, int64_t hk, const float* cos_sin, int64_t d,
+          int64_t tokens, int threads) {
+  const int64_t half = d / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* cs = cos_sin + positions[t] * d;
+    rotate(q + t * qs_t, hq, qs_h, cs, half);
+    rotate(k + t * ks_t, hk, ks_h, cs, half);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 = float32, 1 = bfloat16. Strides in elements; the last dim is contiguous.
+// res == null: plain RMSNorm. Returns 0, or -1 on an unsupported dtype.
+int pdserve_rms_norm(const void* x, int64_t xs, const void* res, int64_t rs, const void* w,
+                     void* out, int64_t os, void* res_out, int64_t ros, int64_t rows, int64_t n,
+                     float eps, int dtype, int threads) {
+  if (dtype == 0) {
+    rms_norm(static_cast<const float*>(x), xs, static_cast<const float*>(res), rs,
+             static_cast<const float*>(w), static_cast<float*>(out), os,
+             static_cast<float*>(res_out), ros, rows, n, eps, threads);
+  } else if (dtype == 1) {
+    rms_norm(static_cast<const uint16_t*>(x), xs, static_cast<const uint16_t*>(res), rs,
+             static_cast<const uint16_t*>(w), static_cast<uint16_t*>(out), os,
+             static_cast<uint16_t*>(res_out), ros, rows, n, eps, threads);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+int pdserve_silu_and_mul(const void* x, int64_t xs, void* out, int64_t os, int64_t rows,
+                         int64_t n, int dtype, int threads) {
+  if (dtype == 0) {
+    silu_and_mul(static_cast<const float*>(x), xs, static_cast<float*>(out), os, rows, n,
+                 threads);
+  } else if (dtype == 1) {
+    silu_and_mul(static_cast<const uint16_t*>(x), xs, static_cast<uint16_t*>(out), os, rows, n,
+                 threads);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// q [T, Hq, D] and k [T, Hk, D] rotated in place; cos_sin [max_pos, D] fp32.
+int pdserve_rope(const int64_t* positions, void* q, int64_t qs_t, int64_t qs_h, int64_t hq,
+                 void* k, int64_t ks_t, int64_t ks_h, int64_t hk, const float* cos_sin,
+                 int64_t d, int64_t tokens, int dtype, int threads) {
+  if (d % 2) return -1;
+  if (dtype == 0) {
+    rope(positions, static_cast<float*>(q), qs_t, qs_h, hq, static_cast<float*>(k), ks_t, ks_h,
+         hk, cos_sin, d, tokens, threads);
+  } else if (dtype == 1) {
+    rope(positions, static_cast<uint16_t*>(q), qs_t, qs_h, hq, static_cast<uint16_t*>(k), ks_t,
+         ks_h, hk, cos_sin, d, tokens, threads);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// Token t's `row_bytes` of K and of V (its kv heads, contiguous) copied to slot
+// slots[t] of the caches (row_bytes apart); a slot < 0 is skipped. Returns -1
+// (nothing written) if a slot is >= num_slots.
+int pdserve_store_kv(const char* k, int64_t ks_t, const char* v, int64_t vs_t, char* k_cache,
+                     char* v_cache, const int64_t* slots, int64_t tokens, int64_t row_bytes,
+                     int64_t num_slots, int threads) {
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] >= num_slots) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;
+    std::memcpy(k_cache + s * row_bytes, k + t * ks_t, row_bytes);
+    std::memcpy(v_cache + s * row_bytes, v + t * vs_t, row_bytes);
+  }
+  return 0;
+}
+
+}  // extern "C"
