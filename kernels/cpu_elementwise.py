@@ -19,6 +19,7 @@ import ctypes
 import torch
 
 from kernels import reference
+from kernels.cpu_attention import blocks_contiguous
 from kernels.native import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -35,7 +36,10 @@ _SIGNATURES = {
         [_p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _i32, _i32],
         _i32,
     ),  # fmt: skip
-    "pdserve_store_kv": ([_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i32], _i32),
+    "pdserve_store_kv": (
+        [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i32],
+        _i32,
+    ),
 }
 _fns: dict[str, ctypes._CFuncPtr] | None = None
 
@@ -159,7 +163,8 @@ def store_kv(
         fns is None
         or slot_mapping.dtype != torch.int64
         or not slot_mapping.is_contiguous()
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or not blocks_contiguous(k_cache)
+        or k_cache.stride() != v_cache.stride()
         or key.stride(1) != key.shape[2]
         or value.stride(1) != value.shape[2]
         or k_cache.shape[2] * k_cache.shape[3] != row
@@ -170,7 +175,8 @@ def store_kv(
     rc = fns["pdserve_store_kv"](
         key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
-        row * elem, k_cache.shape[0] * k_cache.shape[1], _threads(key.numel()),
+        row * elem, k_cache.shape[1], k_cache.stride(0) * elem, k_cache.shape[0] * k_cache.shape[1],
+        _threads(key.numel()),
     )  # fmt: skip
     if rc != 0:
         raise IndexError(f"store_kv: a slot is outside the cache's {k_cache.shape[0]} blocks")

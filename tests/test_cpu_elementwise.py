@@ -109,6 +109,20 @@ def test_store_kv_strided_and_skipped_slots(dtype, threads):
     assert torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
 
 
+def test_store_kv_into_strided_blocks(threads):
+    """A block-major cache's layer view: blocks contiguous, the stride between them wider."""
+    n, bs, hkv, d, t, layers = 6, 4, 2, 8, 12, 3
+    whole = torch.zeros(n, layers, 2, bs, hkv, d)
+    k_cache, v_cache = whole[:, 1, 0], whole[:, 1, 1]
+    assert not k_cache.is_contiguous()
+    k, v = torch.randn(t, hkv, d), torch.randn(t, hkv, d)
+    slots = torch.randperm(n * bs, generator=torch.Generator().manual_seed(12))[:t]
+    expect = whole.clone()
+    ew.store_kv(k, v, k_cache, v_cache, slots)
+    ref.store_kv(k, v, expect[:, 1, 0], expect[:, 1, 1], slots)
+    assert torch.equal(whole, expect)  # other layers' blocks untouched
+
+
 def test_store_kv_slot_out_of_range_raises_and_writes_nothing():
     k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
     kv = torch.ones(2, 1, 8)
@@ -128,6 +142,7 @@ def test_unsupported_inputs_fall_back_to_the_reference():
 
 
 def test_library_missing_falls_back(monkeypatch):
+    monkeypatch.setattr(ew, "_fns", {})  # as a failed build leaves it
     monkeypatch.setattr(ew, "_load", lambda: None)
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.equal(ew.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))

@@ -203,19 +203,22 @@ int pdserve_rope(const int64_t* positions, void* q, int64_t qs_t, int64_t qs_h, 
 }
 
 // Token t's `row_bytes` of K and of V (its kv heads, contiguous) copied to slot
-// slots[t] of the caches (row_bytes apart); a slot < 0 is skipped. Returns -1
-// (nothing written) if a slot is >= num_slots.
+// slots[t] = block * block_size + offset of the caches: byte offset block * block_bytes
+// (the stride between blocks, which may exceed a block: a block-major cache's layer view)
+// + offset * row_bytes. A slot < 0 is skipped. Returns -1 (nothing written) if a slot is
+// >= num_slots.
 int pdserve_store_kv(const char* k, int64_t ks_t, const char* v, int64_t vs_t, char* k_cache,
                      char* v_cache, const int64_t* slots, int64_t tokens, int64_t row_bytes,
-                     int64_t num_slots, int threads) {
+                     int64_t block_size, int64_t block_bytes, int64_t num_slots, int threads) {
   for (int64_t t = 0; t < tokens; ++t)
     if (slots[t] >= num_slots) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t s = slots[t];
     if (s < 0) continue;
-    std::memcpy(k_cache + s * row_bytes, k + t * ks_t, row_bytes);
-    std::memcpy(v_cache + s * row_bytes, v + t * vs_t, row_bytes);
+    const int64_t at = (s / block_size) * block_bytes + (s % block_size) * row_bytes;
+    std::memcpy(k_cache + at, k + t * ks_t, row_bytes);
+    std::memcpy(v_cache + at, v + t * vs_t, row_bytes);
   }
   return 0;
 }
