@@ -87,7 +87,7 @@ def bench_size(tokens: int, iters: int, chunk: int, url: str, a, b, c, kv_a, kv_
         assert torch.equal(flat_b, flat_c), "the two retrieve paths disagree"
 
     # redis-py: the same bytes as one value per chunk, pipelined.
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=300)  # a busy box stalls big writes
     chunk_bytes = [min(chunk, tokens - s) * per_token for s in range(0, tokens, chunk)]  # per chunk
     payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, generator=gen).numpy()
     views = []

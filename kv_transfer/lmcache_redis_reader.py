@@ -31,8 +31,13 @@ class RedisChunkReader:
         """`flat`: the paged cache viewed `[layers, 2, slots, hidden]`."""
         import redis
 
+        # Chunks are MBs: read the socket 1 MiB at a time (default 64 KiB: hundreds of
+        # recv + parser feeds per chunk).
         self._client = redis.Redis.from_url(
-            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            socket_read_size=1 << 20,
         )
         self.flat = flat
         self.layers, _, _, self.hidden = flat.shape
