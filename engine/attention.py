@@ -2,8 +2,10 @@
 
 Rows of a step are ordered decode-like rows first (one new token), then prefill rows
 (several new tokens: a prompt chunk). Decode rows use the paged decode kernel, prefill
-rows the paged prefill (extend) kernel; both read the cache after this step's K/V have
-been stored, so prefix-cache hits and earlier chunks are seen the same way.
+rows the paged prefill (extend) kernel; both run after this step's K/V have been stored,
+so prefix-cache hits and earlier chunks are seen the same way. The prefill kernel also
+gets this step's K/V (`new_kv`): a sequence with no cached prefix can attend over them
+directly instead of reading them back from the cache (kernels.cpu_prefill does).
 """
 
 from __future__ import annotations
@@ -55,17 +57,7 @@ class PagedAttention:
             return ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
             )
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = ops.paged_decode_attention(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_context_lens,
-                self.scale,
-            )
-        out[nd:] = ops.paged_prefill_attention(
+        prefill = ops.paged_prefill_attention(
             q[nd:],
             k_cache,
             v_cache,
@@ -73,5 +65,11 @@ class PagedAttention:
             meta.prefill_query_start_loc,
             meta.prefill_seq_lens,
             self.scale,
+            new_kv=(k[nd:], v[nd:]),
         )
-        return out
+        if not nd:
+            return prefill
+        decode = ops.paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale
+        )
+        return torch.cat([decode, prefill])

@@ -16,6 +16,7 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
@@ -176,6 +177,31 @@ class ModelRunner:
         rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
         if not rows:
             return {}, {}
+        with record_function("step.prepare"):
+            input_ids, positions, meta, cu = self._prepare(rows, block_ids)
+        with record_function("step.forward"):
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if self._step_done is not None:
+            self._step_done.record()
+        for i, s in enumerate(rows):
+            if s.request.wants_prompt_logprobs:
+                self._prompt_logprobs(s.request, hidden[cu[i] : cu[i + 1]], s.num_new_tokens)
+        sampling = [i for i, s in enumerate(rows) if s.samples]
+        if not sampling:
+            return {}, {}
+        with record_function("step.logits"):
+            last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=self.device)
+            logits = self.model.compute_logits(hidden[last_rows])
+        reqs = [rows[i].request for i in sampling]
+        with record_function("step.sample"):
+            sampled, errors = sample(logits, reqs)
+        return (
+            {reqs[j].request_id: x for j, x in sampled.items()},
+            {reqs[j].request_id: e for j, e in errors.items()},
+        )
+
+    def _prepare(self, rows, block_ids: dict[str, list[int]]):
+        """The step's flattened inputs: (input_ids, positions, metadata, cu_seqlens)."""
         bs = self.block_size
         q_lens = np.array([s.num_new_tokens for s in rows], dtype=np.int64)
         starts = np.array([s.request.num_computed_tokens for s in rows], dtype=np.int64)
@@ -212,28 +238,8 @@ class ModelRunner:
             prefill_query_start_loc=torch.from_numpy((cu[nd:] - cu[nd]).astype(np.int32)).to(dev),
             prefill_seq_lens=seq_t[nd:],
         )
-        hidden = self.model(
-            torch.from_numpy(input_ids).to(dev),
-            torch.from_numpy(positions).to(dev),
-            self.kv_cache,
-            meta,
-        )
-        if self._step_done is not None:
-            self._step_done.record()
-        for i, s in enumerate(rows):
-            if s.request.wants_prompt_logprobs:
-                self._prompt_logprobs(s.request, hidden[cu[i] : cu[i + 1]], s.num_new_tokens)
-        sampling = [i for i, s in enumerate(rows) if s.samples]
-        if not sampling:
-            return {}, {}
-        last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=dev)
-        logits = self.model.compute_logits(hidden[last_rows])
-        reqs = [rows[i].request for i in sampling]
-        sampled, errors = sample(logits, reqs)
-        return (
-            {reqs[j].request_id: x for j, x in sampled.items()},
-            {reqs[j].request_id: e for j, e in errors.items()},
-        )
+        ids_t = torch.from_numpy(input_ids).to(dev)
+        return ids_t, torch.from_numpy(positions).to(dev), meta, cu
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, num_new: int) -> None:
         """Logprobs of the prompt tokens this chunk's positions predict, appended to the

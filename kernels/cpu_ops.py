@@ -1,7 +1,7 @@
 """The CPU kernel set behind `get_ops("torch")`: native C++ ops where they exist (paged
 decode attention reading the KV blocks in place, kernels.cpu_attention; the layer's
-elementwise ops one call each, kernels.cpu_elementwise), the pure-torch reference for
-the rest (prefill attention).
+elementwise ops one call each, kernels.cpu_elementwise), and prefill attention through
+torch's flash SDPA on fresh prompts' own K/V (kernels.cpu_prefill).
 
 Select the plain reference for every op with `PDSERVE_CPU_ATTENTION=reference` (see
 `kernels.ops.get_ops`). Same contracts as `kernels.reference`.
@@ -17,7 +17,7 @@ from kernels.cpu_elementwise import (
     silu_and_mul,
     store_kv,
 )
-from kernels.reference import paged_prefill_attention
+from kernels.cpu_prefill import paged_prefill_attention
 
 __all__ = [
     "fused_add_rms_norm",

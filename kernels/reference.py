@@ -80,12 +80,16 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32, offsets of each sequence's rows in q
     seq_lens: torch.Tensor,  # [B] int32, context length after this step (prefix + new)
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this step's K/V [T, Hkv, D]
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of variable-length query chunks over their paged context.
 
     Sequence i's queries are its last `q_len_i` tokens, at positions
     `seq_len_i - q_len_i ... seq_len_i - 1`; each attends to every cached token at or
     before its own position (the prefix cache and earlier chunks included).
+    `new_kv` is this step's K/V (already stored): a backend may read a sequence without
+    a cached prefix from it instead of the cache (kernels.cpu_prefill); this oracle
+    reads the cache.
     """
     h, hkv = q.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)

@@ -293,6 +293,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32, offsets of each sequence's rows in q
     seq_lens: torch.Tensor,  # [B] int32, context length after this step (prefix + new)
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # unused: reads the cache
 ) -> torch.Tensor:  # [T, H, D]
     """Causal attention of variable-length query chunks over their paged context.
 

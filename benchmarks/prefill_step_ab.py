@@ -1,0 +1,143 @@
+"""Workload C's prefill step (32 fresh prompts x 128 tokens, logits for the 32 last rows),
+variants side by side in one process on the same weights, with Hugging Face's forward of
+the same batch as the yardstick (robust to a loaded box: the variants alternate, each
+keeps its fastest of `--rounds`, and wall and process CPU time are both reported).
+
+    python benchmarks/prefill_step_ab.py --dtype float32 --out results/prefill_step_ab.json
+
+Variants (the engine's eager model, only the kernel module of some ops swapped):
+  reference: every op from kernels.reference (PDSERVE_CPU_ATTENTION=reference; the
+             prefill attention gathers K/V from the cache and runs SDPA's math path)
+  native:    kernels.cpu_ops, what `get_ops("torch")` serves
+  hf:        transformers' LlamaForCausalLM forward on the [32, 128] batch, logits of the
+             last position only (what generate() computes for C)
+The batch has real KV slots (distinct blocks per prompt), so store and gathers are real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engine_throughput import DTYPES, make_prompts  # noqa: E402
+from engine import LLM  # noqa: E402
+from engine.attention import AttentionMetadata  # noqa: E402
+from kernels import cpu_ops  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+
+OP_MODULES = {"reference": ref, "native": cpu_ops}
+
+
+def set_ops(model, ops) -> None:
+    """Point every module of the model that calls kernels at `ops`."""
+    for m in model.modules():
+        if hasattr(m, "ops"):
+            m.ops = ops
+        if hasattr(m, "attn"):  # PagedAttention is a plain object, not a submodule
+            m.attn.ops = ops
+
+
+def fresh_batch(prompts: list[list[int]], block_size: int):
+    """Model inputs of one step prefilling every prompt from scratch, block i*w.. for
+    prompt i (block 0 left unused, as the pool does)."""
+    n, plen = len(prompts), len(prompts[0])
+    w = -(-plen // block_size)
+    table = (torch.arange(n * w, dtype=torch.int32) + 1).view(n, w)
+    pos = torch.arange(plen).repeat(n)
+    row = torch.arange(n).repeat_interleave(plen)
+    slots = table[row, pos // block_size].long() * block_size + pos % block_size
+    lens = torch.full((n,), plen, dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        num_decode_tokens=0,
+        decode_block_tables=table[:0],
+        decode_context_lens=lens[:0],
+        prefill_block_tables=table,
+        prefill_query_start_loc=(torch.arange(n + 1) * plen).to(torch.int32),
+        prefill_seq_lens=lens,
+    )
+    return torch.tensor(prompts).flatten(), pos, meta
+
+
+def timed(fn) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--variants", default="reference,native,hf")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="results/prefill_step_ab.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, num_blocks=1024,
+              num_threads=args.threads)  # fmt: skip
+    runner = llm.engine.runner
+    model, kv = runner.model, runner.kv_cache
+    prompts = make_prompts(args.prompts, args.prompt_len, llm.engine.vocab_size, seed=ord("C"))
+    ids, pos, meta = fresh_batch(prompts, runner.block_size)
+    last = (torch.arange(args.prompts) + 1) * args.prompt_len - 1
+    steps = {}
+    for v in args.variants.split(","):
+        if v == "hf":
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_dir),
+                                                      dtype=DTYPES[args.dtype]).eval()  # fmt: skip
+            hf_ids = torch.tensor(prompts)
+            steps[v] = lambda hf=hf, ids=hf_ids: hf(input_ids=ids, logits_to_keep=1,
+                                                    use_cache=False).logits  # fmt: skip
+        else:
+            ops = OP_MODULES[v]
+
+            def step(ops=ops):
+                set_ops(model, ops)
+                return model.compute_logits(model(ids, pos, kv, meta)[last])
+
+            steps[v] = step
+    best = {v: [float("inf"), float("inf")] for v in steps}
+    with torch.inference_mode():
+        outs = {v: fn() for v, fn in steps.items()}  # warm, and the outputs to compare
+        for _ in range(args.rounds):
+            for v, fn in steps.items():
+                wall, cpu = timed(fn)
+                best[v] = [min(best[v][0], wall), min(best[v][1], cpu)]
+    base = outs[next(iter(outs))].reshape(args.prompts, -1).float()
+    tokens = args.prompts * args.prompt_len
+    res = {"dtype": args.dtype, "threads": args.threads, "tokens": tokens, "variants": {}}
+    for v, (wall, cpu) in best.items():
+        diff = (outs[v].reshape(args.prompts, -1).float() - base).abs().max().item()
+        same = bool((outs[v].reshape(args.prompts, -1).argmax(-1) == base.argmax(-1)).all())
+        res["variants"][v] = {
+            "wall_ms": round(wall * 1e3, 1),
+            "cpu_ms": round(cpu * 1e3, 1),
+            "prompt_tok_s": round(tokens / wall, 1),
+            "max_abs_logit_diff": round(diff, 5),
+            "same_argmax": same,
+        }
+    names = list(best)
+    for v in names:
+        for other in names:
+            if other != v:
+                res["variants"][v][f"speedup_vs_{other}"] = round(best[other][0] / best[v][0], 2)
+    print(json.dumps(res, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""CPU prefill attention (kernels/cpu_prefill.py) equals the pure-torch reference, fresh
+prompts read their own K/V (no gather from the cache), and every call is the flash kernel.
+
+Each case stores the step's K/V into a paged cache first (as the model does), then runs
+both with the same arguments. Tolerances as tests/test_cpu_attention.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from kernels import cpu_prefill
+from kernels import reference as ref
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+def make_step(chunks, h, hkv, d, bs, dtype, seed=0):
+    """chunks: (cached prefix, new tokens) per sequence. Returns the prefill arguments and
+    this step's (k, v), with q and k/v strided views of one qkv tensor, as in the model."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [p + n for p, n in chunks]
+    need = [(n + bs - 1) // bs for n in lens]
+    n_blocks = sum(need) + 3
+    k_cache = torch.randn((n_blocks, bs, hkv, d), generator=g).to(dtype)
+    v_cache = torch.randn((n_blocks, bs, hkv, d), generator=g).to(dtype)
+    perm = torch.randperm(n_blocks - 1, generator=g) + 1
+    table = torch.zeros((len(chunks), max(need) + 1), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used : used + n]
+        used += n
+    t = sum(n for _, n in chunks)
+    qkv = torch.randn((t, (h + 2 * hkv) * d), generator=g).to(dtype)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    slots = []
+    for i, (p, n) in enumerate(chunks):
+        pos = torch.arange(p, p + n)
+        slots.append(table[i].long()[pos // bs] * bs + pos % bs)
+    ref.store_kv(k, v, k_cache, v_cache, torch.cat(slots))
+    starts = torch.tensor([0] + [n for _, n in chunks]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return (q, k_cache, v_cache, table, starts, seq_lens, d**-0.5), (k, v)
+
+
+CASES = [  # (chunks, H, Hkv, D, block_size)
+    ([(0, 128)] * 8, 9, 3, 64, 16),  # equal fresh prompts: one batched call
+    ([(0, 20), (0, 1), (0, 77)], 9, 3, 64, 16),  # fresh, varied lengths
+    ([(0, 20), (33, 17), (16, 1), (5, 0), (200, 70)], 6, 2, 64, 16),  # prefixes + empty
+    ([(0, 40), (40, 40)], 4, 4, 32, 4),  # MHA: a fresh chunk and the next chunk
+    ([(3, 9), (0, 30)], 8, 1, 128, 32),  # MQA, head dim 128
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunks,h,hkv,d,bs", CASES)
+def test_prefill_equals_reference(chunks, h, hkv, d, bs, dtype):
+    args, new_kv = make_step(chunks, h, hkv, d, bs, dtype)
+    expected = ref.paged_prefill_attention(*args)
+    for kv in (new_kv, None):  # this step's K/V given, or read back from the cache
+        actual = cpu_prefill.paged_prefill_attention(*args, new_kv=kv)
+        assert actual.dtype == dtype and actual.shape == expected.shape
+        torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+def _ops(fn) -> dict[str, int]:
+    with profile() as prof:
+        fn()
+    return {e.key: e.count for e in prof.key_averages()}
+
+
+def test_fresh_prompts_skip_the_cache_and_run_flash():
+    args, new_kv = make_step([(0, 64)] * 4, 9, 3, 64, 16, torch.float32)
+    ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
+    assert ops.get(FLASH) == 1  # one call for the batch of equal prompts
+    assert "aten::index" not in ops  # no gather of K/V out of the cache
+    args, new_kv = make_step([(0, 64), (0, 30), (16, 8)], 9, 3, 64, 16, torch.float32)
+    ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
+    assert ops.get(FLASH) == 3
+    assert ops.get("aten::index") == 2  # K and V of the one sequence with a prefix
+    assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_the_reference_stays_the_unfused_oracle():
+    """PDSERVE_CPU_ATTENTION=reference keeps the gather + math SDPA (what cpu_prefill is
+    checked against), not the flash kernel."""
+    args, _ = make_step([(0, 16)] * 2, 4, 2, 32, 16, torch.float32)
+    ops = _ops(lambda: ref.paged_prefill_attention(*args))
+    assert "aten::_scaled_dot_product_attention_math" in ops and FLASH not in ops
