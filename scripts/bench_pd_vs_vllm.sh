@@ -41,7 +41,9 @@ bench() {  # URL LABEL METRICS_URLS...
 }
 
 vllm_node() {  # CORE PORT SIDE_CHANNEL_PORT LOG
-    env -u PYTHONPATH VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND="$1" \
+    # taskset: every process of the instance on its core, as each pdserve node below
+    # (VLLM_CPU_OMP_THREADS_BIND alone leaves its front end free on the other core)
+    taskset -c "$1" env -u PYTHONPATH VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND="$1" \
         VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 VLLM_NIXL_SIDE_CHANNEL_PORT="$3" \
         nice -n "$NICE" "$VENV/bin/vllm" serve "$MODEL_DIR" --served-model-name smollm2-135m-instruct \
         --dtype float32 --host 127.0.0.1 --port "$2" --max-model-len 2048 --enforce-eager \
