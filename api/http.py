@@ -7,11 +7,11 @@ status, whether it comes from a node or from the router.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable
 from typing import TypeVar
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -98,49 +98,51 @@ class AbortOnDisconnectResponse(StreamingResponse):
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            try:
+                await self.stream_response(send)
+            except OSError:
+                pass  # the client went away mid-write
+
         try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:
-                        pass  # the client went away mid-write
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
+            await _first_of(stream(), self.listen_for_disconnect(receive))
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work`; cancel it (None) if the client disconnects first.
 
-    An exception `work` raises is raised as itself (not wrapped in an exception group), so
-    the app's exception handlers see it."""
-    result: list[T] = []
-    error: list[Exception] = []
-    async with anyio.create_task_group() as tg:
+    An exception `work` raises is raised as itself, so the app's exception handlers see
+    it."""
+    task = asyncio.ensure_future(work)
+    await _first_of(task, _wait_disconnect(request))
+    return None if task.cancelled() else task.result()
 
-        async def run() -> None:
-            try:
-                result.append(await work)
-            except Exception as e:
-                error.append(e)
-            tg.cancel_scope.cancel()
 
-        async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(run)
-        tg.start_soon(watch)
-    if error:
-        raise error[0]
-    return result[0] if result else None
+async def _first_of(main: Awaitable, watch: Awaitable) -> None:
+    """Run both until either ends, then cancel the other and wait for it. Plain asyncio
+    tasks (no task group: anyio's cancel scopes cost ~0.1 ms of CPU per request on the
+    router's hot path). An exception of `main` is raised as itself; if this coroutine is
+    cancelled, both are cancelled and awaited first."""
+    tasks = (asyncio.ensure_future(main), asyncio.ensure_future(watch))
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:  # their cleanup (closing a node connection, ...) finishes first
+            await asyncio.wait(pending)
+    for t in tasks:
+        error = None if t.cancelled() else t.exception()
+        if error is not None and t is tasks[0]:
+            raise error
 
 
 def _param_name(loc: tuple) -> str | None:

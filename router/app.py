@@ -17,11 +17,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.errors import InvalidRequestError
 from api.http import BodySizeLimitMiddleware, add_error_handlers, error_response
 from api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.config import RouterConfig
+from router.fast_path import FastGeneration
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.nodes import ClusterView
@@ -60,13 +62,11 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
             await membership.stop()
             await view.aclose()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app = RouterApp(title="pdserve router", lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     _add_error_handlers(app)
-
-    app.add_middleware(
-        AuthAndCount, api_key=config.api_key, max_concurrent=config.max_concurrent_per_key
-    )
+    app.fast = FastGeneration(app.fastapi, config.max_body_bytes, error_for)
+    app.front = AuthAndCount(app.dispatch, config.api_key, config.max_concurrent_per_key)
 
     def usable_decode(request: Request) -> int:
         return len(request.app.state.view.usable(True))
@@ -119,6 +119,30 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
         return await serving.handle("chat", body, [tokens], body.requested_max_tokens, request)
 
     return app
+
+
+class RouterApp(FastAPI):
+    """FastAPI, behind `AuthAndCount`, with the generation routes on the lean path
+    (router/fast_path.py); everything else (and what the lean path leaves) is FastAPI's."""
+
+    fast: FastGeneration
+    front: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan
+            await self.fastapi(scope, receive, send)
+            return
+        scope["app"] = self
+        await self.front(scope, receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.fast.handles(scope):
+            await self.fast(scope, receive, send)
+        else:
+            await self.fastapi(scope, receive, send)
+
+    async def fastapi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await FastAPI.__call__(self, scope, receive, send)
 
 
 class AuthAndCount:
@@ -175,20 +199,27 @@ class AuthAndCount:
                 self.in_flight[client] = left
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    add_error_handlers(app)
-
-    @app.exception_handler(ModelNotFoundError)
-    async def model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+def error_for(exc: Exception) -> Response | None:
+    """The response to a request the serving layer refused (None: not a refusal)."""
+    if isinstance(exc, InvalidRequestError):
+        return error_response(400, str(exc), param=exc.param)
+    if isinstance(exc, ModelNotFoundError):
         return error_response(404, str(exc), param="model", code="model_not_found")
-
-    @app.exception_handler(NoNodeError)
-    async def no_node(request: Request, exc: NoNodeError) -> JSONResponse:
+    if isinstance(exc, NoNodeError):
         return error_response(503, str(exc), "server_error", code="no_nodes")
-
-    @app.exception_handler(TokenLimitExceeded)
-    async def token_limit(request: Request, exc: TokenLimitExceeded) -> JSONResponse:
+    if isinstance(exc, TokenLimitExceeded):
         resp = error_response(429, str(exc), "rate_limit_error", param="prompt", code=exc.code)
         if exc.retry_after_s is not None:
             resp.headers["Retry-After"] = str(exc.retry_after_s)
         return resp
+    return None
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    add_error_handlers(app)
+
+    async def refused(request: Request, exc: Exception) -> Response:
+        return error_for(exc)
+
+    for kind in (ModelNotFoundError, NoNodeError, TokenLimitExceeded):
+        app.add_exception_handler(kind, refused)

@@ -139,6 +139,23 @@ def post_raw(url: str, body: dict, timeout: float) -> httpx.Response:
     )
 
 
+RAW_BAD = [
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json"),
+    (b'{"prompt": "\xff\xfe", "max_tokens": 2}', "application/json"),
+    (b'{"prompt": [1], "temperature": NaN}', "application/json"),
+    (b'{"prompt": [1], "temperature": 1e999}', "application/json"),
+    (b'{"prompt": [1], "max_tokens": 2}', "text/plain"),
+    (b'{"prompt": [1], "max_tokens": 2', None),
+    (b"", "application/json"),
+    (b'["prompt"]', "application/json"),
+]
+
+
+def post_bytes(base: str, content: bytes, content_type: str | None, timeout: float):
+    headers = {"content-type": content_type} if content_type else {}
+    return httpx.post(f"{base}/v1/completions", content=content, headers=headers, timeout=timeout)
+
+
 def test_bad_input_gets_the_node_error_bodies_without_touching_a_node(node, router):
     url, proc = node
     # Pause the node: a request that reached it would hang, not answer.
@@ -157,6 +174,7 @@ def test_bad_input_gets_the_node_error_bodies_without_touching_a_node(node, rout
             headers={"content-type": "application/json"},
             timeout=10,
         )
+        raw_routed = [post_bytes(router, b, t, 10) for b, t in RAW_BAD]
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     direct = [post_raw(url, b, 60) for b in BAD_BODIES]
@@ -171,6 +189,11 @@ def test_bad_input_gets_the_node_error_bodies_without_touching_a_node(node, rout
         f"{url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert (bad_json.status_code, bad_json.json()) == (d_json.status_code, d_json.json())
+    # bodies the router's lean path leaves to FastAPI (router/fast_path.py): same answers
+    for (b, t), r in zip(RAW_BAD, raw_routed):
+        d = post_bytes(url, b, t, 60)
+        assert 400 <= d.status_code < 500, (b[:40], t, d.text)
+        assert (r.status_code, r.json()) == (d.status_code, d.json()), (b[:40], t)
     # Clients never choose the prefill node: the router says so.
     assert steer.status_code == 400
     assert steer.json()["error"]["param"] == "kv_transfer_params.prefill_node"
