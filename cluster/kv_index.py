@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from cluster.redis_client import LeanRedis
 from cluster.registry import ClusterKeys, NodeRecord
 
 logger = logging.getLogger(__name__)
@@ -178,9 +179,12 @@ class PrefixHits:
     crosses the wire (EVALSHA; redis-py reloads the script after a Redis restart).
     """
 
-    def __init__(self, redis: Redis, keys: ClusterKeys):
+    def __init__(self, redis: Redis | LeanRedis, keys: ClusterKeys):
         self.keys = keys
-        self._script = redis.register_script(_LEADING_HITS)
+        if isinstance(redis, LeanRedis):
+            self._script = redis.script(_LEADING_HITS)
+        else:
+            self._script = redis.register_script(_LEADING_HITS)
 
     async def __call__(
         self, nodes: Sequence[NodeRecord], chain_of: Callable[[NodeRecord], list[bytes]]

@@ -19,6 +19,8 @@ import logging
 import msgspec
 from redis.asyncio import Redis
 
+from cluster.redis_client import LeanRedis
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("colocated", "prefill", "decode")
@@ -96,14 +98,22 @@ async def read_nodes(redis: Redis, keys: ClusterKeys) -> list[NodeRecord]:
     Ids whose record expired are removed from the id set (a live node re-adds its own).
     Malformed records are skipped. Raises RedisError/OSError if Redis is unreachable.
     """
-    ids = sorted(await redis.smembers(keys.nodes))
+    lean = isinstance(redis, LeanRedis)  # the router's: ~5x less CPU for 128 records
+    ids = sorted(
+        await (redis.execute("SMEMBERS", keys.nodes) if lean else redis.smembers(keys.nodes))
+    )
     if not ids:
         return []
-    pipe = redis.pipeline(transaction=False)
-    for node_id in ids:
-        pipe.hgetall(keys.node(node_id.decode()))
+    if lean:
+        replies = await redis.pipeline([("HGETALL", keys.node(i.decode())) for i in ids])
+        hashes = [dict(zip(r[::2], r[1::2])) for r in replies]
+    else:
+        pipe = redis.pipeline(transaction=False)
+        for node_id in ids:
+            pipe.hgetall(keys.node(node_id.decode()))
+        hashes = await pipe.execute()
     records, gone = [], []
-    for node_id, fields in zip(ids, await pipe.execute()):
+    for node_id, fields in zip(ids, hashes):
         if not fields:
             gone.append(node_id)
             continue
@@ -112,5 +122,5 @@ async def read_nodes(redis: Redis, keys: ClusterKeys) -> list[NodeRecord]:
         except ValueError as e:
             logger.warning("ignoring node %s: %s", node_id.decode(errors="replace"), e)
     if gone:
-        await redis.srem(keys.nodes, *gone)
+        await (redis.execute("SREM", keys.nodes, *gone) if lean else redis.srem(keys.nodes, *gone))
     return records

@@ -21,7 +21,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from cluster.redis_client import connect
+from cluster.redis_client import LeanRedis, connect, lean_client
 from cluster.registry import ClusterKeys, NodeRecord, read_nodes
 from router.config import RouterConfig
 from router.nodes import ClusterView, NodeState
@@ -37,6 +37,8 @@ class Membership:
         self.view = view
         self.keys = ClusterKeys(config.cluster)
         self.redis: Redis | None = None
+        # the KV index lookup's client (request path); None: it uses `redis`
+        self.lookup_redis: LeanRedis | None = None
         self.redis_ok = False
         self._tasks: list[asyncio.Task] = []
         self._decoder = msgspec.json.Decoder(NodeRecord)
@@ -46,6 +48,7 @@ class Membership:
             self.redis = connect(
                 self.config.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0
             )
+            self.lookup_redis = lean_client(self.config.redis_url, timeout_s=1.0)
             await self.refresh_registry()
             self._tasks.append(asyncio.create_task(self._registry_loop(), name="registry"))
         await self.probe_all()
@@ -59,11 +62,13 @@ class Membership:
                 await t
         if self.redis is not None:
             await self.redis.aclose()
+        if self.lookup_redis is not None:
+            await self.lookup_redis.aclose()
 
     # -- registry ------------------------------------------------------------------------
     async def refresh_registry(self) -> None:
         try:
-            records = await read_nodes(self.redis, self.keys)
+            records = await read_nodes(self.lookup_redis or self.redis, self.keys)
         except (RedisError, OSError) as e:
             if self.redis_ok:
                 logger.warning("Redis unreachable (%s): serving from the last view", e)

@@ -48,5 +48,15 @@ class RouterMetrics:
             "pdserve_router_redis_up", "1 when the registry is reachable", registry=r
         )
 
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *values: str):
+        """`metric.labels(*values)`, cached (labels() costs more than the increment)."""
+        key = (metric, values)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*values)
+        return c
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -62,7 +62,7 @@ class Selector:
 
     async def lookup_hits(self, tokens: list[int], nodes: list[NodeState]) -> dict[str, int]:
         """Node url -> leading prompt blocks it holds ({} without Redis)."""
-        redis = self.membership.redis
+        redis = self.membership.lookup_redis or self.membership.redis
         if not self.kv_aware or redis is None or not self.membership.redis_ok or not nodes:
             return {}
         chains: dict[tuple[str, int], list[bytes]] = {}

@@ -241,10 +241,10 @@ class RouterServing:
     def _observe_decision(self, d: Decision) -> None:
         m = self.metrics
         m.decision.observe(d.decision_s)
-        m.selections.labels(node=d.decode.url, role=d.decode.role).inc()
+        m.child(m.selections, d.decode.url, d.decode.role).inc()
         if d.prefill is not None:
-            m.selections.labels(node=d.prefill.url, role="prefill").inc()
-        m.prefills.labels(where="remote" if d.prefill is not None else "local").inc()
+            m.child(m.selections, d.prefill.url, "prefill").inc()
+        m.child(m.prefills, "remote" if d.prefill is not None else "local").inc()
         m.predicted_hit_tokens.inc(d.predicted_hit_tokens)
 
     async def _attempt(
@@ -304,15 +304,15 @@ class RouterServing:
         self, s: OpenStream, include_usage: bool, release: _Release, rid: str
     ) -> AsyncIterator[bytes]:
         """The held events, then the rest of the node's stream (usage chunk kept only if the
-        client asked for it)."""
+        client asked for it). Events that arrived together leave together (one write)."""
         try:
-            for event in s.held:
-                if self._keep(event, include_usage):
-                    yield event
+            kept = [e for e in s.held if self._keep(e, include_usage)]
+            if kept:
+                yield b"".join(kept)
             async for data in s.rest:
-                for event in s.splitter.feed(data):
-                    if self._keep(event, include_usage):
-                        yield event
+                kept = [e for e in s.splitter.feed(data) if self._keep(e, include_usage)]
+                if kept:
+                    yield b"".join(kept)
         except NODE_ERRORS as e:
             logger.warning("request %s: stream from %s broke: %s", rid, s.response.url, e)
             err = ErrorResponse(
@@ -337,7 +337,7 @@ class RouterServing:
         return include_usage
 
     def count(self, route: str, status: int) -> None:
-        self.metrics.requests.labels(route=route, status=str(status)).inc()
+        self.metrics.child(self.metrics.requests, route, str(status)).inc()
 
 
 class _Relayed:
