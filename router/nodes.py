@@ -4,8 +4,9 @@ A node comes from the static lists (`--prefill`/`--decode`, probed over HTTP) or
 Redis registry; it is keyed by its HTTP url. It gets new work only when it is *usable*:
 its record is known, it is healthy (its last probe answered, or the registry lists it),
 its circuit breaker allows it, and it serves the router's model. Each node has ONE shared
-`aiohttp.ClientSession` (connection pool), created when the node is first seen (inside the
-event loop). Its idle connections are dropped after 4 s, before a node's HTTP server
+connection pool for requests (`NodePool`, router/node_http.py) and one
+`aiohttp.ClientSession` for health probes, created when the node is first seen (inside the
+event loop). Idle connections are dropped after 4 s, before a node's HTTP server
 (uvicorn: 5 s) closes them: a request sent on a connection the node is closing would fail
 and count against the node.
 """
@@ -24,6 +25,7 @@ from api.cluster_secret import NODE_KEY_HEADER, node_key
 from cluster.registry import NodeRecord
 from router.breaker import CircuitBreaker
 from router.config import RouterConfig
+from router.node_http import NodePool
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,9 @@ _KEEPALIVE_S = 4.0  # idle node connections kept this long (uvicorn closes them 
 @dataclass(eq=False)
 class NodeState:
     url: str
-    client: aiohttp.ClientSession
+    client: aiohttp.ClientSession  # health probes
     breaker: CircuitBreaker
+    http: NodePool | None = None  # requests (set for every node the view creates)
     static_role: str | None = None  # "prefill" | "decode" for a static node
     record: NodeRecord | None = None
     healthy: bool = False  # last probe answered (static nodes; registry nodes while Redis is down)
@@ -126,6 +129,14 @@ class ClusterView:
                     headers=node_headers(cfg),
                     auto_decompress=False,
                 ),
+                http=NodePool(
+                    url,
+                    node_headers(cfg),
+                    self._ssl,
+                    cfg.connect_timeout_s,
+                    cfg.request_timeout_s,
+                    _KEEPALIVE_S,
+                ),
                 breaker=CircuitBreaker(cfg.breaker_failures, cfg.breaker_cooldown_s),
                 static_role=static_role,
             )
@@ -208,6 +219,7 @@ class ClusterView:
 
     async def aclose(self) -> None:
         for node in self.nodes.values():
+            node.http.close()
             await node.client.close()
 
 

@@ -167,8 +167,9 @@ def test_prefix_hits_counts_leading_blocks_per_node_in_one_script(redis_server):
 
 def test_open_stream_keeps_every_event_of_the_read_that_brings_the_first_token():
     """A node may flush several events at once (one read): none may be lost."""
-    from aiohttp import ClientSession, web
+    from aiohttp import web
 
+    from router.node_http import NodePool
     from router.relay import open_stream
 
     events = [b'data: {"choices": [{"text": "%d"}]}\n\n' % i for i in range(4)] + [
@@ -190,13 +191,15 @@ def test_open_stream_keeps_every_event_of_the_read_that_brings_the_first_token()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        async with ClientSession() as client:
-            n = NodeState(url=f"http://127.0.0.1:{port}", client=client, breaker=CircuitBreaker())
-            opened = await open_stream(n, "/v1/completions", b"{}", {}, preamble_events=0)
-            got = list(opened.held)
-            async for data in opened.rest:
-                got += opened.splitter.feed(data)
-            opened.close()
+        url = f"http://127.0.0.1:{port}"
+        pool = NodePool(url, {}, None, connect_timeout_s=5, read_timeout_s=30)
+        n = NodeState(url=url, client=None, breaker=CircuitBreaker(), http=pool)
+        opened = await open_stream(n, "/v1/completions", b"{}", {}, preamble_events=0)
+        got = list(opened.held)
+        async for data in opened.rest:
+            got += opened.splitter.feed(data)
+        opened.close()
+        pool.close()
         await runner.cleanup()
         return got
 
