@@ -254,6 +254,10 @@ def main() -> None:
     ap.add_argument("--base-port", type=int, default=0, help="0: free ports")
     ap.add_argument("--prefill", type=int, default=4)
     ap.add_argument("--decode", type=int, default=4)
+    ap.add_argument(
+        "--first-index", type=int, default=0,
+        help="number of the first node of each role (several fleet processes, one cluster)",
+    )  # fmt: skip
     ap.add_argument("--kv-blocks", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefill-tok-s", type=float, default=Timing.prefill_tok_s)
@@ -269,10 +273,10 @@ def main() -> None:
     loads = [int(x) for x in args.decode_load.split(",") if x.strip()]
     fleet = Fleet(args.redis_url, args.cluster, args.model, args.host, args.base_port)
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
-        for i in range(count):
+        for i in range(args.first_index, args.first_index + count):
             node = fleet.add(role, i, timing, args.kv_blocks, args.block_size)
-            if role == "decode" and i < len(loads):
-                node.extra_running = loads[i]
+            if role == "decode" and 0 <= i - args.first_index < len(loads):
+                node.extra_running = loads[i - args.first_index]
     asyncio.run(fleet.serve())
 
 
