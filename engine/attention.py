@@ -50,6 +50,10 @@ class PagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, D]
+        if torch.compiler.is_compiling():  # one opaque graph node (engine/attention_op.py)
+            from engine import attention_op
+
+            return attention_op.call(self, q, k, v, k_cache, v_cache, meta)
         ops = self.ops
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         nd = meta.num_decode_tokens
