@@ -1,25 +1,29 @@
-"""The model step compiled piecewise with torch.compile (inductor, CPU C++/OpenMP).
+"""The decode step compiled whole with torch.compile (inductor), at a fixed set of batch sizes.
 
-What is compiled: the pieces of a decoder layer between two attentions (input norm +
-residual add + qkv projection + RoPE; o_proj + residual add + norm + MLP) and the final
-norm. What stays eager between them: paged attention and its in-place KV store, which
-take the step's metadata (block tables, a Python count of decode rows) and write into
-the one KV cache tensor. Compiling the whole forward instead would make that cache a
-mutated graph input (functionalization copies or guards on it) and specialise the graph
-on the metadata; piecewise, the graphs see only per-token tensors and weights.
+What is compiled: the model's whole forward (embedding, every layer, final norm) as ONE
+graph per decode bucket. Paged attention is one opaque node in it, the custom op
+`pdserve::paged_attention` (engine/attention_op.py), which stores this step's K/V into
+the cache in place and runs the native (or Triton) kernel; the GEMMs are the
+prepacked-oneDNN custom op (engine/models/cpu_linear.py); inductor fuses the rest (norms,
+RoPE, SiLU*mul, residual adds) into C++ loops. One compiled call per step: the earlier
+piecewise compile (two graphs per layer around eager attention) paid dynamo's guards and
+wrapper ~61 times a step and lost to eager (docs/benchmarks.md).
 
-One graph per piece serves all layers: a piece takes its layer as an argument, and
-dynamo lifts the layer's parameters to graph inputs (no freezing, which would bake each
-layer's weights into its own graph: 30x the compile time). The GEMMs inside are the
-prepacked-oneDNN custom op (engine/models/cpu_linear.py); inductor fuses the rest
-(norms, RoPE, SiLU*mul, residual adds) into C++ loops.
+Shapes are static. A decode-only step of n rows is padded to the smallest bucket
+>= n (1, 2, 4, ..., up to `max_num_seqs`): padded rows have token 0 at position 0, KV
+slot -1 (nothing is stored) and a context of one token, and their outputs are dropped
+(rows never mix: every op but attention is row-wise, and attention reads only its own
+row's blocks). Block tables are padded to the widest a sequence can have
+(`max_model_len / block_size` blocks), so a bucket's graph never sees another shape and
+serving never recompiles (tests check dynamo's graph count). The same fixed shapes are
+what CUDA graphs need on a GPU.
 
-Shapes: the token count is a dynamic dimension (`dynamic=True`), so one graph serves
-every batch size: 3 graphs to compile, where fixed shapes would need 3 per bucket.
-Dynamo specialises a size of 1, so a one-token step is padded to 2 rows around the
-pieces. `warm_up_compiled` compiles the 3 graphs at start and serving never compiles
-again (tests check the dynamo counters). Compiled code is cached on disk by inductor's
-FX graph and AOT caches under `cache_dir`, so a restarted node loads, not compiles.
+Steps with prompt tokens (prefill chunks, mixed steps) run eager: their time is the
+GEMMs on many rows, where the per-op overhead compiling removes is negligible, and their
+shapes (tokens, chunk boundaries) vary too much to bucket cheaply.
+
+Compiled code is cached on disk by inductor's FX graph and AOT caches under `cache_dir`,
+so a restarted node loads its buckets instead of compiling them.
 """
 
 from __future__ import annotations
@@ -30,11 +34,9 @@ import time
 
 import torch
 
-from engine.models.llama import LlamaDecoderLayer, final_norm
+from engine.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
-
-MIN_TOKENS = 2  # pieces see at least this many rows (a size of 1 would be its own graph)
 
 
 def set_compile_cache_dir(path: str) -> None:
@@ -50,46 +52,85 @@ def set_compile_cache_dir(path: str) -> None:
     torch._functorch.config.enable_autograd_cache = True
 
 
-class CompiledPieces:
-    """The same pieces as `EagerPieces`, compiled lazily on first call.
+def decode_buckets(max_rows: int) -> list[int]:
+    """Powers of two below `max_rows`, then `max_rows` itself: 1, 2, 4, ..., max_rows."""
+    buckets = []
+    b = 1
+    while b < max_rows:
+        buckets.append(b)
+        b *= 2
+    return [*buckets, max_rows]
 
-    Each piece has exactly one graph: a step of one token is padded to `MIN_TOKENS` rows
-    around the piece (dynamo would specialise a size of 1 into a second graph), and the
-    first layer gets a zero residual instead of None (x + 0 is exact).
+
+class CompiledDecode:
+    """`model`'s forward for decode-only steps, compiled once per bucket of rows.
+
+    `__call__(input_ids, positions, kv_cache, meta)` returns the hidden states of the
+    step, or None when the step is not one it runs (prompt tokens in it, more rows than
+    the largest bucket, a block table wider than `max_blocks`): the caller runs eager.
     """
 
-    def __init__(self) -> None:
-        opts = dict(dynamic=True, fullgraph=True)
-        self._before = torch.compile(LlamaDecoderLayer.before_attention, **opts)
-        self._after = torch.compile(LlamaDecoderLayer.after_attention, **opts)
-        self._final = torch.compile(final_norm, **opts)
+    def __init__(self, model: torch.nn.Module, max_rows: int, max_blocks: int) -> None:
+        self.model = model
+        self.buckets = decode_buckets(max_rows)
+        self.max_blocks = max_blocks
+        # one graph per bucket, all under this one function: let dynamo keep them all
+        limit = len(self.buckets) + 2
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        self._step = torch.compile(self._forward, dynamic=False, fullgraph=True)
 
-    def before_attention(self, layer, positions, x, residual, cos_sin):
-        n = x.shape[0]
-        if residual is None:
-            residual = torch.zeros_like(x)
-        if n < MIN_TOKENS:
-            positions, x, residual = (_pad(t) for t in (positions, x, residual))
-        q, k, v, residual = self._before(layer, positions, x, residual, cos_sin)
-        return q[:n], k[:n], v[:n], residual[:n]
+    def _forward(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens):
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode_tokens=input_ids.shape[0],
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
+            prefill_block_tables=block_tables[:0],
+            prefill_query_start_loc=context_lens[:1] * 0,
+            prefill_seq_lens=context_lens[:0],
+        )
+        return self.model(input_ids, positions, kv_cache, meta)
 
-    def after_attention(self, layer, o, residual):
-        n = o.shape[0]
-        if n < MIN_TOKENS:
-            o, residual = _pad(o), _pad(residual)
-        x, residual = self._after(layer, o, residual)
-        return x[:n], residual[:n]
+    def bucket(self, rows: int) -> int | None:
+        """The bucket a decode step of `rows` rows is padded to (None: larger than all)."""
+        return next((b for b in self.buckets if b >= rows), None)
 
-    def final_norm(self, norm, x, residual):
-        n = x.shape[0]
-        if n < MIN_TOKENS:
-            x, residual = _pad(x), _pad(residual)
-        return self._final(norm, x, residual)[:n]
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [n]
+        positions: torch.Tensor,  # [n]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:  # [n, hidden]
+        n = input_ids.shape[0]
+        b = self.bucket(n)
+        tables = meta.decode_block_tables
+        if meta.num_prefills or b is None or tables.shape[1] > self.max_blocks:
+            return None
+        # fresh inputs, all made under inference mode (whatever the caller's tensors are,
+        # dynamo's guards see the same kind of tensor every step: no recompile)
+        with torch.inference_mode():
+            dev = input_ids.device
+            block_tables = torch.zeros((b, self.max_blocks), dtype=torch.int32, device=dev)
+            block_tables[:n, : tables.shape[1]] = tables
+            context_lens = torch.ones(b, dtype=torch.int32, device=dev)
+            context_lens[:n] = meta.decode_context_lens
+            hidden = self._step(
+                _pad(input_ids, b, 0),
+                _pad(positions, b, 0),
+                kv_cache,
+                _pad(meta.slot_mapping, b, -1),
+                block_tables,
+                context_lens,
+            )
+        return hidden[:n]
 
 
-def _pad(t: torch.Tensor) -> torch.Tensor:
-    """`t` with zero rows appended up to MIN_TOKENS rows."""
-    return torch.cat([t, t.new_zeros((MIN_TOKENS - t.shape[0], *t.shape[1:]))])
+def _pad(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
+    """A new 1-D tensor: `t`, then `value` up to `rows` entries."""
+    out = t.new_full((rows,), value)
+    out[: t.shape[0]] = t
+    return out
 
 
 def compiled_graph_count() -> int:
@@ -99,13 +140,21 @@ def compiled_graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def warm_up_compiled(model: torch.nn.Module, kv_cache: torch.Tensor, block_size: int) -> None:
-    """Compile (or load from the disk cache) the three graphs serving will use: one
-    dummy step of two decode rows whose KV slots are -1 (the cache is untouched)."""
+def warm_up_compiled(compiled: CompiledDecode, kv_cache: torch.Tensor, block_size: int) -> None:
+    """Compile (or load from the disk cache) every bucket's graph: one dummy decode step
+    per bucket, whose KV slots are -1 (the cache is untouched)."""
     from engine.warmup import dummy_batch
 
     t0 = time.perf_counter()
-    logger.info("compiling the model step (3 graphs; cached on disk for the next start)")
+    logger.info(
+        "compiling the decode step for %d batch sizes %s (cached on disk for the next start)",
+        len(compiled.buckets),
+        compiled.buckets,
+    )
     with torch.inference_mode():
-        model(*dummy_batch([1] * MIN_TOKENS, 1, kv_cache, block_size))
+        for b in compiled.buckets:
+            t1 = time.perf_counter()
+            if compiled(*dummy_batch([1] * b, 1, kv_cache, block_size)) is None:
+                raise RuntimeError(f"bucket {b} did not run compiled")
+            logger.info("decode bucket %d ready in %.1f s", b, time.perf_counter() - t1)
     logger.info("compile warm-up done in %.1f s", time.perf_counter() - t0)

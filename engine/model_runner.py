@@ -26,7 +26,6 @@ from engine.model_arch import ModelArch
 from engine.model_files import default_cache_dir
 from engine.models import get_model_class
 from engine.models.cpu_linear import onednn_available
-from engine.models.llama import EagerPieces
 from engine.request import Request
 from engine.sampler import Sampled, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
@@ -119,23 +118,26 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.warm_up()
         if mc.compiled:
-            self._compile(mc.compile_cache_dir or str(default_cache_dir() / "compile"))
+            self._compile(config, mc.max_model_len or arch.max_position_embeddings)
 
-    def _compile(self, cache_dir: str) -> None:
-        """Compile the step piecewise and warm it up (or load it from the disk cache)."""
-        from engine.compiled_model import CompiledPieces, set_compile_cache_dir, warm_up_compiled
+    def _compile(self, config: EngineConfig, max_model_len: int) -> None:
+        """Compile the decode step per batch bucket and warm it up (or load it from the
+        disk cache); on any failure serve eager."""
+        from engine.compiled_model import CompiledDecode, set_compile_cache_dir, warm_up_compiled
 
+        cache_dir = config.model.compile_cache_dir or str(default_cache_dir() / "compile")
         set_compile_cache_dir(cache_dir)
-        self.model.pieces = CompiledPieces()
+        max_blocks = -(-max_model_len // self.block_size)
+        compiled = CompiledDecode(self.model, config.scheduler.max_num_seqs, max_blocks)
         t0 = time.perf_counter()
         try:
-            warm_up_compiled(self.model, self.kv_cache, self.block_size)
+            warm_up_compiled(compiled, self.kv_cache, self.block_size)
         except Exception:  # e.g. no C++ compiler on this machine: serve eager, loudly
             logger.exception("compiling the model step failed; running eager")
-            self.model.pieces = EagerPieces
             return
+        self.model.compiled_decode = compiled
         logger.info(
-            "compiled model step ready in %.1f s (cache %s; --enforce-eager to skip)",
+            "compiled decode step ready in %.1f s (cache %s; --enforce-eager to skip)",
             time.perf_counter() - t0,
             cache_dir,
         )

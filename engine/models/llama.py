@@ -7,7 +7,7 @@ model code is the same on CPU and GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
@@ -86,9 +86,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    # The layer runs as two pieces around attention, which reads and writes the paged KV
-    # cache in place: the pieces are pure functions of their inputs (and the weights), so
-    # they can be compiled (engine/compiled_model.py) while attention stays eager.
+    # The layer as two halves around attention, which reads and writes the paged KV cache.
     def before_attention(self, positions, x, residual, cos_sin):
         """Input norm (+ the residual add of the previous layer), qkv projection, RoPE."""
         x, residual = self.input_layernorm(x, residual)
@@ -104,14 +102,6 @@ class LlamaDecoderLayer(nn.Module):
 
 def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return norm(x, residual)[0]
-
-
-class EagerPieces:
-    """The model step's pieces, run as plain torch (the reference)."""
-
-    before_attention = staticmethod(LlamaDecoderLayer.before_attention)
-    after_attention = staticmethod(LlamaDecoderLayer.after_attention)
-    final_norm = staticmethod(final_norm)
 
 
 class LlamaModel(nn.Module):
@@ -135,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
         # [max_pos, head_dim] fp32, filled by `init_rope` once the model is on its device
         # (the model is built under the meta device, and `.to(bf16)` would round it).
         self.register_buffer("cos_sin", torch.empty(0, cfg.head_dim), persistent=False)
-        self.pieces = EagerPieces  # or a compiled set (engine/compiled_model.py)
+        # decode steps compiled per batch bucket (engine/compiled_model.py); None: eager
+        self.compiled_decode: Callable[..., torch.Tensor | None] | None = None
 
     def init_rope(self, device: torch.device) -> None:
         """Compute the RoPE table (fp32, whatever the model's dtype) on `device`."""
@@ -152,14 +143,17 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [L, 2, N, bs, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
+        if not torch.compiler.is_compiling() and self.compiled_decode is not None:
+            hidden = self.compiled_decode(input_ids, positions, kv_cache, meta)
+            if hidden is not None:  # None: not a step it runs (prompt tokens in it, ...)
+                return hidden
         x = self.model.embed_tokens(input_ids)
         residual = None
-        pieces = self.pieces
         for i, layer in enumerate(self.model.layers):
-            q, k, v, residual = pieces.before_attention(layer, positions, x, residual, self.cos_sin)
+            q, k, v, residual = layer.before_attention(positions, x, residual, self.cos_sin)
             o = layer.self_attn.attn(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)  # [T, H, D]
-            x, residual = pieces.after_attention(layer, o, residual)
-        return pieces.final_norm(self.model.norm, x, residual)
+            x, residual = layer.after_attention(o, residual)
+        return final_norm(self.model.norm, x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] fp32 logits, only for the rows that sample."""
