@@ -54,7 +54,9 @@ def test_block_major_preemption(tiny_llama_dir, hf_model):
 
 
 def test_block_major_compiled_step(tiny_llama_dir, hf_model):
-    llm = block_major_llm(tiny_llama_dir, num_blocks=128, enforce_eager=False)
+    # max_num_seqs 4: three decode buckets (1, 2, 4) to compile
+    llm = block_major_llm(tiny_llama_dir, num_blocks=128, enforce_eager=False, max_num_seqs=4)
+    assert llm.engine.runner.model.compiled_decode is not None
     check(llm, hf_model, random_prompts(3, [7, 30, 2], seed=5))
 
 
