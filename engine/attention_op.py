@@ -15,6 +15,7 @@ reaches the graph. `backend` names the kernel module (`kernels.cpu_ops`,
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -38,9 +39,7 @@ def paged_attention(
     scale: float,
     backend: str,
 ) -> torch.Tensor:  # [T, H, D]
-    ops = importlib.import_module(backend)
-    attn = PagedAttention(ops, q.shape[1], k.shape[1], q.shape[2])
-    attn.scale = scale
+    attn = _attention(backend, q.shape[1], k.shape[1], q.shape[2], scale)
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
         num_decode_tokens=decode_block_tables.shape[0],
@@ -51,6 +50,13 @@ def paged_attention(
         prefill_seq_lens=prefill_seq_lens,
     )
     return attn(q, k, v, k_cache, v_cache, meta)
+
+
+@functools.cache
+def _attention(backend: str, heads: int, kv_heads: int, head_dim: int, scale: float):
+    attn = PagedAttention(importlib.import_module(backend), heads, kv_heads, head_dim)
+    attn.scale = scale
+    return attn
 
 
 @paged_attention.register_fake

@@ -28,6 +28,7 @@ so a restarted node loads its buckets instead of compiling them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -78,6 +79,10 @@ class CompiledDecode:
         limit = len(self.buckets) + 2
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
         self._step = torch.compile(self._forward, dynamic=False, fullgraph=True)
+        # Once every bucket is compiled (`warm_up_compiled`), dynamo checks only the guards
+        # that tell the buckets apart (the row count), not the ~300 tensor guards on the
+        # weights and inputs whose properties never change while serving.
+        self.skip_guards = False
 
     def _forward(self, input_ids, positions, kv_cache, slot_mapping, block_tables, context_lens):
         meta = AttentionMetadata(
@@ -109,7 +114,12 @@ class CompiledDecode:
             return None
         # fresh inputs, all made under inference mode (whatever the caller's tensors are,
         # dynamo's guards see the same kind of tensor every step: no recompile)
-        with torch.inference_mode():
+        stance = (
+            torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+            if self.skip_guards
+            else contextlib.nullcontext()
+        )
+        with torch.inference_mode(), stance:
             dev = input_ids.device
             block_tables = torch.zeros((b, self.max_blocks), dtype=torch.int32, device=dev)
             block_tables[:n, : tables.shape[1]] = tables
@@ -157,4 +167,5 @@ def warm_up_compiled(compiled: CompiledDecode, kv_cache: torch.Tensor, block_siz
             if compiled(*dummy_batch([1] * b, 1, kv_cache, block_size)) is None:
                 raise RuntimeError(f"bucket {b} did not run compiled")
             logger.info("decode bucket %d ready in %.1f s", b, time.perf_counter() - t1)
+    compiled.skip_guards = True
     logger.info("compile warm-up done in %.1f s", time.perf_counter() - t0)
