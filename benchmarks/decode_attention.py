@@ -1,6 +1,7 @@
 """Paged decode attention on CPU: the reference (gather + SDPA) vs the native in-place kernel.
 
     python benchmarks/decode_attention.py --out results/decode_attention.json [--inductor]
+    python benchmarks/decode_attention.py --block-major --cases 32x150,1x2000 --dtypes float32
 
 SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head_dim 64, block size 16,
 30 layers) at 32 rows x context 150, 32 rows x 1000 and 1 row x 2000, fp32 and bf16.
@@ -9,7 +10,10 @@ them alike; per-layer min and median over the rounds, and the median x 30 layers
 decode step's attention). `--inductor` adds a torch.compile formulation whose loads index
 the cache through the block table inside the compiled loop (no gather buffer), with its
 compile time. Also the process CPU time per call (with --threads 1: the work itself,
-robust to a busy machine). Prints one JSON line per case and writes them all to --out.
+robust to a busy machine). `--block-major` adds both implementations reading a layer's
+views of a block-major cache (engine/kv_tensor.py: all 30 layers allocated, blocks
+`2 x 30` block sizes apart; keys `*_block_major`), with the same values as the contiguous
+one. Prints one JSON line per case and writes them all to --out.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache  # noqa: E402
 from kernels import cpu_attention, native, reference  # noqa: E402
 
 CASES = {"32x150": [150] * 32, "32x1000": [1000] * 32, "1x2000": [2000]}
@@ -65,29 +70,47 @@ def decode_in_loop(q, k_cache, v_cache, block_tables, context_lens, scale):
     return (p[..., None] * v.float()).sum(-2).reshape(b, h, d).to(q.dtype)
 
 
-def bench_case(name: str, dtype: str, rounds: int, inductor: bool) -> dict:
+def block_major_views(args: tuple) -> tuple:
+    """`args` with k/v replaced by a middle layer's views of a block-major cache."""
+    q, k_cache, v_cache, table, lens = args
+    n_blocks = k_cache.shape[0]
+    kv = allocate_kv_cache(
+        BLOCK_MAJOR, LAYERS, n_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=k_cache.dtype
+    )
+    layer = kv[LAYERS // 2]
+    layer[0].copy_(k_cache)
+    layer[1].copy_(v_cache)
+    return q, layer[0], layer[1], table, lens
+
+
+def bench_case(name: str, dtype: str, rounds: int, inductor: bool, block_major: bool) -> dict:
     args = make_case(CASES[name], DTYPES[dtype])
     scale = HEAD_DIM**-0.5
     impls = {
-        "gather_sdpa": reference.paged_decode_attention,
-        "native": cpu_attention.paged_decode_attention,
+        "gather_sdpa": (reference.paged_decode_attention, args),
+        "native": (cpu_attention.paged_decode_attention, args),
     }
+    if block_major:
+        bm = block_major_views(args)
+        assert cpu_attention.supports(bm[0], bm[1], bm[2])  # read in place, no fallback
+        impls["gather_sdpa_block_major"] = (reference.paged_decode_attention, bm)
+        impls["native_block_major"] = (cpu_attention.paged_decode_attention, bm)
     row: dict = {"case": name, "dtype": dtype}
     if inductor:
         compiled = torch.compile(decode_in_loop, dynamic=False)
         t0 = time.perf_counter()
         compiled(*args, scale)
         row["inductor_compile_s"] = round(time.perf_counter() - t0, 1)
-        impls["inductor"] = compiled
+        impls["inductor"] = (compiled, args)
     expected = reference.paged_decode_attention(*args, scale).float()
-    for key, fn in impls.items():
-        row[f"{key}_max_abs_err"] = float((fn(*args, scale).float() - expected).abs().max())
+    for key, (fn, a) in impls.items():
+        row[f"{key}_max_abs_err"] = float((fn(*a, scale).float() - expected).abs().max())
     times: dict[str, list[float]] = {k: [] for k in impls}
     cpu: dict[str, list[float]] = {k: [] for k in impls}
     for _ in range(rounds):
-        for key, fn in impls.items():
+        for key, (fn, a) in impls.items():
             c0, t0 = time.process_time(), time.perf_counter()
-            fn(*args, scale)
+            fn(*a, scale)
             times[key].append(time.perf_counter() - t0)
             cpu[key].append(time.process_time() - c0)
     for key, ts in times.items():
@@ -102,6 +125,14 @@ def bench_case(name: str, dtype: str, rounds: int, inductor: bool) -> dict:
         statistics.median(times["gather_sdpa"]) / statistics.median(times["native"]), 2
     )
     row["speedup_native_vs_gather_min"] = round(min(times["gather_sdpa"]) / min(times["native"]), 2)
+    if block_major:
+        for key in ("native", "gather_sdpa"):
+            row[f"{key}_block_major_over_layer_major_median"] = round(
+                statistics.median(times[f"{key}_block_major"]) / statistics.median(times[key]), 3
+            )
+            row[f"{key}_block_major_over_layer_major_cpu_median"] = round(
+                statistics.median(cpu[f"{key}_block_major"]) / statistics.median(cpu[key]), 3
+            )
     return row
 
 
@@ -114,6 +145,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--inductor", action="store_true", help="add the torch.compile formulation")
+    ap.add_argument(
+        "--block-major", action="store_true", help="add both kernels on a block-major cache"
+    )
     ap.add_argument("--out", default="results/decode_attention.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -125,7 +159,7 @@ def main() -> None:
     with torch.inference_mode():
         for dtype in args.dtypes.split(","):
             for name in args.cases.split(","):
-                row = bench_case(name, dtype, args.rounds, args.inductor)
+                row = bench_case(name, dtype, args.rounds, args.inductor, args.block_major)
                 print(json.dumps(row), flush=True)
                 results.append(row)
     out = Path(args.out)

@@ -1,12 +1,15 @@
-"""Engine decode step with the reference (gather + SDPA) vs the native CPU attention.
+"""Engine decode step with the reference (gather + SDPA) vs the native CPU attention, and
+on a layer-major vs a block-major KV cache (`cache.layout`).
 
     python benchmarks/decode_step_ab.py --out results/decode_step_ab.json
+    python benchmarks/decode_step_ab.py --variants native/layer_major,native/block_major \
+        --out results/decode_step_layout.json
 
 Both engines in one process (SmolLM2-135M, fp32, one thread each so the process CPU time
 is the work itself even on a busy machine). 32 prompts of 128 tokens are prefilled once
 (prefix cache); each round then times generate(max_tokens=1) and generate(max_tokens=33)
 per engine, alternating engines: (33 - 1) / 32 is one 32-row decode step at context
-~130-160. Also checks both engines produce the same tokens.
+~130-160. Also checks all engines produce the same tokens. A variant is KERNEL/LAYOUT.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import LLM, SamplingParams  # noqa: E402
 from kernels.ops import CPU_ATTENTION_ENV  # noqa: E402
 
-MODES = ("reference", "native")
+DEFAULT_VARIANTS = "reference/layer_major,native/layer_major"
 
 
 def timed(llm: LLM, prompts: list[list[int]], n: int) -> tuple[float, float, list]:
@@ -43,23 +46,27 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="KERNEL/LAYOUT, comma-separated")
     ap.add_argument("--out", default="results/decode_step_ab.json")
     args = ap.parse_args()
+    variants = args.variants.split(",")
     torch.set_num_threads(1)
     rng = random.Random(66)
     prompts = [[rng.randrange(100, 49000) for _ in range(128)] for _ in range(32)]
     llms = {}
-    for mode in MODES:  # the env var is read when the model is built
-        os.environ[CPU_ATTENTION_ENV] = mode
-        llms[mode] = LLM(
+    for variant in variants:  # the env var is read when the model is built
+        kernel, layout = variant.split("/")
+        os.environ[CPU_ATTENTION_ENV] = kernel
+        llms[variant] = LLM(
             args.model,
             dtype="float32",
             num_threads=1,
             kv_cache_bytes=256 << 20,
             max_num_batched_tokens=4096,
+            kv_layout=layout,
         )
-        timed(llms[mode], prompts, 1)  # prefill once: later rounds hit the prefix cache
-    rows: dict[str, list[dict]] = {m: [] for m in MODES}
+        timed(llms[variant], prompts, 1)  # prefill once: later rounds hit the prefix cache
+    rows: dict[str, list[dict]] = {v: [] for v in variants}
     tokens = {}
     for _ in range(args.rounds):
         for mode, llm in llms.items():
@@ -73,7 +80,7 @@ def main() -> None:
             )
             print(mode, json.dumps(rows[mode][-1]), flush=True)
     result = {
-        "same_tokens": tokens["reference"] == tokens["native"],
+        "same_tokens": all(tokens[v] == tokens[variants[0]] for v in variants),
         "results": rows,
         "loadavg_at_end": os.getloadavg()[0],
     }
