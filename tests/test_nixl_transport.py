@@ -105,10 +105,15 @@ def _run_peer(name: str, shape: tuple[int, ...], block_major: bool) -> None:
     kv = _kv(shape, SENTINEL, block_major)
     transport = NixlTransport(name, kv)
     _send(out, transport.local_metadata())
+    added = None
     while True:
         cmd = msgspec.msgpack.decode(_recv(inp), type=Cmd)
         if cmd.op == "add_peer":
-            _send(out, transport.add_peer(cmd.arg).encode())
+            added = transport.add_peer(cmd.arg)
+            _send(out, added.encode())
+        elif cmd.op == "notify":  # a notification to the peer added last
+            transport.send_notif(added, cmd.arg)
+            _send(out, b"ok")
         elif cmd.op == "fill":
             kv.fill_(SENTINEL)
             _send(out, b"ok")
@@ -264,6 +269,18 @@ def test_block_major_caches_move_each_run_as_one_descriptor(local):
         bm_peer.close()
     with pytest.raises(ValueError, match="contiguous"):
         NixlTransport("local-strided", _kv(SMALL)[:, :, ::2])
+
+
+def test_notifs_that_arrive_while_a_peer_connects_are_kept(peer):
+    """`add_peer` progresses the new connection (so the first WRITE need not set it up);
+    a notification received meanwhile is returned by the next `get_notifs`, not lost."""
+    with NixlTransport("local-connect", _kv(SMALL), progress_thread=False) as t:
+        assert peer.request(Cmd("add_peer", t.local_metadata())) == b"local-connect"
+        assert peer.request(Cmd("notify", b"sent before we knew peer-a")) == b"ok"
+        assert t.add_peer(peer.metadata, connect_s=2.0) == "peer-a"  # progresses for 2 s
+        assert t.get_notifs() == {"peer-a": [b"sent before we knew peer-a"]}
+        assert t.get_notifs() == {}
+        _write(t, [0, 1], [2, 3])  # the connection it made carries WRITEs
 
 
 def test_dropped_handle_is_reported_as_leak(peer):
