@@ -7,7 +7,8 @@ One engine (SmolLM2-135M, fp32); its layers' kernel set is swapped between round
 decode attention (main before kernels/cpu_elementwise.py), `native` = kernels.cpu_ops.
 Each round times, per variant: workload A's decode (1 prompt of 32 tokens, prefix-cached,
 generate(max_tokens=N+1) minus generate(max_tokens=1), per step) and B's decode step (32
-prompts of 128 tokens, the same difference). With one thread the process CPU time is the
+prompts of 128 tokens, the same difference); `--prefill` also times a 4 x 512-token
+prompt chunk forward (fresh sequences, fastest of the rounds). With one thread the process CPU time is the
 work itself even on a busy machine; the wall time is reported too. Greedy tokens of both
 variants must be the same (`same_tokens`).
 """
@@ -23,10 +24,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine_throughput import make_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
+from engine.warmup import dummy_batch  # noqa: E402
 from kernels import cpu_ops, reference  # noqa: E402
 
 _ELEMENTWISE = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "store_kv")
@@ -54,6 +58,24 @@ def timed(llm: LLM, prompts, n: int) -> tuple[float, float, list]:
     return time.process_time() - c0, time.perf_counter() - w0, [o.token_ids for o in out]
 
 
+def prefill_ab(llm: LLM, sets: dict, rounds: int) -> dict:
+    """Fastest CPU and wall seconds of one 4 x 512-token forward per op set (slots -1:
+    the cache is not written)."""
+    runner = llm.engine.runner
+    batch = dummy_batch([512] * 4, 1, runner.kv_cache, runner.block_size)
+    best = {name: [float("inf"), float("inf")] for name in sets}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, ops in sets.items():
+                set_ops(runner.model, ops)
+                c0, w0 = time.process_time(), time.perf_counter()
+                runner.model(*batch)
+                b = best[name]
+                b[0] = min(b[0], time.process_time() - c0)
+                b[1] = min(b[1], time.perf_counter() - w0)
+    return {n: {"cpu_s": round(c, 3), "wall_s": round(w, 3)} for n, (c, w) in best.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -62,6 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prefill", action="store_true", help="also a 4 x 512-token chunk")
     ap.add_argument("--out", default="results/elementwise_ab.json")
     args = ap.parse_args()
     llm = LLM(
@@ -95,8 +118,10 @@ def main() -> None:
                     }
                 )
                 print(w, name, json.dumps(rows[w][name][-1]), flush=True)
-    set_ops(model, cpu_ops)
     summary = {}
+    if args.prefill:
+        summary["prefill_4x512"] = prefill_ab(llm, sets, args.rounds)
+    set_ops(model, cpu_ops)
     for w in workloads:
         med = {
             v: {k: statistics.median(r[k] for r in rows[w][v]) for k in rows[w][v][0]} for v in sets
