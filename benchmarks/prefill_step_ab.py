@@ -9,6 +9,8 @@ Variants (the engine's eager model, only the kernel module of some ops swapped):
   reference: every op from kernels.reference (PDSERVE_CPU_ATTENTION=reference; the
              prefill attention gathers K/V from the cache and runs SDPA's math path)
   native:    kernels.cpu_ops, what `get_ops("torch")` serves
+  native_refprefill: kernels.cpu_ops with the reference's prefill attention (what main
+             served before kernels/cpu_prefill.py)
   hf:        transformers' LlamaForCausalLM forward on the [32, 128] batch, logits of the
              last position only (what generate() computes for C)
 The batch has real KV slots (distinct blocks per prompt), so store and gathers are real.
@@ -21,6 +23,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -32,7 +35,16 @@ from engine.attention import AttentionMetadata  # noqa: E402
 from kernels import cpu_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
-OP_MODULES = {"reference": ref, "native": cpu_ops}
+OP_MODULES = {
+    "reference": ref,
+    "native": cpu_ops,
+    "native_refprefill": SimpleNamespace(
+        **{
+            **{n: getattr(cpu_ops, n) for n in cpu_ops.__all__},
+            "paged_prefill_attention": ref.paged_prefill_attention,
+        }
+    ),  # fmt: skip
+}
 
 
 def set_ops(model, ops) -> None:
