@@ -113,7 +113,8 @@ class EngineCore:
             kv_store.attach(self.runner.kv_cache)
             bs, chunk = cc.block_size, config.kv_store.chunk_size
             self.store = StoreDriver(kv_store, self.kv, self.scheduler, bs, chunk)
-            self.scheduler.store_loads_enabled = True
+            # Only a store that can load makes a prompt wait for one (a save-only one never).
+            self.scheduler.store_loads_enabled = getattr(kv_store, "can_load", True)
 
     # -- requests --------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

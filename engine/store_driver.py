@@ -58,8 +58,9 @@ class StoreDriver:
         return key
 
     def abandon_load(self, rid: str) -> None:
-        """The request ended while its load ran: its blocks stay parked until it settles."""
-        self.park_load(rid)
+        """The request ended while its load ran: its blocks move to a park key (so the
+        scheduler's `finish` frees none) and stay there until the load's `LoadSettled`."""
+        self.kv.park(rid, self.park_load(rid))
         self.store.abandon_load(rid)
 
     def apply_events(self) -> None:

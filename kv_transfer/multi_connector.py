@@ -109,11 +109,19 @@ class MultiConnector:
         self._loads[request_id] = _Load(token_ids, slots, present, order)
         self.stores[order[0]].store.start_load(request_id, token_ids, slots, present)
 
+    @property
+    def can_load(self) -> bool:
+        """Whether any backend loads (else the scheduler never waits for a store load)."""
+        return any(b.load for b in self.stores)
+
     def abandon_load(self, request_id: str) -> None:
-        """The request ended mid-load: the running backend's `LoadSettled` follows."""
+        """The request ended mid-load: the running backend's `LoadSettled` follows, or
+        ours at once when no backend runs it (its `LoadDone` already queued)."""
         load = self._loads.pop(request_id, None)
         if load is not None:
             self.stores[load.order[0]].store.abandon_load(request_id)
+        else:
+            self._ready.append(LoadSettled(request_id))
 
     def start_save(
         self, request_id: str, token_ids: list[int], slots: list[int], stored: int

@@ -104,10 +104,13 @@ class PrefixStore:
         self._submit(job)
 
     def abandon_load(self, request_id: str) -> None:
-        """The request was aborted mid-load: `LoadSettled` follows once the job has ended."""
+        """The request was aborted mid-load: `LoadSettled` follows once the job has ended
+        (at once when there is none: the load was answered without one, store down)."""
         job = self._loads.pop(request_id, None)
         if job is not None:
             job.abandoned = True
+        else:
+            self._ready.append(LoadSettled(request_id))
 
     def start_save(
         self, request_id: str, token_ids: list[int], slots: list[int], stored: int
