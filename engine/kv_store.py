@@ -66,7 +66,8 @@ class KVStore(Protocol):
     def start_save(
         self, request_id: str, token_ids: list[int], slots: list[int], stored: int
     ) -> None:
-        """Store the prompt's KV (tokens [0, stored) are known stored); `SaveDone` follows."""
+        """Store the prompt's KV; `SaveDone` follows. Tokens [0, stored) came from a store
+        (perhaps another backend's): a backend skips only the part of them it holds."""
         ...
 
     def poll(self) -> list[StoreEvent]: ...

@@ -36,7 +36,7 @@ class _Job:
     request_id: str
     token_ids: list[int]
     slots: list[int]
-    present: int  # load: tokens present locally; save: tokens known stored
+    present: int  # load: tokens present locally; save: tokens perhaps stored already
     deadline: float
     abandoned: bool = False  # load: the engine stopped waiting (skip it if not started)
 
@@ -213,7 +213,13 @@ class PrefixStore:
             self._health_check()
         b = self._backend
         if job.kind == "save":
-            b.store(job.token_ids, job.slots, job.present)
+            # `present` is what a load brought, perhaps from another backend: skip only
+            # the part this one holds, or wait_visible (the chain) never sees the rest.
+            skip = job.present
+            if skip:
+                remote = bool(getattr(b, "remote", False))
+                skip = min(skip, b.lookup(job.token_ids[:skip], remote_only=remote))
+            b.store(job.token_ids, job.slots, skip)
             if not b.wait_visible(job.token_ids, job.deadline):
                 raise TimeoutError(f"chunks not visible within {self.save_timeout_s:g} s")
             return SaveDone(job.request_id, True)
