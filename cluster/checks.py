@@ -158,9 +158,11 @@ def cross_checks(cfg: ClusterConfig) -> list[Problem]:
     if restart.backoff_max_s < restart.backoff_s:
         problems.append((("launcher", "restart", "backoff_max_s"), "must be >= backoff_s"))
     if cfg.model.kv_layout != "layer_major":
-        lmcache = cfg.kv_store.backend is not None or any(
-            g is not None and g.connector is not None and g.connector.kind == "lmcache"
-            for g in (cfg.prefill, cfg.decode)
+        groups = [g for g in (cfg.prefill, cfg.decode) if g is not None]
+        lmcache = (
+            cfg.kv_store.backend is not None
+            or any(g.connector is not None and g.connector.kind == "lmcache" for g in groups)
+            or any(b.kind == "lmcache" for g in groups for b in g.kv_backends or ())
         )
         if lmcache:
             problems.append(

@@ -14,14 +14,17 @@ Where a prompt's KV comes from (decode or colocated node), first source first: t
 node's own prefix cache; then the `load` backends in list order, the first that brings
 any token serving the load (vLLM's rule); then the `transfer` backend for whatever is
 still missing (the prefill node computes and pushes only that); else local compute.
-A backend that fails (its Redis down, LMCache raising, past its deadline) is logged,
-counted (`kv_store_load_failures`, and `kv_store_fallbacks` when the load moves on),
-skipped for its `retry_after_s`, and the load goes to the next backend: a failure
-costs at most one backend's deadline, never the request.
+A backend that fails (its Redis down, LMCache raising) is logged, counted
+(`kv_store_load_failures`, and `kv_store_fallbacks` when the load moves on), skipped for
+its `retry_after_s`, and the load goes to the next backend. One past its deadline may
+still be writing the request's blocks, so no other backend may: the load ends there with
+what was present (the request computes the rest) and the blocks stay parked until it
+settles. A failure costs at most one backend's deadline, never the request.
 Where a computed prompt's KV goes (any node): to the decode node over `transfer` (a
 prefill node, by the PD role), and to every `save` backend; the prompt's blocks stay
 pinned until every save backend has answered, and the save counts as visible (the
-cluster's KV index lists it) if any of them succeeded.
+cluster's KV index lists it) if any of them succeeded. Each save backend skips only
+the part of a loaded prefix it holds itself (kv_transfer/prefix_store.py).
 
 The class is the engine's `KVStore` (engine/kv_store.py) over the load/save backends,
 each a `PrefixStore` with its own worker thread; it owns the transfer connector and

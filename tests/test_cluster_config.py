@@ -282,6 +282,11 @@ def test_kv_backends_list_becomes_the_nodes_composed_connector(tmp_path):
     bad = text.replace("{kind: nixl, roles: [transfer]}", "{kind: nixl, roles: [transfer, load]}")
     with pytest.raises(ConfigFileError, match=r"decode\.kv_backends\[0\]\.roles"):
         load_config(write(tmp_path, bad, "bad.yaml"))
+    block_major = text.replace(
+        "smollm2-135m-instruct", "smollm2-135m-instruct\n  kv_layout: block_major"
+    )
+    with pytest.raises(ConfigFileError, match=r"model\.kv_layout"):  # LMCache in kv_backends
+        load_config(write(tmp_path, block_major, "block_major.yaml"))
     both = text + "kv_store: {backend: lmcache}\n"
     with pytest.raises(ConfigFileError, match=r"decode\.kv_backends"):
         load_config(write(tmp_path, both, "both.yaml"))
