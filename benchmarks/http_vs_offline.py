@@ -191,7 +191,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
+    # the node's default: 64 x (128 + 128) tokens fit without preemption (512 MiB does not)
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     p.add_argument(
         "--num-threads", type=int, default=None, help="engine torch threads (both sides)"
     )

@@ -55,6 +55,25 @@ def test_streamed_text_equals_full_decode_for_random_tokens(tokenizer):
         assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def test_fast_path_decodes_as_the_tokenizer_does(tokenizer):
+    """SmolLM2's tokenizer takes the backend path (no clean-up); it and the wrapper path
+    stream the same text, and both equal the tokenizer's own decode of the whole output."""
+    assert tokenizer.clean_up_tokenization_spaces is False
+    rng = random.Random(1)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    ids += [rng.randrange(tokenizer.vocab_size) for _ in range(200)]
+    ids += tokenizer.encode("<|im_end|> tail", add_special_tokens=False)
+
+    class Wrapped:  # the tokenizer without its backend: only `decode` is left
+        def decode(self, ids, skip_special_tokens=False):
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    fast, _ = stream(tokenizer, ids)
+    slow, _ = stream(Wrapped(), ids)
+    assert fast == slow
+    assert "".join(fast) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def test_special_tokens_are_skipped(tokenizer):
     ids = tokenizer.encode("Hello there", add_special_tokens=False)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
