@@ -374,6 +374,10 @@ class NixlTransport:
             self._release_xfer(xfer)
         self._parked.clear()
         self._agent.deregister_memory(self._reg)
+        # Destroy the agent (its UCX workers and threads) here, on the owner's thread, not
+        # whenever the interpreter's teardown gets to it beside other native destructors.
+        self._reg = None
+        self._agent = None
         self._closed = True
         logger.info("nixl transport %s closed: %s", self.name, self._totals)
 
