@@ -2,6 +2,11 @@
 colocated node, same model, same prompts, measured over HTTP streaming.
 
     python benchmarks/pd_latency.py --out results/pd_latency.json
+    python benchmarks/pd_latency.py --kv-layouts layer_major,block_major --skip-colocated
+
+`--kv-layouts`: one PD pair per KV cache layout (`--kv-layout` on both nodes), one after
+the other; each reports the median of the decode node's `kv_transfer` stage
+(`pdserve_timings`) besides TTFT and TPOT.
 
 Each setup runs alone (the other is stopped first), so they never share the CPU. Prompts
 are seeded random token ids of --prompt-len tokens, each different (no prefix-cache hits);
@@ -71,7 +76,7 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def one_request(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+def one_request(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, dict]:
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -80,31 +85,53 @@ def one_request(url: str, prompt: list[int], max_tokens: int) -> tuple[float, fl
         "stream": True,
     }
     times = []
+    stages: dict = {}
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:])["choices"][0].get("text") is not None:
+                chunk = json.loads(line[6:])
+                if chunk["choices"][0].get("text") is not None:
                     times.append(time.perf_counter())
+                stages = chunk.get("pdserve_timings", {}).get("stages", stages)
     ttft = times[0] - t0
     tpot = (times[-1] - times[0]) / max(1, len(times) - 1)
-    return ttft, tpot
+    return ttft, tpot, stages
 
 
 def measure(url: str, prompts: list[list[int]], max_tokens: int, label: str) -> dict:
-    one_request(url, prompts[0][:64], 4)  # warm-up
-    ttfts, tpots = [], []
+    one_request(url, prompts[0][:64], 4)  # warm-up (and the first WRITE to the peer)
+    ttfts, tpots, kv = [], [], []
     for p in tqdm(prompts, desc=label):
-        ttft, tpot = one_request(url, p, max_tokens)
+        ttft, tpot, stages = one_request(url, p, max_tokens)
         ttfts.append(ttft)
         tpots.append(tpot)
+        if "kv_transfer" in stages:
+            kv.append(stages["kv_transfer"])
     return {
         "ttft_s_median": statistics.median(ttfts),
         "tpot_s_median": statistics.median(tpots),
+        "kv_transfer_s_median": statistics.median(kv) if kv else None,
         "ttft_s": ttfts,
         "tpot_s": tpots,
+        "kv_transfer_s": kv,
     }
+
+
+def measure_pd(common: list[str], prompts, args, label: str) -> dict:
+    ctl = f"tcp://127.0.0.1:{free_port()}"
+    purl, pproc = start([*common, "--role", "prefill", "--kv-control", ctl])
+    try:
+        durl, dproc = start(
+            [*common, "--role", "decode", "--prefill-node", ctl, "--local-prefill-max-tokens", "0"]
+        )
+        try:
+            return measure(durl, prompts, args.max_tokens, label)
+        finally:
+            stop([dproc])
+    finally:
+        stop([pproc])
 
 
 def main() -> None:
@@ -116,6 +143,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every node")
+    ap.add_argument("--kv-layouts", default="layer_major", help="one PD pair per layout")
+    ap.add_argument("--skip-colocated", action="store_true")
     ap.add_argument("--out", default="results/pd_latency.json")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -133,25 +162,25 @@ def main() -> None:
     ]
     results: dict = {"config": vars(args)}
 
-    url, proc = start(common)
-    try:
-        results["colocated"] = measure(url, prompts, args.max_tokens, "colocated")
-    finally:
-        stop([proc])
-
-    ctl = f"tcp://127.0.0.1:{free_port()}"
-    purl, pproc = start([*common, "--role", "prefill", "--kv-control", ctl])
-    try:
-        durl, dproc = start(
-            [*common, "--role", "decode", "--prefill-node", ctl, "--local-prefill-max-tokens", "0"]
-        )
+    if not args.skip_colocated:
+        url, proc = start(common)
         try:
-            results["pd"] = measure(durl, prompts, args.max_tokens, "pd")
+            results["colocated"] = measure(url, prompts, args.max_tokens, "colocated")
         finally:
-            stop([dproc])
-    finally:
-        stop([pproc])
+            stop([proc])
 
+    layouts = args.kv_layouts.split(",")
+    for i, layout in enumerate(layouts):
+        key = "pd" if i == 0 else f"pd_{layout}" + (f"_{i}" if f"pd_{layout}" in results else "")
+        results[key] = measure_pd(common + ["--kv-layout", layout], prompts, args, key)
+    summary = {
+        f"kv_transfer_{k}_s": v["kv_transfer_s_median"] for k, v in results.items() if "pd" in k
+    }
+    print(json.dumps(summary))
+    if args.skip_colocated:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2))
+        return
     c, p = results["colocated"], results["pd"]
     results["ttft_pd_over_colocated"] = p["ttft_s_median"] / c["ttft_s_median"]
     results["tpot_pd_over_colocated"] = p["tpot_s_median"] / c["tpot_s_median"]
