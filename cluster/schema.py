@@ -44,9 +44,9 @@ class ModelSection(Section):
     enforce_eager: bool | None = Field(
         None,
         description="true: run the model step as plain torch (the reference); false: "
-        "compiled piecewise with torch.compile (CPU; compiled code cached on disk under "
-        "the pdserve cache dir); null: eager (measured as fast or faster, "
-        "docs/benchmarks.md)",
+        "decode steps compiled whole with torch.compile, one graph per batch bucket up to "
+        "`scheduler.max_num_seqs` (CPU; compiled code cached on disk under the pdserve "
+        "cache dir); null: eager (measured as fast or faster, docs/benchmarks.md)",
     )
     max_model_len: int | None = Field(
         None, ge=2, description="longest sequence, prompt + output (default: the model's)"
