@@ -173,8 +173,8 @@ def stop_all(pid: int, sig: int) -> None:
 
 @pytest.mark.slow
 def test_long_prefill_step_on_real_nodes():
-    """A 1500-token prompt in ONE prefill step (seconds on one CPU thread; a minute or more
-    on a loaded 2-core box) with a 3 s peer timeout: the KV still comes from the prefill node. Then
+    """A 4000-token prompt in ONE prefill step (over 5 s on one CPU thread; minutes on a
+    loaded 2-core box) with a 3 s peer timeout: the KV still comes from the prefill node. Then
     the prefill node is stopped: the decode node fails over to a local prefill after
     about the timeout. (A short request first opens the control connection: a heartbeat
     due while it is still connecting counts as unanswered from then.)"""
@@ -182,14 +182,15 @@ def test_long_prefill_step_on_real_nodes():
     ctl = f"tcp://127.0.0.1:{free_port()}"
     purl, pproc = start_server(
         [*MODEL_ARGS, "--role", "prefill", "--kv-control", ctl,
-         "--max-num-batched-tokens", "2048"]
+         "--max-num-batched-tokens", "4096", "--kv-cache-bytes", str(256 << 20)]
     )  # fmt: skip
     durl, dproc = start_server(
-        [*MODEL_ARGS, "--role", "decode", "--prefill-node", ctl, "--kv-peer-timeout", "3",
+        [*MODEL_ARGS, "--kv-cache-bytes", str(256 << 20), "--role", "decode",
+         "--prefill-node", ctl, "--kv-peer-timeout", "3",
          "--kv-transfer-timeout", "120", "--kv-abort-grace", "1"]
     )  # fmt: skip
     try:
-        body = {"prompt": [100 + i % 5000 for i in range(1500)], "max_tokens": 2,
+        body = {"prompt": [100 + i % 5000 for i in range(4000)], "max_tokens": 2,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
         # a short request first: the control connection is up (and the decode node's
         # hello taken) before the long step, so every heartbeat goes out when due
