@@ -73,8 +73,9 @@ def flags(name: str) -> list[str]:
 
 
 def library_path(name: str, cxx: str) -> Path:
-    source = (CSRC / f"{name}.cpp").read_bytes()
-    h = hashlib.sha256(source)
+    h = hashlib.sha256((CSRC / f"{name}.cpp").read_bytes())
+    for header in sorted(CSRC.glob("*.h")):  # included by the sources
+        h.update(header.read_bytes())
     for part in (" ".join(flags(name)), _compiler_version(cxx), _cpu_flags()):
         h.update(part.encode())
     return cache_dir() / f"{name}-{h.hexdigest()[:16]}.so"
