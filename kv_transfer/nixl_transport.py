@@ -31,7 +31,8 @@ Contract
   target's signal that the blocks are readable. `send_notif` sends one with no data.
 * `poll(h)` / `wait(h, timeout_s)` report `PENDING`, `DONE` or `FAILED`. `wait` returns
   `PENDING` when the timeout expires; it never hangs. Every handle must be `release()`d
-  exactly once; `check_integrity()` raises if a handle was dropped without release.
+  exactly once; `check_integrity()` raises if a handle was dropped without release
+  (`kv_transfer/nixl_requests.py` keeps that table and the totals).
 * Not thread-safe: one thread drives a transport.
 
 Failure modes
@@ -53,16 +54,14 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 import torch
-from nixl import _bindings as nixl_bindings
-from nixl._api import nixl_agent, nixl_agent_config, nixl_xfer_handle
+from nixl._api import nixl_agent, nixl_agent_config
 
 from kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs, storage_of
+from kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
 from kv_transfer.transfer_types import (
     PeerMetadata,
     TransferHandle,
@@ -76,20 +75,6 @@ logger = logging.getLogger(__name__)
 # How long `add_peer` progresses a new connection. Measured (benchmarks/first_write.py,
 # one host): a 1-block first WRITE took 6.7 ms without, 1.6 ms with 5 ms (0.45 ms later).
 CONNECT_S = 0.005
-
-_NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
-    getattr(nixl_bindings, n)
-    for n in dir(nixl_bindings)
-    if n.startswith("nixl") and n.endswith("Error")
-)
-
-
-@dataclass
-class _InFlight:
-    xfer: nixl_xfer_handle | None  # None once finished with an error or cancelled
-    ref: weakref.ref[TransferHandle]
-    peer: str
-    t0: float
 
 
 class NixlTransport:
@@ -123,12 +108,8 @@ class NixlTransport:
         self._reg = self._agent.register_memory(storage_of(kv_cache))
         self._codec = msgspec.msgpack.Encoder()
         self._peers: dict[str, PeerMetadata] = {}
-        self._inflight: dict[int, _InFlight] = {}
-        self._parked: list[nixl_xfer_handle] = []  # releases NIXL refused; retried on close
+        self._requests = RequestTable(name)
         self._notifs: dict[str, list[bytes]] = {}  # received while connecting, not yet read
-        self._next_id = 0
-        self._released = 0
-        self._totals = TransportStats()
         self._closed = False
         logger.info(
             "nixl transport %s: %s %s %.1f MiB registered (%d blocks x %d B per layer-kv)",
@@ -178,7 +159,7 @@ class NixlTransport:
     def _connect(self, peer: str, budget_s: float) -> None:
         try:
             self._agent.make_connection(peer)
-        except _NIXL_ERRORS as e:
+        except NIXL_ERRORS as e:
             logger.warning("nixl transport %s: connecting to %s: %s", self.name, peer, e)
             return
         deadline = time.perf_counter() + budget_s
@@ -191,14 +172,11 @@ class NixlTransport:
         self._check_open()
         if peer not in self._peers:
             return
-        for rec in self._inflight.values():
-            handle = rec.ref()
-            if rec.peer == peer and handle is not None and handle.state is TransferState.PENDING:
-                self._finish(handle, rec, TransferState.FAILED)
+        self._requests.fail_pending(peer)
         del self._peers[peer]
         try:
             self._agent.remove_remote_agent(peer)
-        except _NIXL_ERRORS as e:
+        except NIXL_ERRORS as e:
             logger.warning("nixl transport %s: removing peer %s: %s", self.name, peer, e)
 
     @property
@@ -244,10 +222,7 @@ class NixlTransport:
         stats = TransferStats(
             bytes=int(local_descs[:, 1].sum()), descriptors=int(local_descs.shape[0])
         )
-        handle = TransferHandle(self._next_id, peer, stats)
-        self._next_id += 1
-        rec = _InFlight(None, weakref.ref(handle), peer, time.perf_counter())
-        self._inflight[handle.id] = rec
+        handle, rec = self._requests.open(peer, stats)
         try:
             rec.xfer = self._agent.initialize_xfer(
                 "WRITE",
@@ -257,29 +232,29 @@ class NixlTransport:
                 notif or b"",
             )
             status = self._agent.transfer(rec.xfer)
-        except _NIXL_ERRORS as e:
+        except NIXL_ERRORS as e:
             logger.warning("nixl transport %s: write to %s failed to post: %s", self.name, peer, e)
             status = "ERR"
         if status == "DONE":
-            self._finish(handle, rec, TransferState.DONE)
+            self._requests.finish(handle, rec, TransferState.DONE)
         elif status == "ERR":
-            self._finish(handle, rec, TransferState.FAILED)
+            self._requests.finish(handle, rec, TransferState.FAILED)
         return handle
 
     def poll(self, handle: TransferHandle) -> TransferState:
         """Current state of `handle`; a dead peer shows as FAILED, never as an exception."""
         if handle.state is not TransferState.PENDING:
             return handle.state
-        rec = self._record(handle)
+        rec = self._requests.record(handle)
         try:
             status = self._agent.check_xfer_state(rec.xfer)
-        except _NIXL_ERRORS as e:
+        except NIXL_ERRORS as e:
             logger.warning("nixl transport %s: transfer %d: %s", self.name, handle.id, e)
             status = "ERR"
         if status == "DONE":
-            self._finish(handle, rec, TransferState.DONE)
+            self._requests.finish(handle, rec, TransferState.DONE)
         elif status == "ERR":
-            self._finish(handle, rec, TransferState.FAILED)
+            self._requests.finish(handle, rec, TransferState.FAILED)
         return handle.state
 
     def wait(self, handle: TransferHandle, timeout_s: float) -> TransferState:
@@ -295,14 +270,7 @@ class NixlTransport:
 
     def release(self, handle: TransferHandle) -> None:
         """Free the handle's NIXL request; a PENDING transfer is cancelled (ends FAILED)."""
-        rec = self._record(handle)
-        if handle.state is TransferState.PENDING:
-            self._finish(handle, rec, TransferState.FAILED)
-        elif rec.xfer is not None:
-            rec.xfer.release()
-        del self._inflight[handle.id]
-        handle.released = True
-        self._released += 1
+        self._requests.release(handle)
 
     # ---- notifications -----------------------------------------------------------------
 
@@ -324,14 +292,14 @@ class NixlTransport:
             raise ValueError(f"unknown peer {peer!r}")
         try:
             self._agent.send_notif(peer, msg)
-        except _NIXL_ERRORS as e:
+        except NIXL_ERRORS as e:
             raise RuntimeError(f"notification to {peer!r} failed: {e}") from e
 
     # ---- bookkeeping -------------------------------------------------------------------
 
     @property
     def stats(self) -> TransportStats:
-        return msgspec.structs.replace(self._totals)
+        return self._requests.stats
 
     @property
     def registered_memory(self) -> str:
@@ -341,45 +309,27 @@ class NixlTransport:
     @property
     def num_inflight(self) -> int:
         """Handles posted and not yet released (any state)."""
-        return len(self._inflight)
+        return self._requests.num_inflight
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if a handle leaked (dropped unreleased) or counts disagree."""
-        leaked = [i for i, rec in self._inflight.items() if rec.ref() is None]
-        if leaked:
-            raise RuntimeError(f"transfer handles dropped without release: {leaked}")
-        if self._next_id != self._released + len(self._inflight):
-            raise RuntimeError(
-                f"{self._next_id} posted != {self._released} released + "
-                f"{len(self._inflight)} in flight"
-            )
-        t = self._totals
-        if t.done + t.failed > self._next_id:
-            raise RuntimeError(f"{t.done} done + {t.failed} failed > {self._next_id} posted")
+        self._requests.check_integrity()
 
     def close(self) -> None:
         """Cancel what is in flight, drop peers, deregister memory. Idempotent."""
         if self._closed:
             return
-        for rec in self._inflight.values():
-            handle = rec.ref()
-            if handle is not None and handle.state is TransferState.PENDING:
-                self._finish(handle, rec, TransferState.FAILED)
-            elif rec.xfer is not None:
-                self._release_xfer(rec.xfer)
-            rec.xfer = None
+        self._requests.cancel_all()
         for peer in list(self._peers):
             self.remove_peer(peer)
-        for xfer in self._parked:
-            self._release_xfer(xfer)
-        self._parked.clear()
+        self._requests.release_parked()
         self._agent.deregister_memory(self._reg)
         # Destroy the agent (its UCX workers and threads) here, on the owner's thread, not
         # whenever the interpreter's teardown gets to it beside other native destructors.
         self._reg = None
         self._agent = None
         self._closed = True
-        logger.info("nixl transport %s closed: %s", self.name, self._totals)
+        logger.info("nixl transport %s closed: %s", self.name, self._requests.totals)
 
     def __enter__(self) -> NixlTransport:
         return self
@@ -392,31 +342,3 @@ class NixlTransport:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"nixl transport {self.name} is closed")
-
-    def _record(self, handle: TransferHandle) -> _InFlight:
-        rec = self._inflight.get(handle.id)
-        if rec is None or rec.ref() is not handle:
-            raise ValueError(f"{handle!r} is released or not from this transport")
-        return rec
-
-    def _finish(self, handle: TransferHandle, rec: _InFlight, state: TransferState) -> None:
-        handle.state = state
-        if state is TransferState.DONE:
-            handle.stats.seconds = time.perf_counter() - rec.t0
-            self._totals.done += 1
-            self._totals.bytes += handle.stats.bytes
-            self._totals.descriptors += handle.stats.descriptors
-            self._totals.seconds += handle.stats.seconds
-            return
-        self._totals.failed += 1
-        if rec.xfer is not None:  # cancel (if still running) and free the request
-            self._release_xfer(rec.xfer)
-            rec.xfer = None
-
-    def _release_xfer(self, xfer: nixl_xfer_handle) -> None:
-        try:
-            xfer.release()
-        except _NIXL_ERRORS as e:
-            logger.warning("nixl transport %s: NIXL kept a request (%s); parked", self.name, e)
-            if xfer not in self._parked:
-                self._parked.append(xfer)

@@ -2,52 +2,16 @@
 redis-server): its blocks stay parked until the load settles, then go back to the pool,
 and the engine goes idle, also when no load job runs (store down, save-only backend)."""
 
-import time
-
 import pytest
 
 from cluster.embedded_redis import EmbeddedRedis
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    KVBackendConfig,
-    KVStoreConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
 from engine.core import EngineCore
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
-from node.roles import build_kv
+from tests.store_engine import BS, PARAMS, run_idle, store_core
 
 pytest.importorskip("lmcache")
 
-BS, CHUNK = 4, 16
 PROMPT = list(range(5, 5 + 40))
-PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-
-
-def core_with(model_dir, url: str, roles: tuple[str, ...], retry_after_s: float = 0):
-    cfg = EngineConfig(
-        model=ModelConfig(model_dir),
-        cache=CacheConfig(block_size=BS, num_blocks=64),
-        scheduler=SchedulerConfig(max_num_batched_tokens=64),
-        kv_store=KVStoreConfig(
-            chunk_size=CHUNK, local_cpu_bytes=16 << 20, retry_after_s=retry_after_s
-        ),
-        kv_backends=(KVBackendConfig("lmcache", roles, remote_url=url),),
-        num_threads=1,
-    )
-    _, store = build_kv(cfg)
-    return EngineCore(cfg, None, kv_store=store)
-
-
-def run_idle(core: EngineCore, deadline_s: float = 60.0) -> None:
-    t0 = time.monotonic()
-    while core.has_unfinished:
-        assert time.monotonic() - t0 < deadline_s, f"engine still busy: {core.store.parked}"
-        core.step()
-        time.sleep(0.005)
 
 
 def abort_waiting_load(core: EngineCore, rid: str, prompt: list[int] = PROMPT) -> int:
@@ -64,7 +28,7 @@ def abort_waiting_load(core: EngineCore, rid: str, prompt: list[int] = PROMPT) -
 
 
 def test_abort_while_loading_parks_blocks_until_settled(tiny_llama_dir, redis_server):
-    core = core_with(tiny_llama_dir, redis_server.url, ("load", "save"))
+    core = store_core(tiny_llama_dir, [(redis_server.url, ("load", "save"))])
     try:
         free0 = abort_waiting_load(core, "r1")
         run_idle(core)
@@ -76,7 +40,7 @@ def test_abort_while_loading_parks_blocks_until_settled(tiny_llama_dir, redis_se
 
 def test_abort_when_the_store_is_down_settles_at_once(tiny_llama_dir):
     with EmbeddedRedis() as r:
-        core = core_with(tiny_llama_dir, r.url, ("load", "save"), retry_after_s=60)
+        core = store_core(tiny_llama_dir, [(r.url, ("load", "save"))], retry_after_s=60)
         try:
             r.stop()  # the first load fails: the store is skipped for 60 s
             core.add_request("first", PROMPT, PARAMS)
@@ -92,7 +56,7 @@ def test_abort_when_the_store_is_down_settles_at_once(tiny_llama_dir):
 
 
 def test_save_only_backend_never_waits_for_a_load(tiny_llama_dir, redis_server):
-    core = core_with(tiny_llama_dir, redis_server.url, ("save",))
+    core = store_core(tiny_llama_dir, [(redis_server.url, ("save",))])
     try:
         free0 = core.kv.num_free_blocks
         core.add_request("r1", PROMPT, PARAMS)
