@@ -7,7 +7,9 @@ and this CPU's feature flags, so a cache shared between machines never serves a 
 built for another CPU. The build takes about a second (plain C++, no torch headers) and
 is atomic (temp file + rename), so concurrent processes are safe. The library is loaded
 with ctypes after torch, so its OpenMP runtime is torch's own (same soname, one thread
-pool). No compiler, or a failed build: `load_library` returns None with the reason in the
+pool). No compiler, a failed build, or any other failure to locate, build or load the
+library (a `$CXX --version` that hangs past `$PDSERVE_CXX_VERSION_TIMEOUT_S`, default 10 s,
+or prints undecodable text): `load_library` returns None with the reason in the
 log, and callers fall back to the pure-torch reference.
 """
 
@@ -33,6 +35,9 @@ CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"
 # Per-source additions: the elementwise ops round like torch's separate ops (no FMA fusion).
 EXTRA_FLAGS = {"elementwise": ["-ffp-contract=off"]}
 BUILD_TIMEOUT_S = 300.0
+# `$CXX --version` (hashed into the library name) answers in milliseconds; one that hangs
+# is given up on after this many seconds (default 10) and the reference is used.
+VERSION_TIMEOUT_ENV = "PDSERVE_CXX_VERSION_TIMEOUT_S"
 
 
 def cache_dir() -> Path:
@@ -64,7 +69,17 @@ def _cpu_flags() -> str:
 
 
 def _compiler_version(cxx: str) -> str:
-    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    raw = os.environ.get(VERSION_TIMEOUT_ENV) or "10"
+    try:
+        timeout = float(raw)
+    except ValueError:
+        raise RuntimeError(f"{VERSION_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    try:
+        out = subprocess.run(
+            [cxx, "--version"], capture_output=True, text=True, errors="replace", timeout=timeout
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{cxx} --version: {e}") from e
     return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
@@ -116,6 +131,6 @@ def load_library(name: str) -> ctypes.CDLL | None:
     """The loaded kernel library, or None (reason logged once) if it cannot be built."""
     try:
         return ctypes.CDLL(str(build(name)))
-    except (RuntimeError, OSError) as e:
+    except Exception as e:  # any failure to locate, build or load: serve the reference
         logger.warning("CPU kernel %s unavailable, using the pure-torch reference: %s", name, e)
         return None
