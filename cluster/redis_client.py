@@ -99,11 +99,16 @@ class LeanRedis:
         connecting = self._connecting
         if connecting is None:  # one connect at a time; concurrent callers share it
             connecting = self._connecting = asyncio.ensure_future(self._open())
-        try:
-            return await asyncio.shield(connecting)
-        finally:
-            if connecting.done() and self._connecting is connecting:
-                self._connecting = None
+            connecting.add_done_callback(self._connect_done)
+        return await asyncio.shield(connecting)
+
+    def _connect_done(self, fut: asyncio.Future) -> None:
+        # Cleared when the connect ends, even with every caller cancelled meanwhile: a
+        # finished one is never handed out later (a lost connection, a stale error).
+        if self._connecting is fut:
+            self._connecting = None
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a failure with no caller left is not logged
 
     async def _open(self) -> _RespProtocol:
         loop = asyncio.get_running_loop()

@@ -1,6 +1,7 @@
 """The router's lean Redis client (cluster/redis_client.py `LeanRedis`) against a real
 redis-server: pipelined replies reach their own callers, scripts survive a script flush,
-a lost server raises ConnectionError and a restarted one is used again, a server that does
+a lost server raises ConnectionError and a restarted one is used again, a connect whose
+caller was cancelled is never handed out stale (lost, or failed), a server that does
 not answer raises TimeoutError within its deadline, and passwords and databases apply."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import socket
 import time
 
 import pytest
+import redis
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from cluster.embedded_redis import EmbeddedRedis
@@ -86,6 +88,70 @@ def test_lost_server_raises_connection_error_and_a_restarted_one_is_used():
     finally:
         for s in (server, *restarted):
             s.stop()
+
+
+async def until(cond, what: str, deadline_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not cond():
+        assert loop.time() < end, f"not {what} within {deadline_s} s"
+        await asyncio.sleep(0.01)
+
+
+async def cancel_mid_connect(r: LeanRedis) -> None:
+    """A caller (a client that went away) is cancelled while its connect is under way."""
+    t = asyncio.ensure_future(r.execute("PING"))
+    await asyncio.sleep(0)  # the connect is under way
+    assert r._connecting is not None and not r._connecting.done()
+    t.cancel()
+    await asyncio.gather(t, return_exceptions=True)
+
+
+def test_a_connect_whose_caller_was_cancelled_is_not_reused_once_lost(redis_server):
+    """The connect goes on without its caller; once that connection is lost, the next
+    command connects anew instead of writing to the dead one and waiting out timeout_s."""
+
+    async def run() -> bytes:
+        r = lean_client(redis_server.url, 2.0)
+        try:
+            await cancel_mid_connect(r)
+            await until(lambda: r._proto is not None, "connected")
+            assert await r.execute("PING") == b"PONG"
+            redis.Redis.from_url(redis_server.url).client_kill_filter(
+                _type="normal", skipme=True
+            )  # the connection is lost (Redis restart, idle kill, network blip)
+            await until(lambda: r._proto.lost, "lost")
+            return await r.execute("PING")
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(run()) == b"PONG"
+
+
+def test_a_failed_connect_whose_caller_was_cancelled_is_not_raised_later():
+    """A connect that failed with no caller left is not raised, stale, to the next caller
+    once Redis is back."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here (yet)
+    started: list[EmbeddedRedis] = []
+
+    async def run() -> bytes:
+        r = LeanRedis("127.0.0.1", port, 0, None, None, timeout_s=2.0)
+        try:
+            await cancel_mid_connect(r)
+            await until(lambda: r._connecting is None or r._connecting.done(), "refused")
+            await asyncio.sleep(0.05)
+            started.append(await asyncio.to_thread(EmbeddedRedis(port=port).start))
+            return await r.execute("PING")
+        finally:
+            await r.aclose()
+
+    try:
+        assert asyncio.run(run()) == b"PONG"
+    finally:
+        for server in started:
+            server.stop()
 
 
 def test_a_server_that_does_not_answer_times_out_and_is_dropped():
