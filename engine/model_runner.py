@@ -126,14 +126,14 @@ class ModelRunner:
         from engine.compiled_model import CompiledDecode, set_compile_cache_dir, warm_up_compiled
 
         cache_dir = config.model.compile_cache_dir or str(default_cache_dir() / "compile")
-        set_compile_cache_dir(cache_dir)
-        max_blocks = -(-max_model_len // self.block_size)
-        compiled = CompiledDecode(self.model, config.scheduler.max_num_seqs, max_blocks)
         t0 = time.perf_counter()
-        try:
+        try:  # e.g. no C++ compiler here, a cache dir that cannot be made: serve eager, loudly
+            set_compile_cache_dir(cache_dir)
+            max_blocks = -(-max_model_len // self.block_size)
+            compiled = CompiledDecode(self.model, config.scheduler.max_num_seqs, max_blocks)
             warm_up_compiled(compiled, self.kv_cache, self.block_size)
-        except Exception:  # e.g. no C++ compiler on this machine: serve eager, loudly
-            logger.exception("compiling the model step failed; running eager")
+        except Exception:
+            logger.exception("compiling the model step (cache %s) failed; running eager", cache_dir)
             return
         self.model.compiled_decode = compiled
         logger.info(
