@@ -57,16 +57,21 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> b
         and blocks_contiguous(k_cache)
         and k_cache.stride() == v_cache.stride()
         and q.stride(-1) == 1
-        and q.shape[-1] <= 1024
+        and head_dim_supported(q.shape[-1])
     )
 
 
-def num_splits(num_items: int, max_len: int, threads: int) -> int:
-    """Key splits per (sequence, kv head): 1 unless too few items to keep every thread busy."""
+def head_dim_supported(d: int) -> bool:
+    """The head dims the kernel is instantiated for: multiples of 16 up to 128, and 256."""
+    return (d % 16 == 0 and 0 < d <= 128) or d == 256
+
+
+def num_splits(num_seqs: int, max_len: int, threads: int) -> int:
+    """Key splits per sequence: 1 unless too few sequences to keep every thread busy."""
     want = ITEMS_PER_THREAD * threads
-    if num_items >= want:
+    if num_seqs >= want:
         return 1
-    return max(1, min(-(-want // num_items), max_len // MIN_SPLIT_KEYS))
+    return max(1, min(-(-want // num_seqs), max_len // MIN_SPLIT_KEYS))
 
 
 def paged_decode_attention(
@@ -92,7 +97,7 @@ def paged_decode_attention(
     lens = context_lens.to(torch.int32).contiguous()
     max_len = int(lens.max())
     threads = torch.get_num_threads()
-    splits = num_splits(b * hkv, max_len, threads)
+    splits = num_splits(b, max_len, threads)
     split_keys = max(1, -(-max_len // splits))
     rc = fn(
         q.data_ptr(),

@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
-# Per-source additions: the elementwise ops round like torch's separate ops (no FMA fusion).
-EXTRA_FLAGS = {"elementwise": ["-ffp-contract=off"]}
+# Per-source additions: the elementwise ops round like torch's separate ops (no FMA fusion);
+# attention's dot products and accumulations use FMAs.
+EXTRA_FLAGS = {"elementwise": ["-ffp-contract=off"], "paged_decode": ["-ffp-contract=fast"]}
 BUILD_TIMEOUT_S = 300.0
 # `$CXX --version` (hashed into the library name) answers in milliseconds; one that hangs
 # is given up on after this many seconds (default 10) and the reference is used.

@@ -59,6 +59,8 @@ CASES = [  # (context lengths, H, Hkv, D, block_size)
     ([2049, 7], 8, 2, 128, 32),
     ([40] * 64 + [900], 4, 4, 32, 4),  # MHA, 65 sequences
     ([3, 1000, 64], 6, 1, 16, 8),  # MQA
+    ([33, 70, 18], 4, 2, 80, 16),  # head dim 80: an odd number of 16-lane vectors
+    ([20, 300], 2, 1, 256, 8),  # head dim 256: one head's accumulators fill the registers
 ]
 
 
@@ -88,9 +90,10 @@ def test_thread_count_and_key_splits_do_not_change_the_result(threads, monkeypat
 
 
 def test_num_splits_keeps_threads_busy_only_when_needed():
-    assert cpu_attention.num_splits(96, 150, 2) == 1  # 32 sequences x 3 kv heads
-    assert cpu_attention.num_splits(3, 2000, 2) == 3  # 1 long sequence: 9 work items
-    assert cpu_attention.num_splits(3, 200, 2) == 1  # too short to split
+    assert cpu_attention.num_splits(32, 150, 2) == 1  # 32 sequences: enough work items
+    assert cpu_attention.num_splits(1, 2000, 2) == 8  # 1 long sequence: 8 work items
+    assert cpu_attention.num_splits(3, 2000, 2) == 3  # 3 sequences: 9 work items
+    assert cpu_attention.num_splits(1, 200, 2) == 1  # too short to split
 
 
 def test_unsupported_inputs_use_the_reference():
@@ -103,6 +106,13 @@ def test_unsupported_inputs_use_the_reference():
     q32, k32, v32, _, _ = make_case([20, 5], 4, 2, 16, 4, torch.float32)
     strided_cache = torch.cat([k32, k32], dim=-1)[..., :16]
     assert not cpu_attention.supports(q32, strided_cache, v32)
+    for d in (8, 72, 144):  # head dims the kernel is not built for
+        q, k, v, table, lens = make_case([20, 5], 4, 2, d, 4, torch.bfloat16)
+        assert not cpu_attention.supports(q, k, v)
+        torch.testing.assert_close(
+            cpu_attention.paged_decode_attention(q, k, v, table, lens, SCALE),
+            ref.paged_decode_attention(q, k, v, table, lens, SCALE),
+        )
 
 
 def test_no_compiler_falls_back_to_the_reference_with_a_log_line(monkeypatch, tmp_path, caplog):

@@ -1,0 +1,205 @@
+"""Where a real 32-row decode step (workload B) goes, per part, and kernels A/B in one process.
+
+    python benchmarks/decode_parts.py --dtype bfloat16 --out results/decode_parts_bf16.json
+    python benchmarks/decode_parts.py --dtype bfloat16 --baseline-ref main \
+        --out results/decode_parts_bf16_vs_main.json
+
+Runs workload B's 32 prompts (128 tokens) through `LLM.generate` for `--context` tokens,
+captures the inputs of the last 32-row decode step (context ~128 + `--context`), then
+replays that step's forward + logits + argmax `--rounds` times, one thread, timing each part
+in thread CPU time (a busy box's waiting for a core left out): the projections' GEMMs,
+lm_head, the paged decode attention (KV store apart), each native elementwise op, argmax,
+and the rest of the forward (Python, embedding, views). The replay writes the same KV slots
+every time, so the cache, weights and inputs are those of a real step.
+
+`--baseline-ref REF` also builds the native kernels (kernels/csrc) as they are at git REF
+and alternates the two kernel sets round by round (same weights, same inputs): the rows
+`current` and `baseline`, and whether their greedy tokens agree (`same_argmax`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import engine.models.cpu_linear as cpu_linear  # noqa: E402
+import engine.models.llama as llama  # noqa: E402
+from benchmarks.engine_throughput import make_prompts  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from kernels import cpu_attention, cpu_elementwise, cpu_ops, native  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMED_OPS = (
+    "paged_decode_attention",
+    "store_kv",
+    "fused_add_rms_norm",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+)
+
+
+class Parts:
+    """Thread CPU seconds per part, accumulated by wrappers around the real functions."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        fn = getattr(owner, name)
+        acc = self.acc
+
+        def wrapped(*a, **kw):
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[part] += time.thread_time() - t0
+
+        setattr(owner, name, wrapped)
+
+
+def build_at_ref(ref: str, cache: Path) -> dict[str, ctypes.CDLL]:
+    """The native kernel libraries built from kernels/csrc as it is at git `ref`."""
+    src = cache / "csrc"
+    src.mkdir(parents=True, exist_ok=True)
+    names = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:kernels/csrc"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in names:
+        blob = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{ref}:kernels/csrc/{name}"],
+            capture_output=True, check=True,
+        ).stdout  # fmt: skip
+        (src / name).write_bytes(blob)
+    saved = native.CSRC
+    native.CSRC = src
+    try:
+        os.environ["PDSERVE_KERNEL_CACHE"] = str(cache / "lib")
+        libs = {n: ctypes.CDLL(str(native.build(n))) for n in ("paged_decode", "elementwise")}
+    finally:
+        native.CSRC = saved
+        os.environ.pop("PDSERVE_KERNEL_CACHE")
+    return libs
+
+
+def kernel_sets(baseline: dict[str, ctypes.CDLL] | None) -> dict[str, tuple]:
+    """name -> (decode fn, elementwise fn table) to install before a round."""
+    cpu_elementwise.available()
+    sets = {"current": (cpu_attention._decode_fn(), dict(cpu_elementwise._fns))}
+    if baseline:
+        dec = baseline["paged_decode"].pdserve_paged_decode
+        dec.argtypes, dec.restype = cpu_attention._ARGTYPES, ctypes.c_int
+        fns = {}
+        for name, (args, res) in cpu_elementwise._SIGNATURES.items():
+            fn = getattr(baseline["elementwise"], name)
+            fn.argtypes, fn.restype = args, res
+            fns[name] = fn
+        sets["baseline"] = (dec, fns)
+    return sets
+
+
+def install(kernels: tuple) -> None:
+    decode, fns = kernels
+    cpu_attention._decode_fn = lambda: decode
+    cpu_elementwise._fns = fns
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--context", type=int, default=24, help="decode steps before the capture")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--baseline-ref", default=None, help="git ref of the baseline kernels")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    baseline = None
+    if args.baseline_ref:
+        baseline = build_at_ref(args.baseline_ref, Path(tempfile.mkdtemp(prefix="pdserve-ab-")))
+    llm = LLM(
+        args.model, dtype=args.dtype, num_threads=1, max_num_seqs=64, max_num_batched_tokens=4096
+    )
+    model = llm.engine.runner.model
+    captured = []
+    forward = model.forward
+
+    def capture(input_ids, positions, kv_cache, meta):
+        if meta.num_prefills == 0 and input_ids.shape[0] == 32:
+            captured[:] = [(input_ids.clone(), positions.clone(), kv_cache, meta)]
+        return forward(input_ids, positions, kv_cache, meta)
+
+    model.forward = capture
+    prompts = make_prompts(32, 128, llm.engine.vocab_size, seed=ord("B"))
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.context, ignore_eos=True))
+    model.forward = forward
+    step = captured[0]
+    context = int(step[3].decode_context_lens.max())
+
+    parts = Parts()
+    for name in TIMED_OPS:
+        parts.wrap(cpu_ops, name, name)
+    parts.wrap(llama, "linear", "lm_head")  # compute_logits' call; projections below
+    parts.wrap(cpu_linear, "linear", "gemm")  # PackedLinear.forward's module-global call
+    sets = kernel_sets(baseline)
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in sets}
+    argmax: dict[str, torch.Tensor] = {}
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            for name, kernels in sets.items():
+                install(kernels)
+                parts.acc.clear()
+                t0 = time.thread_time()
+                hidden = model(*step)
+                t1 = time.thread_time()
+                logits = model.compute_logits(hidden)
+                t2 = time.thread_time()
+                argmax[name] = logits.argmax(-1)
+                t3 = time.thread_time()
+                row = dict(parts.acc)
+                row["forward"], row["logits"], row["argmax"] = t1 - t0, t2 - t1, t3 - t2
+                row["step"] = t3 - t0
+                rows[name].append(row)
+    install(sets["current"])
+    summary = {}
+    for name, rs in rows.items():
+        med = {k: round(statistics.median(r.get(k, 0.0) for r in rs) * 1e3, 2) for k in rs[0]}
+        named = sum(med.get(k, 0.0) for k in ("gemm", *TIMED_OPS))
+        med["forward_rest"] = round(med["forward"] - named, 2)
+        summary[name] = med
+    result = {
+        "dtype": args.dtype,
+        "rows": 32,
+        "context": context,
+        "threads": 1,
+        "clock": "thread_time",
+        "median_ms": summary,
+    }
+    if baseline:
+        result["same_argmax"] = bool(torch.equal(argmax["current"], argmax["baseline"]))
+        result["step_speedup"] = round(summary["baseline"]["step"] / summary["current"]["step"], 3)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
