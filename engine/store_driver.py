@@ -96,8 +96,8 @@ class StoreDriver:
             ):
                 continue
             req.store_saved = True
-            if req.store_tokens >= n:
-                continue  # loaded whole from the store
+            # Saved even when a load brought it whole: each save backend skips what it
+            # holds itself (the one that served it answers at once), the others store it.
             key = self._key(req.request_id, "save")
             ids = self.kv.pin(req.request_id, -(-n // bs), key)
             whole = n - n % self.chunk_size  # a partial chunk's key matches only itself

@@ -219,6 +219,8 @@ class PrefixStore:
             if skip:
                 remote = bool(getattr(b, "remote", False))
                 skip = min(skip, b.lookup(job.token_ids[:skip], remote_only=remote))
+            if skip >= len(job.token_ids):  # it holds the whole prompt (it served the load)
+                return SaveDone(job.request_id, True)
             b.store(job.token_ids, job.slots, skip)
             if not b.wait_visible(job.token_ids, job.deadline):
                 raise TimeoutError(f"chunks not visible within {self.save_timeout_s:g} s")
