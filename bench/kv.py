@@ -13,15 +13,24 @@ and block-major) and the initiator checks them against its source bytes. UCX is
 configured by each side's environment (UCX_TLS, UCX_NET_DEVICES, ...). Prints a table and
 writes JSON and a PNG plot (`--out`).
 
+Before the table's cases the initiator meets the listener as a new peer and reports what
+that costs (`connection_setup` in the JSON, a line under the table): from first contact
+(the control connection up) to the first completed 1-block WRITE (metadata round trip,
+`add_peer` with its UCX connection, the first WRITE), against a warm WRITE of the same
+block. The listener's own KV allocation and registration is reported beside it, not in
+it (a node does that at start).
+
 The same table carries the LMCache path (`--lmcache`, on when lmcache is installed): for
 the sizes up to `--lmcache-max-tokens`, this process stores a prompt's blocks from a paged
 cache into LMCache and waits until Redis holds every chunk (`lmcache_store_visible`: what
 a node on another host needs before it can read), then a second LMCache store with an
 empty local tier retrieves them into scattered blocks (`lmcache_retrieve`), with redis-py
 SET / GET of the same bytes, one value per chunk, pipelined, as the yardstick (`x redis`:
-LMCache's p50 time over redis-py's; goal <= 1.5). Redis: `--lmcache-url`, or a local
-redis-server started for the run (bench/kv_store.py measures; `bench kv-store` is the
-same with more detail).
+LMCache's p50 time over redis-py's; goal <= 1.5). Both KV cache layouts
+(`--lmcache-layouts`): `lmcache_*` rows from a layer-major cache, `lmcache_bm_*` from a
+block-major one (each block holds every layer's K and V), measured side by side. Redis:
+`--lmcache-url`, or a local redis-server started for the run (bench/kv_store.py
+measures; `bench kv-store` is the same with more detail).
 """
 
 from __future__ import annotations
@@ -90,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lmcache-max-tokens", type=int, default=4096)
     p.add_argument("--lmcache-iters", type=int, default=5)
     p.add_argument("--lmcache-chunk", type=int, default=256, help="LMCache chunk (tokens)")  # fmt: skip
+    p.add_argument("--lmcache-layouts", nargs="+", choices=("layer_major", "block_major"),
+                   default=["layer_major", "block_major"],
+                   help="KV cache layouts of the LMCache rows (lmcache_*, lmcache_bm_*)")  # fmt: skip
 
 
 # -- listener (target) --------------------------------------------------------------------
@@ -127,11 +139,13 @@ def _serve_session(conn: socket.socket, peer_addr, max_bytes: int) -> None:
             logger.warning("bench kv: refused %s: %s", peer_addr, problem)
             send(conn, KVRefused(reason=problem))
             return
+        t0 = time.perf_counter()
         side = kv_cases.transports(g, f"bench-listener-{os.getpid()}", fill=False)
         try:
             ready = KVReady(kv_metadata=side.kv.local_metadata(),
                             flat_metadata=side.flat.local_metadata(),
-                            bm_metadata=side.bm.local_metadata())  # fmt: skip
+                            bm_metadata=side.bm.local_metadata(),
+                            setup_ms=(time.perf_counter() - t0) * 1e3)  # fmt: skip
             send(conn, ready)
             while True:
                 # Like an engine loop: progress NIXL every millisecond, answer the peer.
@@ -188,17 +202,27 @@ def initiate(args: argparse.Namespace, addr: str) -> dict:
                    block_size=BLOCK, max_blocks=2 * max_req_blocks, flat_layers=max_req_blocks,
                    flat_granule=LAYERS * block_bytes, error_mode=args.error_mode,
                    progress_thread=args.progress_thread == "on")  # fmt: skip
-    conn = _connect(addr, args.connect_timeout)
+    # Our agents and KV exist before we meet the peer, as a node's do.
+    side = kv_cases.transports(g, f"bench-initiator-{os.getpid()}", fill=True)
+    try:
+        conn = _connect(addr, args.connect_timeout)
+    except SystemExit:
+        side.close()
+        raise
+    t_contact = time.perf_counter()  # first contact: the control connection is up
     conn.settimeout(None)
     with conn:
-        send(conn, KVHello(geometry=g))
-        ready = recv(conn)
-        if isinstance(ready, KVRefused):
-            raise SystemExit(f"pdserve bench kv: the listener refused: {ready.reason}")
-        assert isinstance(ready, KVReady)
-        side = kv_cases.transports(g, f"bench-initiator-{os.getpid()}", fill=True)
         try:
-            peers = (side.kv.add_peer(ready.kv_metadata), side.flat.add_peer(ready.flat_metadata),
+            send(conn, KVHello(geometry=g))
+            ready = recv(conn)
+            if isinstance(ready, KVRefused):
+                raise SystemExit(f"pdserve bench kv: the listener refused: {ready.reason}")
+            assert isinstance(ready, KVReady)
+            hello_ms = (time.perf_counter() - t_contact) * 1e3
+            kv_peer, setup = kv_cases.first_write(side.kv, ready.kv_metadata)
+            setup = connection_setup(hello_ms, ready.setup_ms, setup)
+            logger.info("bench kv: connection setup %s", json.dumps(setup))
+            peers = (kv_peer, side.flat.add_peer(ready.flat_metadata),
                      side.bm.add_peer(ready.bm_metadata))  # fmt: skip
             rows = kv_cases.measure(g, side, peers, args.tokens, args.iters, args.warmup,
                                     on_row=lambda r: logger.info("%s", json.dumps(r)),
@@ -217,7 +241,26 @@ def initiate(args: argparse.Namespace, addr: str) -> dict:
             send(conn, KVBye())
         finally:
             side.close()
-    return {"config": _env_config(g, addr), "bytes_verified": True, "results": rows}
+    return {"config": _env_config(g, addr), "bytes_verified": True, "results": rows,
+            "connection_setup": setup}  # fmt: skip
+
+
+def connection_setup(hello_ms: float, listener_setup_ms: float, first: dict) -> dict:
+    """What meeting a new peer costs, from first contact (the control connection up) to
+    the first completed WRITE: the hello round trip (less the listener's own allocation
+    and registration of its KV, which a real node did at start), `add_peer` (load the
+    metadata, make the UCX connection), the first WRITE; against a warm WRITE of the same
+    block. `setup_ms` = all of it less a warm WRITE: the connection's own cost."""
+    exchange = max(hello_ms - listener_setup_ms, 0.0)
+    total = exchange + first["add_peer_ms"] + first["first_write_ms"]
+    return {
+        "contact_to_first_write_ms": round(total, 4),
+        "metadata_exchange_ms": round(exchange, 4),
+        "listener_setup_ms": round(listener_setup_ms, 4),  # reported, not in the total
+        **first,
+        "setup_ms": round(total - first["warm_write_ms"], 4),
+        "first_vs_warm": round(first["first_write_ms"] / first["warm_write_ms"], 3),
+    }
 
 
 def _env_config(g: KVGeometry, addr: str) -> dict:
@@ -273,11 +316,12 @@ def _lmcache_rows(args: argparse.Namespace, report: dict) -> None:
     if not sizes:
         return
     flat = {r["tokens"]: r["gbps"] for r in report["results"] if r["method"] == "nixl_flat"}
-    rows = kv_table_rows(sizes, args.lmcache_iters, args.lmcache_chunk, args.lmcache_url, flat)
+    rows = kv_table_rows(sizes, args.lmcache_iters, args.lmcache_chunk, args.lmcache_url, flat,
+                         args.lmcache_layouts)  # fmt: skip
     report["results"] += rows
     report["lmcache"] = {"redis": args.lmcache_url or "local redis-server",
                          "chunk_size": args.lmcache_chunk, "iters": args.lmcache_iters,
-                         "bytes_verified": True}  # fmt: skip
+                         "layouts": args.lmcache_layouts, "bytes_verified": True}  # fmt: skip
 
 
 def _ratio(x: float | None) -> str:
@@ -285,14 +329,26 @@ def _ratio(x: float | None) -> str:
 
 
 def format_table(report: dict) -> str:
-    lines = [f"{'tokens':>7} {'method':<21} {'MiB':>8} {'descs':>6} {'p50 ms':>9} "
+    lines = [f"{'tokens':>7} {'method':<24} {'MiB':>8} {'descs':>6} {'p50 ms':>9} "
              f"{'p99 ms':>9} {'GB/s':>7} {'vs flat':>8} {'x redis':>8}"]  # fmt: skip
     for r in sorted(report["results"], key=lambda r: r["tokens"]):
-        lines.append(f"{r['tokens']:>7} {r['method']:<21} {r['bytes'] / 2**20:>8.2f} "
+        lines.append(f"{r['tokens']:>7} {r['method']:<24} {r['bytes'] / 2**20:>8.2f} "
                      f"{r['descriptors']:>6} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} "
                      f"{r['gbps']:>7.2f} {_ratio(r['vs_nixl_flat'])} "
                      f"{_ratio(r.get('x_redis_py'))}")  # fmt: skip
     return "\n".join(lines)
+
+
+def format_setup(report: dict) -> str:
+    s = report.get("connection_setup")
+    if not s:
+        return ""
+    return (f"\nnew peer: first contact -> first WRITE done {s['contact_to_first_write_ms']:.2f} ms "
+            f"(metadata {s['metadata_exchange_ms']:.2f} + add_peer {s['add_peer_ms']:.2f} + "
+            f"first WRITE {s['first_write_ms']:.3f}); warm WRITE {s['warm_write_ms']:.3f} ms "
+            f"({s['write_bytes'] / 2**10:.0f} KiB); setup cost {s['setup_ms']:.2f} ms, first "
+            f"WRITE {s['first_vs_warm']:.1f}x a warm one; listener KV setup "
+            f"{s['listener_setup_ms']:.1f} ms (not counted)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> None:
@@ -304,7 +360,7 @@ def run(args: argparse.Namespace) -> None:
         _lmcache_rows(args, report)
     except ValueError as e:
         raise SystemExit(f"pdserve bench kv: {e}") from None
-    print(format_table(report), flush=True)
+    print(format_table(report) + format_setup(report), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     from bench.plots import plot_kv

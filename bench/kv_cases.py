@@ -178,6 +178,23 @@ def measure(
     return with_ratios(rows)
 
 
+def first_write(t: NixlTransport, metadata: bytes, warm: int = 20) -> tuple[str, dict]:
+    """Meet a new peer: `add_peer` (which connects, `nixl_transport.CONNECT_S`), the first
+    1-block WRITE to it, then `warm` more of the same. Returns the peer's name and the
+    times in ms (`warm_write_ms`: their median)."""
+    t0 = time.perf_counter()
+    peer = t.add_peer(metadata)
+    add_peer = time.perf_counter() - t0
+    first, _ = _time_write(t, peer, [0], [0])
+    warm_times = [_time_write(t, peer, [0], [0])[0] for _ in range(warm)]
+    return peer, {
+        "add_peer_ms": round(add_peer * 1e3, 4),
+        "first_write_ms": round(first * 1e3, 4),
+        "warm_write_ms": round(float(np.median(warm_times)) * 1e3, 4),
+        "write_bytes": t.layout.block_bytes * 2 * t.layout.num_layers,
+    }
+
+
 def final_write(t: NixlTransport, peer: str, tensor: torch.Tensor, nb: int, step: int) -> str:
     """WRITE src blocks 0, step, 2 * step, ... into dst blocks [0, nb) once more; the
     digest of the source blocks, for the listener's digest of [0, nb) to match."""

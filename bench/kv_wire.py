@@ -43,6 +43,7 @@ class KVReady(msgspec.Struct, tag=True, kw_only=True):
     kv_metadata: bytes
     flat_metadata: bytes
     bm_metadata: bytes  # the block-major paged cache
+    setup_ms: float = 0.0  # KVHello -> KVReady on the listener: allocate and register KV
 
 
 class KVRefused(msgspec.Struct, tag=True, kw_only=True):

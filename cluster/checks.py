@@ -157,15 +157,4 @@ def cross_checks(cfg: ClusterConfig) -> list[Problem]:
     restart = cfg.launcher.restart
     if restart.backoff_max_s < restart.backoff_s:
         problems.append((("launcher", "restart", "backoff_max_s"), "must be >= backoff_s"))
-    if cfg.model.kv_layout != "layer_major":
-        groups = [g for g in (cfg.prefill, cfg.decode) if g is not None]
-        lmcache = (
-            cfg.kv_store.backend is not None
-            or any(g.connector is not None and g.connector.kind == "lmcache" for g in groups)
-            or any(b.kind == "lmcache" for g in groups for b in g.kv_backends or ())
-        )
-        if lmcache:
-            problems.append(
-                (("model", "kv_layout"), f"{cfg.model.kv_layout!r} is not supported with LMCache")
-            )
     return problems + _model_problems(cfg)

@@ -39,7 +39,7 @@ class ModelSection(Section):
         "layer_major",
         description="storage order of the paged KV cache: `layer_major` ([L, 2, N, ...]) or "
         "`block_major` ([N, L, 2, ...]: a block's every layer in one range, one NIXL "
-        "descriptor per block run; not with LMCache)",
+        "descriptor per block run)",
     )
     enforce_eager: bool | None = Field(
         None,

@@ -277,12 +277,6 @@ class EngineConfig:
                 f"{self.kv_store.chunk_size} is not a multiple of cache.block_size "
                 f"{self.cache.block_size}",
             )
-        if lmcache and self.cache.layout != "layer_major":
-            raise ConfigError(
-                "cache.layout",
-                f"{self.cache.layout!r} is not supported with LMCache (kv_store.backend or "
-                "kv_transfer.connector 'lmcache'): its adapter copies layer-major slot rows",
-            )
 
     def _check_backends(self) -> None:
         if not self.kv_backends:

@@ -137,17 +137,20 @@ class KVLayout(msgspec.Struct, frozen=True):
             block_major=block_major,
         )
 
-    def check_compatible(self, other: KVLayout) -> None:
+    def check_compatible(self, other: KVLayout, same_storage: bool = True) -> None:
         """Raise ValueError unless blocks of `other` have this layout's shape and dtype.
 
         The number of blocks may differ: each side validates ids against its own count.
+        `same_storage=False`: the storage order may differ too (LMCache's chunks are the
+        same bytes from either layout; NIXL's descriptors are not).
         """
+        fields = _SHAPE_FIELDS if same_storage else _SHAPE_FIELDS[:-1]
         diff = [
             f"{f}: ours {getattr(self, f)}, peer's {getattr(other, f)}"
-            for f in _SHAPE_FIELDS
+            for f in fields
             if getattr(self, f) != getattr(other, f)
         ]
-        if self.block_major != other.block_major:
+        if same_storage and self.block_major != other.block_major:
             diff.append("prefill and decode nodes need the same cache.layout (--kv-layout)")
         if diff:
             raise ValueError("incompatible KV layouts (" + "; ".join(diff) + ")")

@@ -8,7 +8,7 @@ cache: a retrieve of 47 MB measured ~3x a plain pipelined redis-py GET of the sa
 LMCache's own store path, `remote_serde="naive"`: per chunk `<key>metadata` and
 `<key>kv_bytes`, the tensor `[2, layers, tokens, hidden]` in the cache's dtype) and does
 one pipelined round trip for every chunk's metadata and bytes, then one copy per run of
-consecutive slots from a zero-copy view of the received bytes.
+consecutive slots (per block on a block-major cache) from a zero-copy view of the received bytes.
 
 A chunk whose metadata does not describe exactly that tensor (another LMCache version or
 layout) counts as missing, as does a chunk Redis lost: the retrieve ends at the first
@@ -23,12 +23,14 @@ from collections.abc import Iterable
 
 import torch
 
+from kv_transfer.kv_slots import SlotRows
+
 logger = logging.getLogger(__name__)
 
 
 class RedisChunkReader:
-    def __init__(self, url: str, flat: torch.Tensor, socket_timeout_s: float = 10.0):
-        """`flat`: the paged cache viewed `[layers, 2, slots, hidden]`."""
+    def __init__(self, url: str, rows: SlotRows, socket_timeout_s: float = 10.0):
+        """`rows`: the paged cache's slot rows (either layout)."""
         import redis
 
         # Chunks are MBs: read the socket 1 MiB at a time (default 64 KiB: hundreds of
@@ -39,17 +41,15 @@ class RedisChunkReader:
             socket_connect_timeout=socket_timeout_s,
             socket_read_size=1 << 20,
         )
-        self.flat = flat
-        self.layers, _, _, self.hidden = flat.shape
-        self.token_bytes = 2 * self.layers * self.hidden * flat.element_size()
+        self.rows = rows
+        self.layers, self.hidden = rows.layers, rows.hidden
+        self.token_bytes = 2 * self.layers * self.hidden * rows.dtype.itemsize
 
-    def read(self, chunks: Iterable[tuple[int, int, str]], slots: torch.Tensor, runs) -> int:
-        """Copy chunks `(start, end, key)` (in prompt order) into `slots`; `runs(slots)`
-        splits a slot range into (first, end, first slot) runs. Returns the end of the last
-        chunk of the unbroken run of present chunks (the first start if none)."""
+    def read(self, chunks: Iterable[tuple[int, int, str]], slots: torch.Tensor) -> int:
+        """Copy chunks `(start, end, key)` (in prompt order) into `slots` (-1: left alone).
+        Returns the end of the last chunk of the unbroken run of present chunks (the first
+        start if none)."""
         from lmcache.v1.protocol import RemoteMetadata
-
-        from kv_transfer.lmcache_store import copy_kv
 
         chunks = list(chunks)
         if not chunks:
@@ -71,17 +71,15 @@ class RedisChunkReader:
                 md.length != n * self.token_bytes
                 or len(raw) < md.length
                 or list(md.shapes) != [want]
-                or list(md.dtypes) != [self.flat.dtype]
+                or list(md.dtypes) != [self.rows.dtype]
             ):
                 logger.warning("LMCache chunk %s has an unexpected layout; treated as missing", key)
                 break
             with warnings.catch_warnings():  # read-only bytes: we only read them
                 warnings.simplefilter("ignore", UserWarning)
-                src = torch.frombuffer(memoryview(raw)[: md.length], dtype=self.flat.dtype)
+                src = torch.frombuffer(memoryview(raw)[: md.length], dtype=self.rows.dtype)
             src = src.view(2, self.layers, n, self.hidden).transpose(0, 1)
-            for i0, i1, s in runs(slots[start:end]):
-                if s >= 0:  # -1: a token present locally, left alone
-                    copy_kv(self.flat[:, :, s : s + i1 - i0], src[:, :, i0:i1])
+            self.rows.write(slots[start:end], src)
             present = end
         return present
 

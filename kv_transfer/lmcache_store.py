@@ -7,9 +7,10 @@ any node can read. A chunk's tensor is laid out `[2, num_layers, tokens, heads *
 
     kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
-through a slot mapping (slot = block_id * block_size + offset, one per token; -1 means
-"leave this token alone"). It works for CPU and CUDA caches alike (index_select /
-index_copy_ on the cache's device, chunk tensors on the CPU).
+(layer-major, or a block-major view: `kv_transfer.kv_slots.SlotRows` copies slot runs in
+either layout, and the chunks are the same bytes) through a slot mapping (slot =
+block_id * block_size + offset, one per token; -1 means "leave this token alone"). It
+works for CPU and CUDA caches alike (chunk tensors on the CPU).
 
 `LMCacheKVStore` wraps one LMCache engine: `store`, `retrieve`, `lookup`, `close`. Every
 call blocks (Redis round trips), so callers run them off the engine loop
@@ -29,10 +30,10 @@ import os
 import threading
 import time
 
-import numpy as np
 import torch
 
 from kv_transfer.kv_layout import KVLayout
+from kv_transfer.kv_slots import SlotRows
 
 logger = logging.getLogger(__name__)
 
@@ -54,37 +55,6 @@ def _chunk_hash(args) -> bytes:
     return h.digest()
 
 
-def _runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Split a slot mapping into runs of consecutive slots: (first token, end token, first
-    slot); a run of -1s (tokens to skip) is reported with first slot -1.
-
-    Paged blocks make long runs (a whole block at least), so copies are slices, not a
-    per-token gather: [0, 1, 2, 7, 8, -1, -1] -> (0, 3, 0), (3, 5, 7), (5, 7, -1).
-    """
-    s = slots.tolist()
-    runs, i = [], 0
-    for k in range(1, len(s) + 1):
-        follows = s[k - 1] >= 0 and s[k] == s[k - 1] + 1 if k < len(s) else False
-        if k == len(s) or not (follows or s[k] == s[k - 1] == -1):
-            runs.append((i, k, s[i] if s[i] >= 0 else -1))
-            i = k
-    return runs
-
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def copy_kv(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """`dst.copy_(src)`; between CPU tensors through numpy, one thread: torch splits a
-    copy of a block run (~0.7 MB) over its OpenMP pool, which on a busy box waits on
-    every thread (measured 16 ms per run with 2 threads under load, 0.3 ms with numpy)."""
-    if dst.device.type != "cpu" or src.device.type != "cpu":
-        dst.copy_(src, non_blocking=True)
-        return
-    as_int = _SAME_SIZE_INT[dst.element_size()]
-    np.copyto(dst.view(as_int).numpy(), src.view(as_int).numpy())
-
-
 def _adapter_class():
     from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 
@@ -92,26 +62,18 @@ def _adapter_class():
         """LMCache's view of our paged cache (its 'GPU connector'; CPU or CUDA)."""
 
         def __init__(self, kv_cache: torch.Tensor):
-            layers, _, blocks, block_size, heads, head_dim = kv_cache.shape
-            self.layers, self.hidden = layers, heads * head_dim
-            # [layers, 2, slots, heads * head_dim]: one row per token slot
-            self.flat = kv_cache.view(layers, 2, blocks * block_size, self.hidden)
+            self.rows = SlotRows(kv_cache)  # either layout (kv_transfer/kv_slots.py)
 
         def get_shape(self, num_tokens: int) -> torch.Size:
-            return torch.Size([2, self.layers, num_tokens, self.hidden])
+            return torch.Size([2, self.rows.layers, num_tokens, self.rows.hidden])
 
         def from_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
-            slots = kwargs["slot_mapping"][start:end]
             dst = memory_obj.tensor.transpose(0, 1)  # [layers, 2, T, hidden]
-            for i, j, s in _runs(slots):
-                copy_kv(dst[:, :, i:j], self.flat[:, :, s : s + j - i])
+            self.rows.read(dst, kwargs["slot_mapping"][start:end])
 
         def to_gpu(self, memory_obj, start: int, end: int, **kwargs) -> None:
-            slots = kwargs["slot_mapping"][start:end]
             src = memory_obj.tensor.transpose(0, 1)  # [layers, 2, T, hidden]
-            for i, j, s in _runs(slots):
-                if s >= 0:  # -1: a token present locally, left alone
-                    copy_kv(self.flat[:, :, s : s + j - i], src[:, :, i:j])
+            self.rows.write(kwargs["slot_mapping"][start:end], src)
 
         def batched_from_gpu(self, memory_objs, starts, ends, **kwargs) -> None:
             for obj, start, end in zip(memory_objs, starts, ends):
@@ -181,8 +143,7 @@ class LMCacheKVStore:
         if remote_url is not None and fast_retrieve:
             from kv_transfer.lmcache_redis_reader import RedisChunkReader
 
-            flat = kv_cache.view(layout.num_layers, 2, -1, layout.num_kv_heads * layout.head_dim)
-            self._reader = RedisChunkReader(remote_url, flat)
+            self._reader = RedisChunkReader(remote_url, SlotRows(kv_cache))
         self._closed = False
         logger.info(
             "LMCache store %s: chunk %d tokens, local CPU %.2f GiB, remote %s",
@@ -228,7 +189,7 @@ class LMCacheKVStore:
         if self._reader is not None and self.lookup(token_ids, local_only=True) < len(token_ids):
             db = self._engine.token_database
             chunks = ((s, e, k.to_string()) for s, e, k in db.process_tokens(tokens, mask=mask))
-            return max(self._reader.read(chunks, slot_t, _runs), skip_tokens)
+            return max(self._reader.read(chunks, slot_t), skip_tokens)
         filled = self._engine.retrieve(
             tokens, mask=mask, kvcaches=self._kv_cache, slot_mapping=slot_t
         )

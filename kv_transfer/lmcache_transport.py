@@ -12,8 +12,10 @@ then, or a job that raises (Redis unreachable: a PING precedes each job), ends F
 handle released while its job still runs stays counted in flight (`num_inflight`) until
 the job ends, so the connector keeps the blocks it touches out of circulation until then.
 
-Peers exchange `PeerMetadata` (no NIXL bytes) only to check that their KV layouts match:
-chunks stored by one node are loaded bit for bit into the other's blocks.
+Peers exchange `PeerMetadata` (no NIXL bytes) only to check that their KV shapes and
+dtypes match: chunks stored by one node are loaded bit for bit into the other's blocks.
+The storage order may differ (a block-major prefill node, a layer-major decode node):
+chunks are the same bytes from either (`kv_transfer.kv_slots`).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class LMCacheDataPlane:
 
     def add_peer(self, metadata: bytes) -> str:
         md = msgspec.msgpack.decode(metadata, type=PeerMetadata)
-        self.layout.check_compatible(md.layout)
+        self.layout.check_compatible(md.layout, same_storage=False)  # chunks: either layout
         self._peers[md.agent_name] = md.layout
         return md.agent_name
 

@@ -53,7 +53,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--kv-layout",
         default=cache.layout,
         choices=list(KV_LAYOUTS),
-        help="KV cache storage order (prefill and decode nodes must match; docs/configuration.md)",
+        help="KV cache storage order (prefill and decode nodes must match for NIXL; docs/configuration.md)",
     )
     p.add_argument("--kv-cache-bytes", type=int, default=cache.kv_cache_bytes)
     p.add_argument("--num-blocks", type=int, default=None, help="overrides --kv-cache-bytes")

@@ -56,7 +56,17 @@ def run_idle(core: EngineCore, deadline_s: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def run(core: EngineCore, rid: str, prompt: list[int], params: SamplingParams = PARAMS) -> None:
-    """Add one request and step until the engine is idle."""
+def run(
+    core: EngineCore, rid: str, prompt: list[int], params: SamplingParams = PARAMS
+) -> tuple[list[int], int | None]:
+    """Add one request and step until the engine is idle (its saves settled too); returns
+    its tokens and the prompt tokens it did not compute (prefix cache + store)."""
     core.add_request(rid, prompt, params)
-    run_idle(core)
+    tokens, cached, t0 = [], None, time.monotonic()
+    while core.has_unfinished:
+        assert time.monotonic() - t0 < 60, f"engine still busy: {core.store.parked}"
+        for o in core.step():
+            tokens += o.new_token_ids
+            cached = o.num_cached_tokens
+        time.sleep(0.005)
+    return tokens, cached

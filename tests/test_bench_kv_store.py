@@ -22,6 +22,7 @@ def test_kv_store_bench_writes_report(tmp_path):
     # 30 layers x K,V x 3 heads x 64 x fp32 per token; 40 tokens = 2 chunks (one partial)
     assert rows[40]["bytes"] == 40 * 30 * 2 * 3 * 64 * 4 and rows[40]["chunks"] == 2
     for row in rows.values():
-        paths = ("lmcache_store_visible", "lmcache_retrieve", "lmcache_retrieve_builtin")
+        paths = ("lmcache_store_visible", "lmcache_retrieve", "lmcache_retrieve_builtin",
+                 "lmcache_bm_store_visible", "lmcache_bm_retrieve")  # block-major cache too  # fmt: skip
         for path in (*paths, "redis_py_set", "redis_py_get"):
             assert row[path]["gbps"] > 0

@@ -256,12 +256,15 @@ def test_bench_kv_between_two_processes_given_only_addresses(tmp_path):
     methods = ("memcpy", "nixl_flat", "paged_contig", "paged_scattered", "blockmajor_contig",
                "blockmajor_scattered")  # fmt: skip
     if LMCACHE:  # the LMCache path on the same table, redis-py SET/GET as its yardstick
-        methods += ("lmcache_store_visible", "lmcache_retrieve", "redis_py_set", "redis_py_get")
-        for m in ("lmcache_store_visible", "lmcache_retrieve"):
+        lm = ("lmcache_store_visible", "lmcache_retrieve", "lmcache_bm_store_visible",
+              "lmcache_bm_retrieve")  # fmt: skip
+        methods += (*lm, "redis_py_set", "redis_py_get")
+        for m in lm:  # both cache layouts, the same bytes
             r = rows[(64, m)]
             assert r["bytes"] == rows[(64, "paged_contig")]["bytes"] and r["descriptors"] == 1
             assert r["x_redis_py"] > 0 and r["vs_nixl_flat"] > 0
-        assert report["lmcache"]["bytes_verified"] is True and "lmcache_retrieve" in p_out
+        assert report["lmcache"]["bytes_verified"] is True and "lmcache_bm_retrieve" in p_out
+        assert report["lmcache"]["layouts"] == ["layer_major", "block_major"]
     assert set(rows) == {(t, m) for t in (16, 64) for m in methods}
     assert rows[(64, "paged_contig")]["bytes"] == 4 * 30 * 2 * 16 * 3 * 64 * 4
     assert rows[(64, "paged_contig")]["descriptors"] == 60
@@ -272,6 +275,17 @@ def test_bench_kv_between_two_processes_given_only_addresses(tmp_path):
     assert rows[(64, "blockmajor_scattered")]["bytes"] == rows[(64, "paged_contig")]["bytes"]
     assert all(r["gbps"] > 0 for r in report["results"])
     assert "paged_scattered" in p_out
+    # meeting the listener as a new peer: first contact -> first completed WRITE
+    s = report["connection_setup"]
+    assert s["write_bytes"] == 30 * 2 * 16 * 3 * 64 * 4  # one block, every layer, K and V
+    for k in ("metadata_exchange_ms", "add_peer_ms", "first_write_ms"):
+        assert 0 < s[k] < s["contact_to_first_write_ms"], (k, s)
+    assert s["warm_write_ms"] > 0 and s["first_vs_warm"] > 0
+    parts = s["metadata_exchange_ms"] + s["add_peer_ms"] + s["first_write_ms"]
+    assert s["contact_to_first_write_ms"] == pytest.approx(parts, abs=1e-3)
+    assert s["setup_ms"] == pytest.approx(s["contact_to_first_write_ms"] - s["warm_write_ms"],
+                                          abs=1e-3)  # fmt: skip
+    assert s["listener_setup_ms"] > 0 and "first contact -> first WRITE done" in p_out
     assert out.with_suffix(".png").read_bytes()[:8] == PNG_MAGIC
 
 

@@ -282,11 +282,25 @@ def test_kv_backends_list_becomes_the_nodes_composed_connector(tmp_path):
     bad = text.replace("{kind: nixl, roles: [transfer]}", "{kind: nixl, roles: [transfer, load]}")
     with pytest.raises(ConfigFileError, match=r"decode\.kv_backends\[0\]\.roles"):
         load_config(write(tmp_path, bad, "bad.yaml"))
-    block_major = text.replace(
-        "smollm2-135m-instruct", "smollm2-135m-instruct\n  kv_layout: block_major"
-    )
-    with pytest.raises(ConfigFileError, match=r"model\.kv_layout"):  # LMCache in kv_backends
-        load_config(write(tmp_path, block_major, "block_major.yaml"))
+    # A block-major cache with LMCache in kv_backends, or as the PD transfer, is accepted:
+    # the LMCache adapter copies chunks from block-major blocks too (kv_transfer/kv_slots.py).
+    block_major = "smollm2-135m-instruct\n  kv_layout: block_major"
+    for name, yaml in (
+        ("bm_store.yaml", text.replace("smollm2-135m-instruct", block_major)),
+        (
+            "bm_pd.yaml",
+            GOOD.replace("{kind: nixl}", "{kind: lmcache}").replace(
+                "smollm2-135m-instruct", block_major
+            ),
+        ),
+    ):
+        path = write(tmp_path, yaml + "kv_store: {chunk_size: 64}\n", name)
+        argv[1] = str(path)
+        cfg = engine_config_from_args(resolve_settings(serve_parser().parse_args(argv)))
+        assert cfg.cache.layout == "block_major"
+        assert (cfg.transfer_kind, cfg.has_prefix_store) == (
+            ("nixl", True) if name == "bm_store.yaml" else ("lmcache", False)
+        )
     both = text + "kv_store: {backend: lmcache}\n"
     with pytest.raises(ConfigFileError, match=r"decode\.kv_backends"):
         load_config(write(tmp_path, both, "both.yaml"))

@@ -174,7 +174,8 @@ def test_store_round_trip_scattered_blocks_and_skip(redis_server):
     (through Redis: the reader's own tier is empty); skipped tokens stay untouched."""
     import torch
 
-    from kv_transfer.lmcache_store import LMCacheKVStore, _runs
+    from kv_transfer.kv_slots import runs as _runs
+    from kv_transfer.lmcache_store import LMCacheKVStore
 
     assert _runs(torch.tensor([-1, 0, 1, 7, 8])) == [(0, 1, -1), (1, 3, 0), (3, 5, 7)]
     shape = (2, 2, 32, BS, 2, 8)  # [layers, 2, blocks, block_size, heads, head_dim]

@@ -34,27 +34,36 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 BS, CHUNK = 4, 16
 
 
-def make_config(model_dir, budget=32) -> EngineConfig:
+def make_config(model_dir, budget=32, layout="layer_major") -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model_dir),
-        cache=CacheConfig(block_size=BS, num_blocks=256),
+        cache=CacheConfig(block_size=BS, num_blocks=256, layout=layout),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, local_prefill_max_tokens=4),
         num_threads=1,
     )
 
 
 class Pair:
-    def __init__(self, model_dir, url, timeout_s=60.0, prefill_locally=True, budget=32):
+    def __init__(
+        self,
+        model_dir,
+        url,
+        timeout_s=60.0,
+        prefill_locally=True,
+        budget=32,
+        layouts=("layer_major", "layer_major"),  # (prefill's, decode's)
+    ):
         s = LMCacheSettings(url, "tiny", chunk_size=CHUNK, local_cpu_bytes=32 << 20)
         self.pconn = lmcache_connector(
             node_id="p", role="prefill", lmcache=s, control_address="tcp://127.0.0.1:*"
         )
-        self.prefill = EngineCore(make_config(model_dir, budget), PrefillRole(self.pconn))
+        pcfg, dcfg = (make_config(model_dir, budget, layout) for layout in layouts)
+        self.prefill = EngineCore(pcfg, PrefillRole(self.pconn))
         self.dconn = lmcache_connector(node_id="d", role="decode", lmcache=s)
         self.drole = DecodeRole(
             self.dconn, transfer_timeout_s=timeout_s, prefill_locally_on_failure=prefill_locally
         )
-        self.decode = EngineCore(make_config(model_dir, budget), self.drole)
+        self.decode = EngineCore(dcfg, self.drole)
         self.addr = self.pconn.control_address
 
     def run(self, prompts, max_s=120.0, step_prefill=True, rid="r"):
@@ -131,6 +140,28 @@ def test_pd_via_lmcache_equals_colocated_and_hf(tiny_llama_dir, hf_model, redis_
         assert tokens(outs) == hf_greedy(hf_model, p2, 8)
         assert outs[0].num_cached_tokens == 20
         assert pair.drole.num_failures == 0
+        pair.assert_clean()
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize(
+    "layouts", [("block_major", "block_major"), ("block_major", "layer_major")]
+)
+def test_pd_via_lmcache_on_block_major_equals_hf(layouts, tiny_llama_dir, hf_model, redis_server):
+    """Prefill on a block-major cache stores chunks read from its blocks (each holds every
+    layer's K and V); the decode node (block-major, or layer-major: chunks are the same
+    bytes) retrieves them into scattered blocks and answers exactly like HF."""
+    pair = Pair(tiny_llama_dir, redis_server.url, layouts=layouts)
+    try:
+        assert [not c.runner.kv_cache.is_contiguous() for c in (pair.prefill, pair.decode)] == [
+            layout == "block_major" for layout in layouts
+        ]
+        prompts = prompts_of([9, 40, 77, 33], seed=8)  # partial and whole chunks
+        results = [tokens(o) for o in pair.run(prompts)]
+        assert results == [hf_greedy(hf_model, p, 8) for p in prompts]
+        assert pair.drole.num_remote_prefills == 4 and pair.drole.num_failures == 0
+        assert pair.pconn.early_stores >= 2  # chunks stored while later ones computed
         pair.assert_clean()
     finally:
         pair.close()

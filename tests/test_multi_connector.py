@@ -5,7 +5,8 @@ stores on two real redis-servers for prefix reuse (in process, real NIXL, real L
 The prefill node saves to both stores; a decode node loads from the first store that has
 the prompt's prefix, then orders only the rest over NIXL. With the first store's Redis
 killed, loads fall back to the second (a metric and a log line); with both killed, the
-prefill node computes the whole prompt. Greedy output equals Hugging Face throughout.
+prefill node computes the whole prompt. The same composition on block-major caches. Greedy
+output equals Hugging Face throughout.
 """
 
 import logging
@@ -38,14 +39,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 BS, CHUNK = 4, 16
 
 
-def node(model_dir, role: str, urls: list[str], store_roles: tuple[str, ...]) -> EngineCore:
+def node(
+    model_dir, role: str, urls: list[str], store_roles: tuple[str, ...], layout="layer_major"
+) -> EngineCore:
     backends = (KVBackendConfig("nixl", ("transfer",)),) + tuple(
         KVBackendConfig("lmcache", store_roles, remote_url=u, name=f"store-{i}")
         for i, u in enumerate(urls)
     )
     cfg = EngineConfig(
         model=ModelConfig(model_dir),
-        cache=CacheConfig(block_size=BS, num_blocks=256),
+        cache=CacheConfig(block_size=BS, num_blocks=256, layout=layout),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, local_prefill_max_tokens=4),
         kv_transfer=KVTransferConfig(
             role=role,
@@ -154,6 +157,34 @@ def test_load_from_first_store_that_has_it_save_to_all_fall_back_when_redis_dies
         s = d5.stats()
         assert s.kv_store_hit_tokens == 0 and s.kv_store_load_failures == 2
         assert s.pd_remote_prefills == 1 and d5.kv_role.bytes_received > 0
+    finally:
+        for core in cores:
+            core.kv_role.shutdown()
+            core.kv_store.shutdown()
+
+
+def test_block_major_nodes_compose_nixl_and_lmcache(tiny_llama_dir, redis_server):
+    """Block-major caches on both nodes: the store's chunks are read from and written into
+    block-major blocks, NIXL WRITEs the rest as whole-block ranges; output equals HF."""
+    hf = load_hf(tiny_llama_dir)
+    urls = [redis_server.url]
+    prefill = node(tiny_llama_dir, "prefill", urls, ("save",), layout="block_major")
+    cores = [prefill]
+    try:
+        rng = random.Random(5)
+        shared = [rng.randrange(3, 1024) for _ in range(48)]
+        p1 = shared + [rng.randrange(3, 1024) for _ in range(21)]
+        d1 = node(tiny_llama_dir, "decode", urls, ("load",), layout="block_major")
+        cores.append(d1)
+        assert run(d1, prefill, "r1", p1) == hf_greedy(hf, p1, 6)  # all over NIXL, saved
+        assert prefill.kv_store.backend_stats()["store-0"]["kv_store_saves"] == 1
+        d2 = node(tiny_llama_dir, "decode", urls, ("load",), layout="block_major")
+        cores.append(d2)
+        assert not d2.runner.kv_cache.is_contiguous()
+        p2 = shared + [rng.randrange(3, 1024) for _ in range(26)]
+        assert run(d2, prefill, "r2", p2) == hf_greedy(hf, p2, 6)
+        s = d2.stats()
+        assert s.kv_store_hit_tokens == 48 and s.pd_remote_prefills == 1  # NIXL: the rest
     finally:
         for core in cores:
             core.kv_role.shutdown()
