@@ -110,6 +110,8 @@ def listen(addr: str, max_bytes: int, timeout_s: float) -> None:
 
     SystemExit if no initiator connects within `timeout_s`, or the connection breaks.
     """
+    from bench import kv_cases  # noqa: F401  torch + nixl loaded before any peer comes
+
     host, port = parse_addr(addr)
     with socket.create_server((host, port)) as srv:
         logger.info("bench kv: listening on %s:%d", *srv.getsockname()[:2])

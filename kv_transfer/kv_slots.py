@@ -70,17 +70,24 @@ class SlotRows:
             None if self.block_major else kv_cache.view(layers, two, -1, self.hidden)
         )  # [L, 2, slots, hidden]
 
-    def pieces(self, first_slot: int, n: int) -> Iterator[tuple[int, torch.Tensor]]:
+    def pieces(self, first_slot: int, n: int) -> Iterator[tuple[int, int, torch.Tensor]]:
         """The cache rows of slots [first_slot, first_slot + n) as (offset in the run,
-        `[L, 2, k, hidden]` view) pieces: one for layer-major, one per block otherwise."""
+        tokens, view) pieces. Layer-major: one `[L, 2, n, hidden]` view. Block-major: a
+        partial block is a `[L, 2, k, hidden]` view; consecutive whole blocks are one
+        `[L, 2, blocks, bs, hidden]` view (one copy however many blocks)."""
         if self._flat is not None:
-            yield 0, self._flat[:, :, first_slot : first_slot + n]
+            yield 0, n, self._flat[:, :, first_slot : first_slot + n]
             return
         bs, done = self.block_size, 0
         while done < n:
             b, off = divmod(first_slot + done, bs)
+            whole = (n - done) // bs if off == 0 else 0
+            if whole:
+                yield done, whole * bs, self._blocks[:, :, b : b + whole]
+                done += whole * bs
+                continue
             k = min(bs - off, n - done)
-            yield done, self._blocks[:, :, b, off : off + k]
+            yield done, k, self._blocks[:, :, b, off : off + k]
             done += k
 
     def read(self, dst: torch.Tensor, slots: torch.Tensor) -> None:
@@ -88,8 +95,8 @@ class SlotRows:
         for i, j, s in runs(slots):
             if s < 0:
                 raise ValueError(f"tokens {i}..{j} have no slot (-1): nothing to read")
-            for off, rows in self.pieces(s, j - i):
-                copy_kv(dst[:, :, i + off : i + off + rows.shape[2]], rows)
+            for off, k, rows in self.pieces(s, j - i):
+                copy_kv(_like(dst[:, :, i + off : i + off + k], rows), rows)
 
     def write(self, slots: torch.Tensor, src: torch.Tensor) -> None:
         """Copy `src` `[L, 2, len(slots), hidden]` into the cache rows of `slots`; tokens
@@ -97,5 +104,11 @@ class SlotRows:
         for i, j, s in runs(slots):
             if s < 0:
                 continue
-            for off, rows in self.pieces(s, j - i):
-                copy_kv(rows, src[:, :, i + off : i + off + rows.shape[2]])
+            for off, k, rows in self.pieces(s, j - i):
+                copy_kv(rows, _like(src[:, :, i + off : i + off + k], rows))
+
+
+def _like(chunk_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`chunk_rows` `[L, 2, T, hidden]` viewed as `rows`' shape (`[L, 2, T / bs, bs, hidden]`
+    for a span of whole blocks)."""
+    return chunk_rows if rows.dim() == 4 else chunk_rows.unflatten(2, rows.shape[2:4])

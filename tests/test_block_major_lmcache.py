@@ -79,22 +79,30 @@ def test_chunks_round_trip_bit_exact_between_layouts(src_layout, dst_layout, fas
 
 
 def test_runs_inside_and_across_blocks_copy_exact_rows():
-    """SlotRows on a block-major cache: runs that start mid-block and cross blocks."""
+    """SlotRows on a block-major cache: runs that start mid-block, span whole blocks (one
+    copy) and end mid-block; -1 slots left alone on write and refused on read."""
     from kv_transfer.kv_slots import SlotRows
 
     bm = allocate_kv_cache("block_major", LAYERS, 8, BS, HEADS, HEAD_DIM, dtype=torch.float32)
     bm.copy_(torch.randn(bm.shape))
-    slots = [6, 7, 8, 9, 10, 30, 31, -1, 13]  # 6..10 crosses blocks 1 -> 2
-    chunk = torch.zeros(LAYERS, 2, len(slots), HEADS * HEAD_DIM)
-    with pytest.raises(ValueError, match="no slot"):
-        SlotRows(bm).read(chunk, torch.tensor(slots))
+    # 2..14: half of block 0, blocks 1 and 2 whole, 3 of block 3; then 30, 31; then 21
+    slots = list(range(2, 15)) + [30, 31, 21]
     sr = SlotRows(bm)
-    sr.read(chunk[:, :, :7], torch.tensor(slots[:7]))
-    assert torch.equal(chunk[:, :, :7].view(LAYERS, 2, 7, HEADS, HEAD_DIM), rows(bm, slots[:7]))
+    assert [(off, k, v.dim()) for off, k, v in sr.pieces(2, 13)] == [
+        (0, 2, 4),
+        (2, 8, 5),
+        (10, 3, 4),
+    ]
+    chunk = torch.zeros(LAYERS, 2, len(slots), HEADS * HEAD_DIM)
+    sr.read(chunk, torch.tensor(slots))
+    assert torch.equal(chunk.view(LAYERS, 2, len(slots), HEADS, HEAD_DIM), rows(bm, slots))
+    with pytest.raises(ValueError, match="no slot"):
+        sr.read(chunk, torch.tensor([-1] + slots[1:]))
     back = torch.zeros_like(bm)
-    SlotRows(back).write(torch.tensor([-1] + slots[1:7]), chunk[:, :, :7])
-    assert torch.equal(rows(back, slots[1:7]), rows(bm, slots[1:7]))
-    assert not rows(back, [6]).any()  # -1: left alone
+    SlotRows(back).write(torch.tensor([-1] + slots[1:]), chunk)
+    assert torch.equal(rows(back, slots[1:]), rows(bm, slots[1:]))
+    assert not rows(back, [2]).any()  # -1: left alone
+    assert int((back != 0).sum()) == (len(slots) - 1) * LAYERS * 2 * HEADS * HEAD_DIM
 
 
 @pytest.fixture(scope="module")
