@@ -85,7 +85,11 @@ def _compiler_version(cxx: str) -> str:
 
 
 def flags(name: str) -> list[str]:
-    return [*CXXFLAGS, *EXTRA_FLAGS.get(name, [])]
+    """The compiler flags for `name`; `$PDSERVE_KERNEL_MARCH` (e.g. `haswell`: AVX2, no
+    AVX-512) replaces `-march=native`, so tests can build another CPU's vector path."""
+    march = os.environ.get("PDSERVE_KERNEL_MARCH")
+    base = [f"-march={march}" if f == "-march=native" and march else f for f in CXXFLAGS]
+    return [*base, *EXTRA_FLAGS.get(name, [])]
 
 
 def library_path(name: str, cxx: str) -> Path:

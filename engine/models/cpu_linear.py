@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_gemv
+
 # plain weight's data_ptr -> (weak ref to the plain weight, packed oneDNN weight)
 _PACKED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 
@@ -46,7 +48,12 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ b), through the packed weight when there is one."""
+    """y = x W^T (+ b): a few rows (decode) through the native GEMV, which streams the plain
+    weight (kernels/cpu_gemv.py); more through the packed weight when there is one."""
+    if x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1]:
+        y = cpu_gemv.linear(x, weight, bias)
+        if y is not None:
+            return y
     packed = _packed(weight)
     if packed is None:
         return F.linear(x, weight, bias)

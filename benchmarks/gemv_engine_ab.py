@@ -1,0 +1,91 @@
+"""Workload A with and without the native decode GEMV, side by side in one engine.
+
+    python benchmarks/gemv_engine_ab.py --dtypes float32,bfloat16 --threads 2 --out results/gemv_engine_ab.json
+
+Workload A of benchmarks/engine_throughput.py (1 prompt x 32 tokens -> 128 new, greedy,
+EOS ignored, prefix cache reset so each run prefills), one engine per dtype; between runs
+the small-M dispatch of engine/models/cpu_linear.py is switched: `onednn` = every GEMM
+through the prepacked oneDNN weights (`kernels.cpu_gemv.MAX_ROWS = 0`, main before the
+GEMV), `gemv` = rows up to MAX_ROWS through kernels/csrc/gemv.cpp. The variants alternate
+run by run (`--rounds` each); reported per variant: median out tok/s (wall) and process
+CPU ms per output token (with one thread the work itself, even on a busy machine), and
+whether both produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
+from engine import LLM, SamplingParams  # noqa: E402
+from kernels import cpu_gemv  # noqa: E402
+
+
+def run(llm: LLM, prompts, new: int) -> tuple[float, float, list]:
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.engine.kv.pool.reset_prefix_cache()
+    c0, w0 = time.process_time(), time.perf_counter()
+    out = llm.generate(prompts, params)
+    return time.process_time() - c0, time.perf_counter() - w0, [o.token_ids for o in out]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="results/gemv_engine_ab.json")
+    args = ap.parse_args()
+    n, prompt_len, new = WORKLOADS["A"]
+    variants = {"onednn": 0, "gemv": cpu_gemv.MAX_ROWS}
+    results = []
+    for dtype in args.dtypes.split(","):
+        llm = LLM(args.model, dtype=dtype, num_threads=args.threads, kv_cache_bytes=1 << 30)
+        prompts = make_prompts(n, prompt_len, llm.engine.vocab_size)
+        run(llm, prompts, 4)  # warm-up
+        rows: dict[str, list[dict]] = {v: [] for v in variants}
+        tokens = {}
+        for _ in range(args.rounds):
+            for name, max_rows in variants.items():
+                cpu_gemv.MAX_ROWS = max_rows
+                c, w, tokens[name] = run(llm, prompts, new)
+                rows[name].append(
+                    {
+                        "tok_s": round(n * new / w, 2),
+                        "cpu_ms_per_tok": round(c / (n * new) * 1e3, 2),
+                    }
+                )
+                print(dtype, name, json.dumps(rows[name][-1]), flush=True)
+        cpu_gemv.MAX_ROWS = variants["gemv"]
+        med = {v: {k: statistics.median(r[k] for r in rows[v]) for k in rows[v][0]} for v in rows}
+        summary = {
+            "dtype": dtype,
+            "threads": args.threads,
+            "median": med,
+            "tok_s_ratio": round(med["gemv"]["tok_s"] / med["onednn"]["tok_s"], 3),
+            "cpu_ratio": round(med["onednn"]["cpu_ms_per_tok"] / med["gemv"]["cpu_ms_per_tok"], 3),
+            "same_tokens": tokens["onednn"] == tokens["gemv"],
+            "rounds": rows,
+            "loadavg_at_end": os.getloadavg()[0],
+        }
+        print(json.dumps({k: v for k, v in summary.items() if k != "rounds"}), flush=True)
+        results.append(summary)
+        del llm
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

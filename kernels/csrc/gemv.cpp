@@ -1,0 +1,225 @@
+// Small-M GEMM for decode on CPU: y[m, n] = sum_k x[m, k] * w[n, k] (+ b[n]), M small.
+//
+// Contract: torch.nn.functional.linear(x, w, b) with x [M, K], w [N, K] in its plain
+// row-major layout (rows `ws` elements apart, inner dim contiguous), y [M, N]; x, w, b and
+// y all fp32 or all bf16; arithmetic fp32 (bf16 products are exact in fp32, so both bf16
+// paths below differ from an fp32 reference only by summation order), y rounded to bf16
+// to nearest even. A decode step of one sequence reads every weight once per token: the
+// GEMV is bound by how fast the weights stream from DRAM, so the kernel streams each
+// output row's contiguous K (no repacked copy) with 16/8/4 rows in flight per register
+// block (for 1/2/3+ activation rows) and each row prefetched into L2 ahead of its use,
+// all M activation rows sharing each weight load (activation rows in chunks of MB; a
+// chunk after the first reads the block's weights from L1/L2, not DRAM).
+//
+// Vector paths, chosen at compile time (-march, kernels/native.py): AVX-512 (16 floats a
+// load; bf16 weights through avx512_bf16's dot product when the CPU has it, else widened
+// to fp32), AVX2 + FMA (8 floats), plain C++ otherwise. Output rows are split statically
+// over OpenMP threads in contiguous ranges of whole register blocks, one parallel region
+// per call. Called through ctypes (kernels/cpu_gemv.py): no torch headers.
+
+#include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bf16.h"
+
+namespace {
+
+using pdserve_cpu::load;
+using pdserve_cpu::store;
+
+constexpr int MB = 4;     // activation rows per register block (more: in chunks of MB)
+constexpr int RMAX = 16;  // weight rows per register block: 16 / 8 / 4 for 1 / 2 / 3+ rows
+// Each weight row is prefetched into L2 this many rows ahead of its use. Measured on the
+// AVX-512 box (docs/benchmarks.md): a 1-row GEMV over DRAM-resident weights went from
+// ~17.8 to ~23 GB/s on one thread with it; prefetching into L1 or non-temporal gained nothing.
+template <typename T>
+constexpr int64_t PF_ROWS = 64 / sizeof(T);  // 16 fp32 rows, 32 bf16 rows
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }  // x86: prefetcht1
+
+#if defined(__AVX512F__)
+constexpr int V = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const uint16_t* p) {  // 16 bf16 -> 16 fp32 (exact: bf16 is fp32's top half)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int V = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#else
+constexpr int V = 1;
+using vf = float;
+inline vf vzero() { return 0.0f; }
+inline vf vload(const float* p) { return *p; }
+inline vf vload(const uint16_t* p) { return load(p); }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline float vsum(vf a) { return a; }
+#endif
+
+// out[m][r] = dot(x row m, w row r) over k, for M activation rows and RR weight rows.
+template <typename T, int M, int RR>
+inline void dot_block(const T* x, int64_t xs, const T* w, int64_t ws, int64_t k,
+                      float (&out)[MB][RMAX]) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == 2) {  // bf16: 32 products a dpbf16ps, fp32 accumulate
+    __m512 acc[M][RR];
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < RR; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (; i < k; i += 32) {
+      const __mmask32 mask = k - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - i)) - 1;
+      __m512bh wv[RR];
+      for (int r = 0; r < RR; ++r) {
+        wv[r] = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, w + r * ws + i));
+        prefetch(w + r * ws + i + PF_ROWS<T> * ws);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, x + m * xs + i));
+        for (int r = 0; r < RR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < RR; ++r) out[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+    return;
+  }
+#endif
+  vf acc[M][RR];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < RR; ++r) acc[m][r] = vzero();
+  for (; i + V <= k; i += V) {
+    vf wv[RR];
+    for (int r = 0; r < RR; ++r) {
+      wv[r] = vload(w + r * ws + i);
+      prefetch(w + r * ws + i + PF_ROWS<T> * ws);
+    }
+    for (int m = 0; m < M; ++m) {
+      const vf xv = vload(x + m * xs + i);
+      for (int r = 0; r < RR; ++r) acc[m][r] = vfma(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < RR; ++r) {
+      float s = vsum(acc[m][r]);
+      for (int64_t j = i; j < k; ++j) s += load(x + m * xs + j) * load(w + r * ws + j);
+      out[m][r] = s;
+    }
+}
+
+template <typename T, int RR>
+inline void dot_rows(const T* x, int64_t xs, const T* w, int64_t ws, int64_t k, int64_t mb,
+                     float (&out)[MB][RMAX]) {
+  switch (mb) {
+    case 1: dot_block<T, 1, RR>(x, xs, w, ws, k, out); break;
+    case 2: dot_block<T, 2, (RR < 8 ? RR : 8)>(x, xs, w, ws, k, out); break;
+    case 3: dot_block<T, 3, (RR < 4 ? RR : 4)>(x, xs, w, ws, k, out); break;
+    default: dot_block<T, 4, (RR < 4 ? RR : 4)>(x, xs, w, ws, k, out); break;
+  }
+}
+
+// Output rows [n0, n1) for every activation row, RB weight rows at a time.
+template <typename T, int RB>
+void gemv_rows(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y, int64_t ys,
+               int64_t m, int64_t k, int64_t n0, int64_t n1) {
+  float out[MB][RMAX];
+  for (int64_t n = n0; n < n1; n += RB) {
+    const int64_t rr = std::min<int64_t>(RB, n1 - n);
+    for (int64_t m0 = 0; m0 < m; m0 += MB) {
+      const int64_t mb = std::min<int64_t>(MB, m - m0);
+      const T* xm = x + m0 * xs;
+      if (rr == RB) {
+        dot_rows<T, RB>(xm, xs, w + n * ws, ws, k, mb, out);
+      } else {  // the range's last rows: one at a time
+        for (int64_t r = 0; r < rr; ++r) {
+          float one[MB][RMAX];
+          dot_rows<T, 1>(xm, xs, w + (n + r) * ws, ws, k, mb, one);
+          for (int64_t j = 0; j < mb; ++j) out[j][r] = one[j][0];
+        }
+      }
+      for (int64_t j = 0; j < mb; ++j)
+        for (int64_t r = 0; r < rr; ++r) {
+          const float bias = b != nullptr ? load(b + n + r) : 0.0f;
+          store(y + (m0 + j) * ys + n + r, out[j][r] + bias);
+        }
+    }
+  }
+}
+
+template <typename T, int RB>
+void gemv_split(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y, int64_t ys,
+                int64_t m, int64_t n, int64_t k, int threads) {
+  const int64_t blocks = (n + RB - 1) / RB;
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, blocks)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t n0 = std::min(n, blocks * t / nt * RB);
+    const int64_t n1 = std::min(n, blocks * (t + 1) / nt * RB);
+    gemv_rows<T, RB>(x, xs, w, ws, b, y, ys, m, k, n0, n1);
+  }
+}
+
+template <typename T>
+void gemv(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y, int64_t ys,
+          int64_t m, int64_t n, int64_t k, int threads) {
+  if (m == 1) {
+    gemv_split<T, 16>(x, xs, w, ws, b, y, ys, m, n, k, threads);
+  } else if (m == 2) {
+    gemv_split<T, 8>(x, xs, w, ws, b, y, ys, m, n, k, threads);
+  } else {
+    gemv_split<T, 4>(x, xs, w, ws, b, y, ys, m, n, k, threads);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 fp32, 1 bf16 (x, w, b, y alike); b may be null. Strides in elements.
+int pdserve_gemv(const void* x, int64_t xs, const void* w, int64_t ws, const void* b, void* y,
+                 int64_t ys, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
+  if (m < 0 || n < 0 || k < 0) return 1;
+  if (dtype == 0) {
+    gemv(static_cast<const float*>(x), xs, static_cast<const float*>(w), ws,
+         static_cast<const float*>(b), static_cast<float*>(y), ys, m, n, k, threads);
+  } else if (dtype == 1) {
+    gemv(static_cast<const uint16_t*>(x), xs, static_cast<const uint16_t*>(w), ws,
+         static_cast<const uint16_t*>(b), static_cast<uint16_t*>(y), ys, m, n, k, threads);
+  } else {
+    return 2;
+  }
+  return 0;
+}
+
+// Which vector path this build took: 512 (AVX-512), 256 (AVX2), 32 (scalar); +1 with the
+// avx512_bf16 dot product for bf16 weights.
+int pdserve_gemv_isa() {
+  int bits = V * 32;
+#if defined(__AVX512BF16__)
+  bits += 1;
+#endif
+  return bits;
+}
+
+}  // extern "C"

@@ -1,0 +1,141 @@
+"""The native small-M GEMM (kernels/csrc/gemv.cpp) equals F.linear: odd shapes (K not a
+multiple of the vector width, N not a multiple of the row block), 1-9 activation rows
+(several register-block chunks), bias or none, strided rows, one thread and two; the
+AVX-512, AVX2 and plain C++ builds alike (the latter two built with another -march in a
+subprocess); and what it does not take is refused (None), so the caller's GEMM runs.
+
+fp32: summation order only (within the error bound of any fp32 summation order). bf16:
+products exact in fp32, fp32 accumulation, one rounding at the end, so within one bf16
+rounding of that.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_gemv, native
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = [(1, 1), (5, 7), (37, 131), (33, 576), (960, 576), (19, 1536), (70, 1000)]  # (N, K)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if native.find_compiler() is None:
+        pytest.skip("no C++ compiler on this machine: linear returns None (tested below)")
+    assert cpu_gemv.available()
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def check(y, x, w, b):
+    """y is F.linear(x, w, b) up to fp32 summation in any order (error at most (K + 2) u
+    times the sum of |x w| terms, u = 2^-24) and, in bf16, one rounding (2^-8 relative)."""
+    xd, wd = x.double().reshape(-1, x.shape[-1]), w.double()
+    ref = F.linear(xd, wd, None if b is None else b.double())
+    assert y is not None and y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0])
+    bound = (xd.abs() @ wd.abs().T + (0 if b is None else b.double().abs())) * (x.shape[-1] + 2)
+    bound = bound * 2**-24 + (2**-8 * ref.abs() if x.dtype == torch.bfloat16 else 0) + 1e-30
+    err = (y.double().reshape(ref.shape) - ref).abs()
+    assert bool((err <= bound).all()), f"max err {err.max()}, over bound {(err / bound).max()}x"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_matches_f_linear(dtype, n, k, threads, monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "MAX_ROWS", 9)  # 5-9 rows: a second register-block chunk
+    w = rand(n, k, dtype=dtype, seed=n)
+    b = rand(n, dtype=dtype, seed=k)
+    for m in (1, 2, 3, 4, 5, 9):
+        x = rand(m, k, dtype=dtype, seed=m)
+        check(cpu_gemv.linear(x, w, None), x, w, None)
+        check(cpu_gemv.linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_rows_and_leading_dims(dtype, threads):
+    wide = rand(70, 1200, dtype=dtype, seed=1)
+    w = wide[:, 3:1003]  # rows 1200 elements apart, K = 1000
+    xs = rand(3, 1100, dtype=dtype, seed=2)[:, 50:1050]  # activation rows strided too
+    check(cpu_gemv.linear(xs, w, None), xs, w, None)
+    x3 = rand(1, 2, 1000, dtype=dtype, seed=3)  # [B, T, K] -> [B, T, N]
+    y = cpu_gemv.linear(x3, w, None)
+    assert y.shape == (1, 2, 70)
+    check(y.reshape(2, 70), x3.reshape(2, 1000), w, None)
+
+
+def test_refuses_what_it_does_not_take():
+    w = torch.randn(8, 16)
+    assert cpu_gemv.linear(torch.randn(cpu_gemv.MAX_ROWS + 1, 16), w, None) is None
+    assert cpu_gemv.linear(torch.randn(0, 16), w, None) is None
+    assert cpu_gemv.linear(torch.randn(1, 16, dtype=torch.float16), w.half(), None) is None
+    assert cpu_gemv.linear(torch.randn(1, 16).bfloat16(), w, None) is None  # mixed dtypes
+    assert cpu_gemv.linear(torch.randn(1, 16), torch.randn(16, 8).T, None) is None  # K strided
+    assert cpu_gemv.linear(torch.randn(16, 2)[:, :1].T, w, None) is None  # x's K strided
+    assert cpu_gemv.linear(torch.randn(1, 16), w, torch.randn(8).double()) is None
+
+
+def test_packed_linear_takes_decode_rows_through_the_gemv(monkeypatch):
+    """engine/models/cpu_linear.linear: up to MAX_ROWS rows go to the GEMV, which gives the
+    same as F.linear; with MAX_ROWS 0 the same rows take the oneDNN/F.linear path."""
+    from engine.models.cpu_linear import linear
+
+    w = rand(960, 576, dtype=torch.float32, seed=5)
+    x = rand(1, 576, dtype=torch.float32, seed=6)
+    calls = []
+    real = cpu_gemv.linear
+    monkeypatch.setattr(cpu_gemv, "linear", lambda *a: calls.append(1) or real(*a))
+    check(linear(x, w, None), x, w, None)
+    assert calls == [1]
+    monkeypatch.setattr(cpu_gemv, "MAX_ROWS", 0)
+    check(linear(x, w, None), x, w, None)
+    assert calls == [1]
+
+
+_OTHER_BUILD = """
+import torch
+from kernels import cpu_gemv
+from tests.test_cpu_gemv import check
+assert cpu_gemv.isa() == {isa}, cpu_gemv.isa()
+torch.set_num_threads(2)
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for n, k in {shapes}:
+        w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+        for m in (1, 2, 3, 4, 5):
+            x = torch.randn(m, k).to(dtype)
+            check(cpu_gemv.linear(x, w, b), x, w, b)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("march,isa", [("haswell", 256), ("x86-64", 32)], ids=["avx2", "scalar"])
+def test_other_vector_paths(march, isa, tmp_path):
+    """The CI box kind has AVX2 and no AVX-512: its build, and the plain C++ one."""
+    if not os.uname().machine.startswith("x86"):
+        pytest.skip("x86 -march values")
+    env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(ROOT))
+    env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
+    code = _OTHER_BUILD.format(isa=isa, shapes=SHAPES)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
