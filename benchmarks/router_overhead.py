@@ -6,9 +6,18 @@ model-derived latency), so what differs between the two paths is only the router
 parsing, checks, tokenization-free token-id path, node choice and relay. Two routers are
 measured: static nodes with round_robin (no Redis), and Redis registry with kv_aware
 (one KV index round trip per request). Reported per path: p50/p99 of the whole request
-(JSON) and of TTFT (SSE), and the p50 of the per-pair difference.
+(JSON) and of TTFT (SSE), the p50 of the per-pair difference, and the router process's CPU
+time per request (from /proc/<pid>/task/*/schedstat, nanoseconds; robust to a loaded box).
+
+Each prompt is sent once to the node, unmeasured, before its pair: the fake node keeps a
+prefix cache, so otherwise the first request of each pair paid the prompt's prefill (1.3 ms
+for 64 tokens) and the second did not, which made the pair differences bimodal (+-1.3 ms
+around the router's cost, alternating with the order) and their median land anywhere
+between the two modes.
 
     python benchmarks/router_overhead.py --requests 300 --out results/router_overhead.json
+    # two trees in one run, taking turns (before/after on a loaded box)
+    python benchmarks/router_overhead.py --router-root /tmp/before --router-root .
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import httpx
 import redis
 
 from benchmarks.router_fleet import (
+    ROOT,
     spawn,
     start_router,
     usable_nodes,
@@ -68,55 +78,95 @@ def one(client: httpx.Client, url: str, body: dict) -> float:
     return dt
 
 
-def measure(direct: str, routed: str, n: int, stream: bool) -> dict:
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of a process so far, in nanoseconds."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError):  # a thread that just ended
+            pass
+    return total
+
+
+def measure(direct: str, routers: list[tuple[str, int]], n: int, stream: bool) -> list[dict]:
+    """Per router (url, pid): its figures against `direct`, every router and the direct
+    path taking turns on each prompt (the order rotating per prompt)."""
     rng = random.Random(0)
-    d, r, diff = [], [], []
+    urls = [direct] + [u for u, _ in routers]
+    t: dict[str, list[float]] = {u: [] for u in urls}
     with httpx.Client(timeout=30) as client:
         for i in range(n + 20):
+            if i == 20:
+                cpu0 = [cpu_ns(pid) for _, pid in routers]
             body = {"prompt": [rng.randrange(1000) for _ in range(64)], "max_tokens": 2,
                     "temperature": 0, "stream": stream}  # fmt: skip
-            order = (direct, routed) if i % 2 else (routed, direct)
-            t = {u: one(client, u, body) for u in order}
-            if i >= 20:  # warm-up excluded
-                d.append(t[direct])
-                r.append(t[routed])
-                diff.append(t[routed] - t[direct])
-    return {
-        "direct_ms": {"p50": ms(d, 0.5), "p99": ms(d, 0.99)},
-        "routed_ms": {"p50": ms(r, 0.5), "p99": ms(r, 0.99)},
-        "added_ms": {
-            "p50_of_pair_differences": ms(diff, 0.5),
-            "p50_routed_minus_p50_direct": round(ms(r, 0.5) - ms(d, 0.5), 3),
-            "mean": round(statistics.fmean(diff) * 1000, 3),
-        },  # fmt: skip
-    }
+            warm = client.post(f"{direct}/v1/completions", json={**body, "stream": False})
+            assert warm.status_code == 200, warm.text  # every measured request hits the cache
+            k = i % len(urls)
+            for u in urls[k:] + urls[:k]:
+                dt = one(client, u, body)
+                if i >= 20:  # warm-up excluded
+                    t[u].append(dt)
+    out = []
+    d = t[direct]
+    for (url, pid), c0 in zip(routers, cpu0):
+        r = t[url]
+        diff = [a - b for a, b in zip(r, d)]
+        out.append({
+            "direct_ms": {"p50": ms(d, 0.5), "p99": ms(d, 0.99)},
+            "routed_ms": {"p50": ms(r, 0.5), "p99": ms(r, 0.99)},
+            "added_ms": {
+                "p50_of_pair_differences": ms(diff, 0.5),
+                "p50_routed_minus_p50_direct": round(ms(r, 0.5) - ms(d, 0.5), 3),
+                "mean": round(statistics.fmean(diff) * 1000, 3),
+            },
+            # includes its background work (registry reads, health probes)
+            "router_cpu_us_per_request": round((cpu_ns(pid) - c0) / n / 1000, 1),
+        })  # fmt: skip
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument(
+        "--router-root", action="append", default=[], metavar="DIR",
+        help="run routers from this checkout (repeat to compare trees in one run, taking "
+        "turns per prompt; default: this tree)",
+    )  # fmt: skip
     ap.add_argument("--out", default="results/router_overhead.json")
     args = ap.parse_args()
+    roots = [Path(r).resolve() for r in args.router_root] or [ROOT]
     model = str(write_tokenizerless_model())
     procs = []
-    results = {}
+    results: dict = {}
     with EmbeddedRedis() as redis:
         try:
             procs.append(spawn(["-m", "benchmarks.fake_fleet", "--redis-url", redis.url,
                                 "--prefill", "0", "--decode", "1"]))  # fmt: skip
             node = wait_for_fake_node(redis.url)
-            static, p1 = start_router(["--model", model, "--served-model-name", "fake",
-                                       "--decode", node, "--decode-policy", "round_robin",
-                                       "--prefill-policy", "round_robin"])  # fmt: skip
-            kv, p2 = start_router(["--model", model, "--served-model-name", "fake",
-                                   "--redis-url", redis.url])  # fmt: skip
-            procs += [p1, p2]
-            wait_until("routers", lambda: usable_nodes(static) == 1 and usable_nodes(kv) == 1)
-            for name, url in (("static_round_robin", static), ("redis_kv_aware", kv)):
-                results[name] = {
-                    "json": measure(node, url, args.requests, stream=False),
-                    "sse_ttft": measure(node, url, args.requests, stream=True),
-                }
+            routers: dict[str, list[tuple[str, int]]] = {"static_round_robin": [],
+                                                         "redis_kv_aware": []}  # fmt: skip
+            for root in roots:
+                static, p1 = start_router(["--model", model, "--served-model-name", "fake",
+                                           "--decode", node, "--decode-policy", "round_robin",
+                                           "--prefill-policy", "round_robin"], root)  # fmt: skip
+                kv, p2 = start_router(["--model", model, "--served-model-name", "fake",
+                                       "--redis-url", redis.url], root)  # fmt: skip
+                procs += [p1, p2]
+                routers["static_round_robin"].append((static, p1.pid))
+                routers["redis_kv_aware"].append((kv, p2.pid))
+            every = [u for rs in routers.values() for u, _ in rs]
+            wait_until("routers", lambda: all(usable_nodes(u) == 1 for u in every))
+            for name, rs in routers.items():
+                json_, sse = (measure(node, rs, args.requests, s) for s in (False, True))
+                for root, j, e in zip(roots, json_, sse):
+                    case = {"json": j, "sse_ttft": e}
+                    if len(roots) == 1:
+                        results[name] = case
+                    else:
+                        results.setdefault(name, {})[str(root)] = case
         finally:
             for p in procs:
                 p.kill()

@@ -23,13 +23,14 @@ own prefix and the store's, so a prompt whose prefix is in the store is cheap on
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from cluster.redis_client import LeanRedis
+from cluster.redis_client import LeanRedis, Pending
 from cluster.registry import ClusterKeys, NodeRecord
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,8 @@ class PrefixHits:
 
     def __init__(self, redis: Redis | LeanRedis, keys: ClusterKeys):
         self.keys = keys
-        if isinstance(redis, LeanRedis):
+        self._lean = isinstance(redis, LeanRedis)
+        if self._lean:
             self._script = redis.script(_LEADING_HITS)
         else:
             self._script = redis.register_script(_LEADING_HITS)
@@ -191,10 +193,17 @@ class PrefixHits:
     ) -> dict[str, int]:
         """`chain_of(node)`: the prompt's chain under the node's model and block size.
         Raises RedisError/OSError if Redis is unreachable."""
+        return await self.start(nodes, chain_of).result()
+
+    def start(
+        self, nodes: Sequence[NodeRecord], chain_of: Callable[[NodeRecord], list[bytes]]
+    ) -> PendingHits:
+        """The same lookup, its commands written now (with the lean client; redis-py's
+        are sent when awaited): `await start(...).result()` later, or `.cancel()` it."""
         groups: dict[tuple[str, int], list[NodeRecord]] = {}
         for node in nodes:
             groups.setdefault((node.model, node.block_size), []).append(node)
-        hits: dict[str, int] = {}
+        parts = []
         for members in groups.values():
             chain = chain_of(members[0])
             if not chain:
@@ -202,8 +211,33 @@ class PrefixHits:
             keys = [self.keys.kv(n.node_id, n.epoch) for n in members]
             stores = sorted({n.kv_store for n in members if n.kv_store})
             keys += [self.keys.kv_store(s) for s in stores]
-            counts = [int(c) for c in await self._script(keys=keys, args=chain)]
-            in_store = dict(zip(stores, counts[len(members) :]))
-            for n, c in zip(members, counts):  # a node can load what its store holds
-                hits[n.node_id] = max(c, in_store.get(n.kv_store, 0))
+            if self._lean:
+                reply = self._script.start(keys, chain)
+            else:
+                reply = Pending.later(functools.partial(self._script, keys=keys, args=chain))
+            parts.append((members, stores, reply))
+        return PendingHits(parts)
+
+
+class PendingHits:
+    """A `PrefixHits` lookup in flight."""
+
+    def __init__(self, parts: list[tuple[list[NodeRecord], list[str], Pending]]):
+        self._parts = parts
+
+    async def result(self) -> dict[str, int]:
+        """Node id -> leading blocks held. Raises RedisError/OSError if Redis failed."""
+        hits: dict[str, int] = {}
+        try:
+            for members, stores, reply in self._parts:
+                counts = [int(c) for c in await reply]
+                in_store = dict(zip(stores, counts[len(members) :]))
+                for n, c in zip(members, counts):  # a node can load what its store holds
+                    hits[n.node_id] = max(c, in_store.get(n.kv_store, 0))
+        finally:
+            self.cancel()  # the rest, if one failed
         return hits
+
+    def cancel(self) -> None:
+        for _, _, reply in self._parts:
+            reply.cancel()

@@ -82,7 +82,8 @@ class LeanRedis:
 
     def script(self, text: str):
         """An async `script(keys=[...], args=[...])`: EVALSHA, and EVAL when Redis does not
-        know the script (first use, or after a restart)."""
+        know the script (first use, or after a restart). `script.start(keys, args)` is the
+        same call begun now: see `start`."""
         sha = hashlib.sha1(text.encode()).hexdigest()
 
         async def run(keys: list, args: list):
@@ -93,6 +94,15 @@ class LeanRedis:
                     raise
             return await self.execute("EVAL", text, len(keys), *keys, *args)
 
+        def start(keys: list, args: list) -> Pending:
+            proto = self._proto
+            if proto is None or proto.lost or proto.transport.is_closing():
+                return Pending.later(lambda: run(keys, args))  # connects when awaited
+            pending = proto.send(("EVALSHA", sha, len(keys), *keys, *args), self.timeout_s)
+            pending.on_noscript = lambda: self.execute("EVAL", text, len(keys), *keys, *args)
+            return pending
+
+        run.start = start
         return run
 
     async def _connect(self) -> _RespProtocol:
@@ -149,6 +159,14 @@ class _RespProtocol(asyncio.Protocol):
     async def call(self, args: tuple, timeout_s: float):
         return (await self.call_many([args], timeout_s))[0]
 
+    def send(self, args: tuple, timeout_s: float) -> Pending:
+        """Write one command now; its reply is awaited later (`Pending`)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self.waiters.append(fut)
+        self.transport.write(hiredis.pack_command(args))
+        return Pending(fut, loop.call_later(timeout_s, self._expire, fut))
+
     async def call_many(self, commands: list[tuple], timeout_s: float) -> list:
         loop = asyncio.get_running_loop()
         futs = [loop.create_future() for _ in commands]
@@ -182,6 +200,45 @@ class _RespProtocol(asyncio.Protocol):
             fut = self.waiters.popleft()
             if not fut.done():
                 fut.set_exception(ConnectionError(f"Redis connection lost: {exc!r}"))
+
+
+class Pending:
+    """A command already written to Redis: `await` it once for its reply (errors as
+    `LeanRedis.execute` raises them), or `cancel()` it if it will not be awaited (its reply
+    is then skipped). Lets a caller do other work while Redis answers."""
+
+    def __init__(self, fut: asyncio.Future | None, timer: asyncio.TimerHandle | None):
+        self._fut, self._timer = fut, timer
+        self._later = None  # `later`: a coroutine function run when awaited
+        self.on_noscript = None  # EVALSHA: the EVAL to run if Redis lacks the script
+
+    @classmethod
+    def later(cls, make) -> Pending:
+        """Nothing sent yet: `make()` runs when awaited (e.g. it must connect first)."""
+        p = cls(None, None)
+        p._later = make
+        return p
+
+    def __await__(self):
+        return self._reply().__await__()
+
+    async def _reply(self):
+        if self._later is not None:
+            return await self._later()
+        try:
+            reply = await self._fut
+        finally:
+            self._timer.cancel()
+        if isinstance(reply, hiredis.ReplyError):
+            if self.on_noscript is not None and str(reply).startswith("NOSCRIPT"):
+                return await self.on_noscript()
+            raise ResponseError(str(reply))
+        return reply
+
+    def cancel(self) -> None:
+        if self._fut is not None:
+            self._timer.cancel()
+            self._fut.cancel()
 
 
 def lean_client(url: str, timeout_s: float) -> LeanRedis | None:

@@ -10,6 +10,7 @@ concurrent generation requests (`AuthAndCount`) and prompt tokens (router/token_
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -50,6 +51,11 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
         app.state.view, app.state.membership, app.state.metrics = view, membership, metrics
         app.state.serving = RouterServing(config, Selector(config, view, membership), tok, metrics)
         await membership.start()
+        # What startup made (modules, schemas, the tokenizer) lives as long as the process:
+        # out of the collector's sight, so that an occasional full collection does not walk
+        # it (~0.1 s every ~2,000 requests before, a latency spike for the requests it hit).
+        gc.collect()
+        gc.freeze()
         logger.info(
             "router for %s: %d nodes known, Redis %s",
             config.model_name,

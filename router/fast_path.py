@@ -31,6 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.http import error_response
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from router.client_watch import ClientWatch
+from router.streamed import WATCH
 
 logger = logging.getLogger(__name__)
 
@@ -85,24 +87,28 @@ class FastGeneration:
             return
         request = Request(scope, receive)
         serving = scope["app"].state.serving
+        watch = scope[WATCH] = ClientWatch(receive)
         try:
-            if model is ChatCompletionRequest:
-                tokens = serving.chat_tokens(req)
-                resp = await serving.handle(
-                    "chat", req, [tokens], req.requested_max_tokens, request
-                )
-            else:
-                prompts = serving.completion_prompts(req)
-                # max_tokens 0 (echo only) is checked as 1, as on a node
-                resp = await serving.handle(
-                    "completions", req, prompts, req.max_tokens or None, request
-                )
-        except Exception as e:
-            resp = self.error_for(e)
-            if resp is None:
-                logger.exception("request failed")
-                resp = error_response(500, "internal error in the router", "server_error")
-        await resp(scope, receive, send)
+            try:
+                if model is ChatCompletionRequest:
+                    tokens = serving.chat_tokens(req)
+                    resp = await serving.handle(
+                        "chat", req, [tokens], req.requested_max_tokens, request
+                    )
+                else:
+                    prompts = serving.completion_prompts(req)
+                    # max_tokens 0 (echo only) is checked as 1, as on a node
+                    resp = await serving.handle(
+                        "completions", req, prompts, req.max_tokens or None, request
+                    )
+            except Exception as e:
+                resp = self.error_for(e)
+                if resp is None:
+                    logger.exception("request failed")
+                    resp = error_response(500, "internal error in the router", "server_error")
+            await resp(scope, receive, send)
+        finally:
+            watch.close()
 
 
 def parse(model: type[BaseModel], body: bytes) -> BaseModel | None:

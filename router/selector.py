@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from redis.exceptions import RedisError
 
 from cluster.block_hash import hash_prompt_blocks, root_hash
-from cluster.kv_index import PrefixHits
+from cluster.kv_index import PendingHits, PrefixHits
 from cluster.registry import NodeRecord
 from router.config import RouterConfig
 from router.membership import Membership
@@ -27,6 +27,21 @@ from router.nodes import ClusterView, NodeState
 from router.policies import Context, make_policy
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Choice:
+    """A `select` begun: candidates chosen, KV index lookup in flight."""
+
+    decodes: list[NodeState]
+    prefills: list[NodeState]
+    pending: PendingHits | None
+    begin_s: float
+
+    def cancel(self) -> None:
+        """Not finished after all (the request was refused): drop the lookup's answer."""
+        if self.pending is not None:
+            self.pending.cancel()
 
 
 @dataclass
@@ -60,11 +75,12 @@ class Selector:
             root = self._roots[key] = root_hash(model, block_size)
         return root
 
-    async def lookup_hits(self, tokens: list[int], nodes: list[NodeState]) -> dict[str, int]:
-        """Node url -> leading prompt blocks it holds ({} without Redis)."""
+    def start_hits(self, tokens: list[int], nodes: list[NodeState]) -> PendingHits | None:
+        """The KV index lookup for `nodes`, its command sent now (None: no lookup: not
+        kv_aware, Redis down or absent)."""
         redis = self.membership.lookup_redis or self.membership.redis
         if not self.kv_aware or redis is None or not self.membership.redis_ok or not nodes:
-            return {}
+            return None
         chains: dict[tuple[str, int], list[bytes]] = {}
 
         def chain_of(rec: NodeRecord) -> list[bytes]:
@@ -73,25 +89,49 @@ class Selector:
                 chains[key] = hash_prompt_blocks(tokens, rec.block_size, self._root(*key))
             return chains[key]
 
-        by_id = {n.record.node_id: n for n in nodes}
         if self._hits is None or self._hits_redis is not redis:
             self._hits, self._hits_redis = PrefixHits(redis, self.membership.keys), redis
+        return self._hits.start([n.record for n in nodes], chain_of)
+
+    async def _hits_of(self, pending: PendingHits | None, nodes: list[NodeState]) -> dict[str, int]:
+        """Node url -> leading prompt blocks it holds ({} without a lookup, or if it failed)."""
+        if pending is None:
+            return {}
         try:
-            hits = await self._hits([n.record for n in nodes], chain_of)
+            hits = await pending.result()
         except (RedisError, OSError) as e:
             logger.warning("KV index lookup failed (%s): load-only routing", e)
             self.membership.redis_ok = False
             return {}
+        by_id = {n.record.node_id: n for n in nodes}
         return {by_id[i].url: h for i, h in hits.items() if i in by_id}
 
-    async def select(self, tokens: list[int], exclude: set[str]) -> Decision | None:
-        """The nodes for this request, or None when no decode-capable node is usable."""
+    async def lookup_hits(self, tokens: list[int], nodes: list[NodeState]) -> dict[str, int]:
+        """Node url -> leading prompt blocks it holds ({} without Redis)."""
+        return await self._hits_of(self.start_hits(tokens, nodes), nodes)
+
+    def begin(self, tokens: list[int], exclude: set[str]) -> Choice | None:
+        """The first half of `select`: the candidates, and their KV index lookup sent (the
+        caller may work while Redis answers); None when no decode-capable node is usable."""
         t0 = time.perf_counter()
         decodes = [n for n in self.view.usable(True) if n.url not in exclude]
         if not decodes:
             return None
         prefills = [n for n in self.view.usable(False) if n.url not in exclude]
-        hits = await self.lookup_hits(tokens, decodes + prefills)
+        pending = self.start_hits(tokens, decodes + prefills)
+        return Choice(decodes, prefills, pending, time.perf_counter() - t0)
+
+    async def select(self, tokens: list[int], exclude: set[str]) -> Decision | None:
+        """The nodes for this request, or None when no decode-capable node is usable."""
+        choice = self.begin(tokens, exclude)
+        return None if choice is None else await self.finish(tokens, choice)
+
+    async def finish(self, tokens: list[int], choice: Choice) -> Decision:
+        """The second half of `select`: the lookup's answer, then the policies. The decision
+        time counts both halves, not the time the caller spent between them."""
+        t0 = time.perf_counter()
+        decodes, prefills = choice.decodes, choice.prefills
+        hits = await self._hits_of(choice.pending, decodes + prefills)
         bs = decodes[0].record.block_size
         blocks = len(tokens) // bs
         ctx = Context(blocks, hits, self.mean_prompt_blocks)
@@ -106,4 +146,5 @@ class Selector:
         if not local and prefills:
             prefill = self.prefill_policy(prefills, ctx)
         self.mean_prompt_blocks = 0.95 * self.mean_prompt_blocks + 0.05 * blocks
-        return Decision(decode, prefill, blocks, max(predicted, 0), time.perf_counter() - t0, hits)
+        decision_s = choice.begin_s + time.perf_counter() - t0
+        return Decision(decode, prefill, blocks, max(predicted, 0), decision_s, hits)

@@ -12,10 +12,9 @@ every node with `X-Attempt`; a retry is a new attempt on another node.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -23,9 +22,10 @@ from fastapi.responses import Response
 
 from api.chat_tools import template_tools
 from api.errors import InvalidRequestError
-from api.http import AbortOnDisconnectResponse, error_response, trace_id, until_disconnect
+from api.http import error_response, until_disconnect
 from api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from api.sampling_rules import INT32_MAX, check_sampling_values
+from router.client_watch import ClientWatch
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.relay import (
@@ -40,7 +40,9 @@ from router.relay import (
     open_stream,
     send_json,
 )
+from router.request_ids import RequestIds
 from router.selector import Decision, Selector
+from router.streamed import WATCH, Relayed, RelayResponse, Release
 from router.token_budget import TokenBudget, client_key
 from router.tokenizer import RouterTokenizer
 
@@ -60,13 +62,6 @@ class NoNodeError(RuntimeError):
     """No usable node can take the request (HTTP 503)."""
 
 
-def request_id(request: Request) -> str:
-    """The client's `X-Request-Id` if it sent a sane one (the attempt suffix dropped), else
-    a new one."""
-    given = trace_id({"x-request-id": request.headers.get("x-request-id")})
-    return given or uuid.uuid4().hex
-
-
 class RouterServing:
     def __init__(
         self,
@@ -79,6 +74,7 @@ class RouterServing:
         self.selector = selector
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.request_id = RequestIds()
         self.budget = TokenBudget(
             config.prompt_tokens_per_minute_per_key, config.max_prompt_tokens_per_request
         )
@@ -176,33 +172,32 @@ class RouterServing:
         limits = None
         for ids in prompts:
             limits = self.check_prompt(ids, max_tokens)
-        self.check_sampling(req, max(prompts, key=len), limits)
         tokens = prompts[0]
-        if self.budget.enabled:  # after the checks: a refused request is not charged
-            self.budget.admit(client_key(request.scope), sum(map(len, prompts)))
-        rid = request_id(request)
-        # the prompt goes as token ids: the client's prompt/messages are neither dumped nor
-        # walked (a long prompt made both cost more than the rest of the request)
-        prompt_fields = _CHAT_PROMPT if route == "chat" else _COMPLETION_PROMPT
-        body = req.model_dump(exclude_unset=True, exclude=prompt_fields)
-        _check_finite(body)
-        if route == "chat":
-            body["prompt_token_ids"] = tokens
-        else:
-            body["prompt"] = prompts if len(prompts) > 1 else tokens
-        if req.stream:
-            body["stream_options"] = {"include_usage": True}
-        path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+        # the KV index lookup goes out now; the rest of the checks run while Redis answers
+        first = self.selector.begin(tokens, set())
+        try:
+            body, path = self._node_body(route, req, prompts, limits)
+            if self.budget.enabled:  # after the checks: a refused request is not charged
+                self.budget.admit(client_key(request.scope), sum(map(len, prompts)))
+            rid = self.request_id(request.scope)
+        except BaseException:
+            if first is not None:
+                first.cancel()
+            raise
         excluded: set[str] = set()
         last: AttemptFailed | None = None
         for attempt in range(self.config.max_retries + 1):
-            decision = await self.selector.select(tokens, excluded)
+            if attempt == 0:
+                decision = None if first is None else await self.selector.finish(tokens, first)
+            else:
+                decision = await self.selector.select(tokens, excluded)
             if decision is None:
                 break
             if len(prompts) > 1:  # the node's load: every prompt of the batch
                 bs = decision.decode.record.block_size
                 decision.prompt_blocks = sum(len(p) // bs for p in prompts)
-            self._observe_decision(decision)
+            # off the request's path: runs on the next loop turn, while the node works
+            asyncio.get_running_loop().call_soon(self._observe_decision, decision)
             headers = {
                 "X-Request-Id": rid,
                 "X-Attempt": str(attempt),
@@ -238,6 +233,25 @@ class RouterServing:
             return error_response(502, str(last), "server_error", code="upstream_error")
         raise NoNodeError("no healthy decode node is available")
 
+    def _node_body(self, route: str, req, prompts: list[list[int]], limits) -> tuple[dict, str]:
+        """The sampling checks, then the body for the node (its prompt as token ids; the
+        client's prompt/messages are neither dumped nor walked: a long prompt made both
+        cost more than the rest of the request) and the node's path."""
+        self.check_sampling(req, max(prompts, key=len), limits)
+        prompt_fields = _CHAT_PROMPT if route == "chat" else _COMPLETION_PROMPT
+        body = req.model_dump(exclude_unset=True, exclude=prompt_fields)
+        _check_finite(body)
+        if route == "chat":
+            body["prompt_token_ids"] = prompts[0]
+        else:
+            body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
+        if req.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body, "/v1/chat/completions" if route == "chat" else "/v1/completions"
+
+    def _count_hits(self, answer: bytes) -> None:
+        self.metrics.actual_hit_tokens.inc(cached_tokens(answer))
+
     def _observe_decision(self, d: Decision) -> None:
         m = self.metrics
         m.decision.observe(d.decision_s)
@@ -260,29 +274,35 @@ class RouterServing:
         """One attempt. A client that disconnects before the answer (or, streaming, before
         the first token) cancels it, which closes the node connection: the node aborts."""
         node, rid = d.decode, headers["X-Request-Id"]
+        watch: ClientWatch | None = request.scope.get(WATCH)
+        if watch is not None:  # the lean path: one watcher for the whole request
+            guarded = watch.run
+        else:
+
+            async def guarded(work):
+                return await until_disconnect(request, work)
+
         node.breaker.on_dispatch()
         node.inflight += 1
         node.inflight_blocks += d.prompt_blocks
         if d.prefill is not None:
             d.prefill.prefill_blocks += d.prompt_blocks
-        release = _Release(d)
+        release = Release(d)
         try:
             if not req.stream:
-                resp = await until_disconnect(request, send_json(node, path, body, headers))
+                resp = await guarded(send_json(node, path, body, headers))
                 if resp is None:
                     return Response(status_code=499)
                 node.breaker.record_success()
-                if resp.status_code == 200:
-                    self.metrics.actual_hit_tokens.inc(cached_tokens(resp.content))
+                if resp.status_code == 200:  # counted after the answer is written
+                    asyncio.get_running_loop().call_soon(self._count_hits, resp.content)
                 return Response(
                     resp.content,
                     status_code=resp.status_code,
                     media_type="application/json",
                     headers={"X-Request-Id": rid},
                 )
-            opened = await until_disconnect(
-                request, open_stream(node, path, body, headers, int(route == "chat"))
-            )
+            opened = await guarded(open_stream(node, path, body, headers, int(route == "chat")))
             if opened is None:
                 return Response(status_code=499)
             node.breaker.record_success()
@@ -291,9 +311,9 @@ class RouterServing:
                 return Response(
                     opened.content, status_code=opened.status_code, media_type="application/json"
                 )
-            events = _Relayed(self._relay(opened, req.include_usage, release, rid), opened, release)
+            events = Relayed(self._relay(opened, req.include_usage, release, rid), opened, release)
             release = None  # the relay releases from now on, even if never iterated
-            return AbortOnDisconnectResponse(
+            return RelayResponse(
                 events, media_type="text/event-stream", headers={"X-Request-Id": rid}
             )
         finally:
@@ -301,7 +321,7 @@ class RouterServing:
                 release.all()
 
     async def _relay(
-        self, s: OpenStream, include_usage: bool, release: _Release, rid: str
+        self, s: OpenStream, include_usage: bool, release: Release, rid: str
     ) -> AsyncIterator[bytes]:
         """The held events, then the rest of the node's stream (usage chunk kept only if the
         client asked for it). Events that arrived together leave together (one write)."""
@@ -338,50 +358,6 @@ class RouterServing:
 
     def count(self, route: str, status: int) -> None:
         self.metrics.child(self.metrics.requests, route, str(status)).inc()
-
-
-class _Relayed:
-    """The relay generator, with a cleanup that runs on `aclose()` even if iteration never
-    started (a client gone before the first write): the node connection is closed and the
-    attempt's accounting released, exactly once."""
-
-    def __init__(self, gen: AsyncIterator[bytes], opened: OpenStream, release: _Release):
-        self._gen, self._opened, self._release = gen, opened, release
-
-    def __aiter__(self) -> _Relayed:
-        return self
-
-    async def __anext__(self) -> bytes:
-        return await self._gen.__anext__()
-
-    async def aclose(self) -> None:
-        try:
-            await self._gen.aclose()
-        finally:
-            self._opened.close()
-            self._release.all()
-
-
-class _Release:
-    """Undo one attempt's in-flight accounting exactly once, in two steps."""
-
-    def __init__(self, d: Decision):
-        self.d = d
-        self._prefill_out = d.prefill is not None
-        self._done = False
-        self.start = time.monotonic()
-
-    def prefill_done(self) -> None:
-        if self._prefill_out:
-            self.d.prefill.prefill_blocks -= self.d.prompt_blocks
-            self._prefill_out = False
-
-    def all(self) -> None:
-        self.prefill_done()
-        if not self._done:
-            self._done = True
-            self.d.decode.inflight -= 1
-            self.d.decode.inflight_blocks -= self.d.prompt_blocks
 
 
 def _check_finite(body: dict) -> None:

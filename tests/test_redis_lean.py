@@ -2,7 +2,8 @@
 redis-server: pipelined replies reach their own callers, scripts survive a script flush,
 a lost server raises ConnectionError and a restarted one is used again, a connect whose
 caller was cancelled is never handed out stale (lost, or failed), a server that does
-not answer raises TimeoutError within its deadline, and passwords and databases apply."""
+not answer raises TimeoutError within its deadline, passwords and databases apply, and
+commands started early (`script.start`) keep their own replies when one is cancelled."""
 
 from __future__ import annotations
 
@@ -224,3 +225,37 @@ def test_read_nodes_gives_the_same_records_through_both_clients(redis_server):
     got_lean, got_py, left = asyncio.run(run())
     assert got_lean == got_py == recs
     assert left == {r.node_id.encode() for r in recs} | {b"bad"}
+
+
+def test_started_commands_keep_their_replies_when_one_is_cancelled(redis_server):
+    """`script.start`: sent at once, awaited later; a cancelled one's reply is skipped, and a
+    script Redis does not know (NOSCRIPT) is loaded when the started call is awaited."""
+
+    async def run() -> list:
+        r = lean_client(redis_server.url, 5.0)
+        script = r.script("return ARGV[1]")
+        try:
+            await r.execute("PING")  # connected: `start` writes at once
+            dropped = script.start([], ["dropped"])
+            kept = [script.start([], [f"v{i}"]) for i in range(3)]
+            dropped.cancel()
+            out = [await p for p in reversed(kept)]
+            await r.execute("SCRIPT", "FLUSH")
+            out.append(await script.start([], ["after flush"]))
+            out.append(await r.execute("ECHO", "in step"))
+            return out
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(run()) == [b"v2", b"v1", b"v0", b"after flush", b"in step"]
+
+
+def test_a_start_before_connecting_connects_when_awaited(redis_server):
+    async def run() -> bytes:
+        r = lean_client(redis_server.url, 5.0)
+        try:
+            return await r.script("return 'ok'").start([], [])
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(run()) == b"ok"
