@@ -4,7 +4,7 @@ The router runs as usual (`pdserve router`, Redis registry, `kv_aware`) in front
 fake decode node (benchmarks/fake_fleet.py), with timing wrappers around its phases; one
 request at a time, so each phase's time is that request's. Reported per phase: calls per
 request and the median and mean microseconds per request, plus the router process's CPU
-time per request (from /proc: includes what no wrapper sees, e.g. uvicorn's HTTP parsing
+time per request (from /proc/<pid>/task/*/schedstat, ns: includes what no wrapper sees, e.g. uvicorn's HTTP parsing
 and the event loop). Round trips (`redis_lookup`, `node_*`) are waits, not router CPU.
 
     python benchmarks/router_profile.py --requests 1000 --out results/router_profile.json
@@ -39,9 +39,14 @@ PHASES = {
     "sampling_checks": ("router.serving", "RouterServing.check_sampling"),
     "body_finite_check": ("router.serving", "_check_finite"),
     "body_encode": ("router.serving", "encode_body"),
-    "decision_total": ("router.selector", "Selector.select"),
+    "decision_total": ("router.selector", "Selector.select"),  # retries (and older code)
+    # attempt 0: candidates + lookup sent, then (after the sampling checks) reply + policies
+    "decision_begin": ("router.selector", "Selector.begin"),
+    "decision_finish": ("router.selector", "Selector.finish"),
     "hash_chain": ("router.selector", "hash_prompt_blocks"),
-    "redis_lookup_round_trip": ("cluster.kv_index", "PrefixHits.__call__"),
+    "redis_lookup_round_trip": ("cluster.kv_index", "PrefixHits.__call__"),  # older code
+    # the wait that is left once the sampling checks and the body ran meanwhile
+    "redis_lookup_wait_after_checks": ("cluster.kv_index", "PendingHits.result"),
     "policy_kv_aware": ("router.policies", "KVAware.__call__"),
     "policy_round_robin": ("router.policies", "RoundRobin.__call__"),
     "metrics_decision": ("router.serving", "RouterServing._observe_decision"),
@@ -50,7 +55,8 @@ PHASES = {
     "node_stream_to_first_token": ("router.serving", "open_stream"),
     # StreamingResponse subclasses have their own __call__: this times JSON answers only
     "response_write_json": ("starlette.responses", "Response.__call__"),
-    "response_stream_relay": ("api.http", "AbortOnDisconnectResponse.__call__"),
+    "response_stream_relay": ("api.http", "AbortOnDisconnectResponse.__call__"),  # older code
+    "response_stream_relay_watched": ("router.streamed", "RelayResponse.__call__"),
 }
 
 
@@ -136,14 +142,13 @@ def main() -> None:
         return
     from benchmarks.router_fleet import (
         ROOT,
-        cpu_seconds,
         free_port,
         spawn,
         usable_nodes,
         wait_until,
     )
     from benchmarks.router_fleet import write_tokenizerless_model as fake_model
-    from benchmarks.router_overhead import one, wait_for_fake_node
+    from benchmarks.router_overhead import cpu_ns, one, wait_for_fake_node
     from cluster.embedded_redis import EmbeddedRedis
 
     root = Path(args.router_root).resolve() if args.router_root else ROOT
@@ -170,11 +175,11 @@ def main() -> None:
                 with httpx.Client(timeout=30) as c:
                     for i in range(args.requests + skip):
                         if i == skip:
-                            cpu0 = cpu_seconds(proc.pid)
+                            cpu0 = cpu_ns(proc.pid)
                         body = {"prompt": [rng.randrange(1000) for _ in range(args.prompt_tokens)],
                                 "max_tokens": 2, "temperature": 0, "stream": stream}  # fmt: skip
                         one(c, router, body)
-                cpu = cpu_seconds(proc.pid) - cpu0
+                cpu = (cpu_ns(proc.pid) - cpu0) / 1e9
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)
                 times = json.loads(Path(times_path).read_text())
