@@ -8,7 +8,13 @@ keeps its fastest of `--rounds`, and wall and process CPU time are both reported
 Variants (the engine's eager model, only the kernel module of some ops swapped):
   reference: every op from kernels.reference (PDSERVE_CPU_ATTENTION=reference; the
              prefill attention gathers K/V from the cache and runs SDPA's math path)
-  native:    kernels.cpu_ops, what `get_ops("torch")` serves
+  native:    kernels.cpu_ops, what `get_ops("torch")` serves (MLP in row tiles of
+             engine.models.llama.MLP_TILE_ROWS)
+  native_tileN: native with the MLP in tiles of N rows (native_tile0: one untiled MLP
+             call over the whole step, as main did before the tiling)
+  ..._sdpa:  (suffix) fresh prompts' attention through torch's flash SDPA instead of
+             the native kernel (PDSERVE_PREFILL_ATTENTION=sdpa); native_tile0_sdpa is
+             main before both changes
   native_refprefill: kernels.cpu_ops with the reference's prefill attention (what main
              served before kernels/cpu_prefill.py)
   hf:        transformers' LlamaForCausalLM forward on the [32, 128] batch, logits of the
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -32,8 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine_throughput import DTYPES, make_prompts  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
+from engine.models.llama import MLP_TILE_ROWS, LlamaMLP  # noqa: E402
 from kernels import cpu_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
+from kernels.cpu_prefill import PREFILL_ATTENTION_ENV  # noqa: E402
 
 OP_MODULES = {
     "reference": ref,
@@ -47,9 +56,12 @@ OP_MODULES = {
 }
 
 
-def set_ops(model, ops) -> None:
-    """Point every module of the model that calls kernels at `ops`."""
+def set_ops(model, ops, tile_rows: int) -> None:
+    """Point every module of the model that calls kernels at `ops`; MLP tiles of
+    `tile_rows` rows."""
     for m in model.modules():
+        if isinstance(m, LlamaMLP):
+            m.tile_rows = tile_rows
         if hasattr(m, "ops"):
             m.ops = ops
         if hasattr(m, "attn"):  # PagedAttention is a plain object, not a submodule
@@ -114,10 +126,14 @@ def main() -> None:
             steps[v] = lambda hf=hf, ids=hf_ids: hf(input_ids=ids, logits_to_keep=1,
                                                     use_cache=False).logits  # fmt: skip
         else:
-            ops = OP_MODULES[v]
+            base, sdpa = v.removesuffix("_sdpa"), v.endswith("_sdpa")
+            base, _, tile = base.partition("_tile")
+            ops = OP_MODULES[base]
+            tile_rows = int(tile) if tile else MLP_TILE_ROWS
 
-            def step(ops=ops):
-                set_ops(model, ops)
+            def step(ops=ops, tile_rows=tile_rows, attn="sdpa" if sdpa else "native"):
+                set_ops(model, ops, tile_rows)
+                os.environ[PREFILL_ATTENTION_ENV] = attn
                 return model.compute_logits(model(ids, pos, kv, meta)[last])
 
             steps[v] = step

@@ -1,7 +1,7 @@
 """The CPU kernel set behind `get_ops("torch")`: native C++ ops where they exist (paged
 decode attention reading the KV blocks in place, kernels.cpu_attention; the layer's
-elementwise ops one call each, kernels.cpu_elementwise), and prefill attention through
-torch's flash SDPA on fresh prompts' own K/V (kernels.cpu_prefill).
+elementwise ops one call each, kernels.cpu_elementwise), and prefill attention on fresh
+prompts' own K/V (kernels.cpu_prefill: a native kernel, torch's flash SDPA for the rest).
 
 Select the plain reference for every op with `PDSERVE_CPU_ATTENTION=reference` (see
 `kernels.ops.get_ops`). Same contracts as `kernels.reference`.

@@ -16,14 +16,69 @@ GQA heads repeated). Here:
   - every call is 4-D, which torch's CPU dispatcher sends to its flash kernel
     (`_scaled_dot_product_flash_attention_for_cpu`: tiled online softmax in fp32
     accumulators, GQA without repeating heads); 3-D inputs go to the math path.
+Fresh sequences (given `new_kv`) go first to the native kernel
+(kernels/csrc/prefill_attention.cpp: one call for all of them, register-tiled fp32
+arithmetic, causal tiles skipped); torch's flash kernel serves them where it cannot be
+built or for a dtype/stride it does not take (`PDSERVE_PREFILL_ATTENTION=sdpa` forces it).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import torch
 import torch.nn.functional as F
 
+from kernels.native import load_library
 from kernels.reference import _gather_kv
+
+PREFILL_ATTENTION_ENV = "PDSERVE_PREFILL_ATTENTION"  # "native" (default) or "sdpa"
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_p, _i64 = ctypes.c_void_p, ctypes.c_int64
+_ARGS = [_p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _i64,
+         ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
+_fn: list = []  # [the kernel, or None if it cannot be built], filled on first use
+
+
+def _kernel():
+    if not _fn:
+        lib = load_library("prefill_attention")
+        fn = None if lib is None else lib.pdserve_prefill_attention
+        if fn is not None:
+            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
+        _fn.append(fn)
+    return _fn[0]
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loaded on this machine."""
+    return _kernel() is not None
+
+
+def _native_fresh(q, k, v, out, rows: list[tuple[int, int]], scale: float) -> bool:
+    """Attention of fresh sequences (row ranges `rows`) over their own K/V, into `out`.
+    False (nothing written) when the native kernel does not take these tensors."""
+    if os.environ.get(PREFILL_ATTENTION_ENV, "native") == "sdpa" or torch.compiler.is_compiling():
+        return False
+    dtype = q.dtype
+    if dtype not in _DTYPES or any(
+        not x.is_cpu or x.dtype != dtype or x.stride(-1) != 1 for x in (q, k, v, out)
+    ):
+        return False
+    fn = _kernel()
+    if fn is None or not out.is_contiguous():
+        return False
+    begins = torch.tensor([b for b, _ in rows], dtype=torch.int64)
+    ends = torch.tensor([e for _, e in rows], dtype=torch.int64)
+    _, h, d = q.shape
+    rc = fn(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+        v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), begins.data_ptr(),
+        ends.data_ptr(), len(rows), h, k.shape[1], d, scale, _DTYPES[dtype],
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return rc == 0
 
 
 def _sdpa(q, k, v, scale, causal=False, mask=None):
@@ -56,17 +111,24 @@ def paged_prefill_attention(
     lens = seq_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     fresh = [ql == sl for ql, sl in zip(q_lens, lens)]
-    if new_kv is not None and lens and all(fresh) and len(set(q_lens)) == 1 and t:
+    out = torch.empty_like(q)
+    done: set[int] = set()  # sequences the native kernel has written
+    if new_kv is not None and t:
+        idx = [i for i in range(len(lens)) if fresh[i] and q_lens[i]]
+        if idx and _native_fresh(q, *new_kv, out, [(starts[i], starts[i + 1]) for i in idx], scale):
+            done = set(idx)
+            if all(i in done or not q_lens[i] for i in range(len(lens))):
+                return out
+    if not done and new_kv is not None and lens and all(fresh) and len(set(q_lens)) == 1 and t:
         b, n = len(lens), q_lens[0]
         k, v = new_kv
         o = _sdpa(q.view(b, n, h, d), k.view(b, n, *k.shape[1:]),
                   v.view(b, n, *v.shape[1:]), scale, causal=True)  # fmt: skip
         return o.transpose(1, 2).reshape(t, h, d)
-    out = torch.empty_like(q)
     for i, seq_len in enumerate(lens):
         s, e = starts[i], starts[i + 1]
         q_len = e - s
-        if q_len == 0:
+        if q_len == 0 or i in done:
             continue
         qi = q[s:e].unsqueeze(0)
         if fresh[i] and new_kv is not None:

@@ -35,10 +35,11 @@ def get_ops(name: str) -> ModuleType:
             from kernels import reference
 
             return reference
-        from kernels import cpu_attention, cpu_elementwise, cpu_ops
+        from kernels import cpu_attention, cpu_elementwise, cpu_ops, cpu_prefill
 
         cpu_attention.available()  # build (or load) the kernels now, not in the first step
         cpu_elementwise.available()
+        cpu_prefill.available()
         return cpu_ops
     if name == "triton":
         from kernels import triton_ops

@@ -1,5 +1,7 @@
-"""CPU prefill attention (kernels/cpu_prefill.py) equals the pure-torch reference, fresh
-prompts read their own K/V (no gather from the cache), and every call is the flash kernel.
+"""CPU prefill attention (kernels/cpu_prefill.py) equals the pure-torch reference, on the
+native kernel (kernels/csrc/prefill_attention.cpp) and on torch's flash SDPA
+(PDSERVE_PREFILL_ATTENTION=sdpa); fresh prompts read their own K/V (no gather from the
+cache), in one native call, or one flash call per batch of equal prompts.
 
 Each case stores the step's K/V into a paged cache first (as the model does), then runs
 both with the same arguments. Tolerances as tests/test_cpu_attention.py.
@@ -53,12 +55,22 @@ CASES = [  # (chunks, H, Hkv, D, block_size)
     ([(0, 20), (33, 17), (16, 1), (5, 0), (200, 70)], 6, 2, 64, 16),  # prefixes + empty
     ([(0, 40), (40, 40)], 4, 4, 32, 4),  # MHA: a fresh chunk and the next chunk
     ([(3, 9), (0, 30)], 8, 1, 128, 32),  # MQA, head dim 128
+    ([(0, 300), (0, 129), (10, 5)], 4, 2, 80, 16),  # several 128-row blocks, head dim 80
 ]
+PATHS = ["native", "sdpa"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    monkeypatch.setenv(cpu_prefill.PREFILL_ATTENTION_ENV, request.param)
+    if request.param == "native":
+        assert cpu_prefill.available()  # the box has a compiler: the kernel must build
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunks,h,hkv,d,bs", CASES)
-def test_prefill_equals_reference(chunks, h, hkv, d, bs, dtype):
+def test_prefill_equals_reference(chunks, h, hkv, d, bs, dtype, path):
     args, new_kv = make_step(chunks, h, hkv, d, bs, dtype)
     expected = ref.paged_prefill_attention(*args)
     for kv in (new_kv, None):  # this step's K/V given, or read back from the cache
@@ -73,7 +85,8 @@ def _ops(fn) -> dict[str, int]:
     return {e.key: e.count for e in prof.key_averages()}
 
 
-def test_fresh_prompts_skip_the_cache_and_run_flash():
+def test_fresh_prompts_skip_the_cache_and_run_flash(monkeypatch):
+    monkeypatch.setenv(cpu_prefill.PREFILL_ATTENTION_ENV, "sdpa")
     args, new_kv = make_step([(0, 64)] * 4, 9, 3, 64, 16, torch.float32)
     ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
     assert ops.get(FLASH) == 1  # one call for the batch of equal prompts
@@ -83,6 +96,18 @@ def test_fresh_prompts_skip_the_cache_and_run_flash():
     assert ops.get(FLASH) == 3
     assert ops.get("aten::index") == 2  # K and V of the one sequence with a prefix
     assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_fresh_prompts_run_native_and_the_rest_sdpa():
+    """Fresh prompts of any lengths: no torch attention op at all; a prefix-cached
+    sequence beside them still gathers and runs flash, alone."""
+    args, new_kv = make_step([(0, 64), (0, 7), (0, 130)], 9, 3, 64, 16, torch.float32)
+    ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
+    assert FLASH not in ops and "aten::index" not in ops
+    args, new_kv = make_step([(0, 64), (32, 8), (0, 5)], 9, 3, 64, 16, torch.float32)
+    ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
+    assert ops.get(FLASH) == 1  # only the sequence with a cached prefix
+    assert ops.get("aten::index") == 2  # its K and V
 
 
 def test_the_reference_stays_the_unfused_oracle():
