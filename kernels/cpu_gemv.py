@@ -42,6 +42,9 @@ def _load():
     return _fn
 
 
+_threads = torch.get_num_threads
+
+
 def available() -> bool:
     """Whether the native library is built and loaded on this machine."""
     return _load() is not None
@@ -55,25 +58,28 @@ def isa() -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N], or None (not taken here)."""
+    if x.dim() != 2:  # [..., K]: as [rows, K]
+        if x.dim() < 2:
+            return None
+        y = linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return None if y is None else y.view(*x.shape[:-1], weight.shape[0])
+    # one call per projection per decode step: the checks are ordered cheap and common first
+    m, k = x.shape
     dtype = x.dtype
-    if not x.is_cpu or dtype not in _DTYPES or weight.dtype != dtype or weight.dim() != 2:
+    code = _DTYPES.get(dtype)
+    if code is None or m > MAX_ROWS or m == 0 or weight.dtype != dtype or weight.dim() != 2:
         return None
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], weight.shape[0]
-    if m > MAX_ROWS or m == 0 or not weight.is_cpu or weight.shape[1] != k:
-        return None
-    if weight.stride(1) != 1 or x2.stride(1) != 1 or torch.compiler.is_compiling():
+    n, wk = weight.shape
+    ws, wstep = weight.stride()
+    xs, xstep = x.stride()
+    if wk != k or wstep != 1 or xstep != 1 or not x.is_cpu or not weight.is_cpu:
         return None
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous() or bias.shape != (n,)):
         return None
     fn = _fn if _fn else _load()
-    if fn is None:
+    if fn is None or torch.compiler.is_compiling():
         return None
     y = torch.empty((m, n), dtype=dtype)
-    fn(
-        x2.data_ptr(), x2.stride(0), weight.data_ptr(), weight.stride(0),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, _DTYPES[dtype],
-        torch.get_num_threads(),
-    )  # fmt: skip
-    return y.view(*x.shape[:-1], n)
+    b = None if bias is None else bias.data_ptr()
+    fn(x.data_ptr(), xs, weight.data_ptr(), ws, b, y.data_ptr(), n, m, n, k, code, _threads())
+    return y
