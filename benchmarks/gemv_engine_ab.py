@@ -6,7 +6,8 @@ Workload A of benchmarks/engine_throughput.py (1 prompt x 32 tokens -> 128 new, 
 EOS ignored, prefix cache reset so each run prefills), one engine per dtype; between runs
 the small-M dispatch of engine/models/cpu_linear.py is switched: `onednn` = every GEMM
 through the prepacked oneDNN weights (`kernels.cpu_gemv.MAX_ROWS = 0`, main before the
-GEMV), `gemv` = rows up to MAX_ROWS through kernels/csrc/gemv.cpp. The variants alternate
+GEMV), `gemv` = rows up to MAX_ROWS through kernels/csrc/gemv.cpp, `gemv_fused` = that and
+the MLP's gate_up GEMV + SiLU * up as one call (`cpu_ops.gate_up_silu`). The variants alternate
 run by run (`--rounds` each); reported per variant: median out tok/s (wall) and process
 CPU ms per output token (with one thread the work itself, even on a busy machine), and
 whether both produced the same tokens.
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-from kernels import cpu_gemv  # noqa: E402
+from kernels import cpu_gemv, cpu_ops  # noqa: E402
 
 
 def run(llm: LLM, prompts, new: int) -> tuple[float, float, list]:
@@ -48,7 +49,9 @@ def main() -> None:
     ap.add_argument("--out", default="results/gemv_engine_ab.json")
     args = ap.parse_args()
     n, prompt_len, new = WORKLOADS["A"]
-    variants = {"onednn": 0, "gemv": cpu_gemv.MAX_ROWS}
+    # name -> (MAX_ROWS, gate_up + SiLU fused)
+    variants = {"onednn": (0, False), "gemv": (cpu_gemv.MAX_ROWS, False)}
+    variants["gemv_fused"] = (cpu_gemv.MAX_ROWS, True)
     results = []
     for dtype in args.dtypes.split(","):
         llm = LLM(args.model, dtype=dtype, num_threads=args.threads, kv_cache_bytes=1 << 30)
@@ -57,8 +60,9 @@ def main() -> None:
         rows: dict[str, list[dict]] = {v: [] for v in variants}
         tokens = {}
         for _ in range(args.rounds):
-            for name, max_rows in variants.items():
+            for name, (max_rows, fused) in variants.items():
                 cpu_gemv.MAX_ROWS = max_rows
+                cpu_ops.gate_up_silu = cpu_gemv.gate_up_silu if fused else None
                 c, w, tokens[name] = run(llm, prompts, new)
                 rows[name].append(
                     {
@@ -67,15 +71,20 @@ def main() -> None:
                     }
                 )
                 print(dtype, name, json.dumps(rows[name][-1]), flush=True)
-        cpu_gemv.MAX_ROWS = variants["gemv"]
+        cpu_gemv.MAX_ROWS, cpu_ops.gate_up_silu = variants["gemv"][0], cpu_gemv.gate_up_silu
         med = {v: {k: statistics.median(r[k] for r in rows[v]) for k in rows[v][0]} for v in rows}
         summary = {
             "dtype": dtype,
             "threads": args.threads,
             "median": med,
-            "tok_s_ratio": round(med["gemv"]["tok_s"] / med["onednn"]["tok_s"], 3),
-            "cpu_ratio": round(med["onednn"]["cpu_ms_per_tok"] / med["gemv"]["cpu_ms_per_tok"], 3),
-            "same_tokens": tokens["onednn"] == tokens["gemv"],
+            "tok_s_ratio": {
+                v: round(med[v]["tok_s"] / med["onednn"]["tok_s"], 3) for v in variants
+            },
+            "cpu_ratio": {
+                v: round(med["onednn"]["cpu_ms_per_tok"] / med[v]["cpu_ms_per_tok"], 3)
+                for v in variants
+            },
+            "same_tokens": {v: tokens[v] == tokens["onednn"] for v in variants},
             "rounds": rows,
             "loadavg_at_end": os.getloadavg()[0],
         }

@@ -25,7 +25,7 @@ MAX_ROWS = 8  # above this the prepacked oneDNN GEMM (docs/benchmarks.md, gemv_a
 
 _i64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]
-_ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 2
+_ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 3
 _fn: ctypes._CFuncPtr | None | bool = False  # False: not loaded yet
 
 
@@ -63,6 +63,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             return None
         y = linear(x.reshape(-1, x.shape[-1]), weight, bias)
         return None if y is None else y.view(*x.shape[:-1], weight.shape[0])
+    return _call(x, weight, bias, 0)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """silu(x gate^T) * (x up^T) -> [T, I] for x [T, K] and weight [2 I, K] (gate rows, then
+    up rows): `reference.silu_and_mul(F.linear(x, weight))` in one call, rounded where that
+    rounds; or None (not taken here)."""
+    if torch.compiler.is_compiling() or x.dim() != 2 or weight.dim() != 2 or weight.shape[0] % 2:
+        return None
+    return _call(x, weight, None, 1)
+
+
+def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: int):
     # one call per projection per decode step: the checks are ordered cheap and common first
     m, k = x.shape
     dtype = x.dtype
@@ -79,7 +92,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     fn = _fn if _fn else _load()
     if fn is None or torch.compiler.is_compiling():
         return None
+    n >>= silu  # gate_up: half the rows are outputs
     y = torch.empty((m, n), dtype=dtype)
     b = None if bias is None else bias.data_ptr()
-    fn(x.data_ptr(), xs, weight.data_ptr(), ws, b, y.data_ptr(), n, m, n, k, code, _threads())
+    fn(x.data_ptr(), xs, weight.data_ptr(), ws, b, y.data_ptr(), n, m, n, k, code, _threads(), silu)
     return y

@@ -112,6 +112,7 @@ def test_packed_linear_takes_decode_rows_through_the_gemv(monkeypatch):
 
 _OTHER_BUILD = """
 import torch
+import torch.nn.functional as F
 from kernels import cpu_gemv
 from tests.test_cpu_gemv import check
 assert cpu_gemv.isa() == {isa}, cpu_gemv.isa()
@@ -123,6 +124,10 @@ for dtype in (torch.float32, torch.bfloat16):
         for m in (1, 2, 3, 4, 5):
             x = torch.randn(m, k).to(dtype)
             check(cpu_gemv.linear(x, w, b), x, w, b)
+            if n % 2 == 0:  # gate | up halves: fused SiLU * up, within a few bf16 ulps
+                ref = F.silu(x.double() @ w[: n // 2].double().T) * (x.double() @ w[n // 2 :].double().T)
+                got = cpu_gemv.gate_up_silu(x, w).double()
+                assert (got - ref).abs().max() <= 2**-6 * ref.abs().max() + 1e-3, (got - ref).abs().max()
 print("ok")
 """
 
@@ -139,3 +144,24 @@ def test_other_vector_paths(march, isa, tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("i,k", [(1, 3), (37, 131), (1536, 576)])
+def test_gate_up_silu_equals_linear_then_silu_and_mul(dtype, i, k, threads):
+    """One call for a gate_up projection and SiLU(gate) * up: the unfused reference's
+    result (fp32: to summation order; bf16: rounded at the same three places, so within a
+    bf16 ulp or two)."""
+    from kernels import reference
+
+    w = rand(2 * i, k, dtype=dtype, seed=i) * 0.5
+    for m in (1, 2, 5):
+        x = rand(m, k, dtype=dtype, seed=m)
+        y = cpu_gemv.gate_up_silu(x, w)
+        ref = reference.silu_and_mul(F.linear(x.double(), w.double()))
+        assert y is not None and y.dtype == dtype and y.shape == (m, i)
+        scale = ref.abs().max().item()  # fp32 error of g and u carries into g * u near zero
+        tol = dict(rtol=1e-4, atol=1e-6 * scale) if dtype == torch.float32 else dict(rtol=2**-6)
+        torch.testing.assert_close(y.double(), ref, **{"atol": 1e-3 * scale, **tol})
+    assert cpu_gemv.gate_up_silu(x, w[:-1]) is None  # odd row count: not gate | up
+    assert cpu_gemv.gate_up_silu(rand(cpu_gemv.MAX_ROWS + 1, k, dtype=dtype, seed=0), w) is None

@@ -69,7 +69,12 @@ class LlamaMLP(nn.Module):
         self.tile_rows = MLP_TILE_ROWS  # 0: never tile
 
     def _mlp(self, x):
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        # CPU decode rows: gate_up and SiLU * up in one native call (kernels/cpu_gemv.py)
+        fused = getattr(self.ops, "gate_up_silu", None)
+        h = fused(x, self.gate_up_proj.weight) if fused is not None else None
+        if h is None:
+            h = self.ops.silu_and_mul(self.gate_up_proj(x))
+        return self.down_proj(h)
 
     def forward(self, x):
         """[T, hidden] -> [T, hidden]; above `tile_rows` rows, in equal row tiles (each

@@ -23,6 +23,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "bf16.h"
@@ -138,37 +139,56 @@ inline void dot_rows(const T* x, int64_t xs, const T* w, int64_t ws, int64_t k, 
   }
 }
 
-// Output rows [n0, n1) for every activation row, RB weight rows at a time.
+// The value a torch op on T tensors would hold: identity in fp32, rounded in bf16.
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const uint16_t*) {
+  return pdserve_cpu::bf16_to_float(pdserve_cpu::float_to_bf16(v));
+}
+
+// Output rows [n0, n1) for every activation row, RB weight rows at a time. silu: w is
+// [2 N, K] (gate rows, then up rows), y[m, j] = silu(gate_j) * up_j, rounded where the
+// unfused F.linear -> silu -> mul would round (kernels/reference.py silu_and_mul).
 template <typename T, int RB>
 void gemv_rows(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y, int64_t ys,
-               int64_t m, int64_t k, int64_t n0, int64_t n1) {
-  float out[MB][RMAX];
-  for (int64_t n = n0; n < n1; n += RB) {
-    const int64_t rr = std::min<int64_t>(RB, n1 - n);
+               int64_t m, int64_t n, int64_t k, int64_t n0, int64_t n1, bool silu) {
+  float out[MB][RMAX], up[MB][RMAX];
+  for (int64_t j0 = n0; j0 < n1; j0 += RB) {
+    const int64_t rr = std::min<int64_t>(RB, n1 - j0);
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
       const int64_t mb = std::min<int64_t>(MB, m - m0);
       const T* xm = x + m0 * xs;
-      if (rr == RB) {
-        dot_rows<T, RB>(xm, xs, w + n * ws, ws, k, mb, out);
-      } else {  // the range's last rows: one at a time
-        for (int64_t r = 0; r < rr; ++r) {
-          float one[MB][RMAX];
-          dot_rows<T, 1>(xm, xs, w + (n + r) * ws, ws, k, mb, one);
-          for (int64_t j = 0; j < mb; ++j) out[j][r] = one[j][0];
+      for (int part = 0; part < (silu ? 2 : 1); ++part) {
+        const T* wb = w + (j0 + part * n) * ws;
+        float(&dst)[MB][RMAX] = part == 0 ? out : up;
+        if (rr == RB) {
+          dot_rows<T, RB>(xm, xs, wb, ws, k, mb, dst);
+        } else {  // the range's last rows: one at a time
+          for (int64_t r = 0; r < rr; ++r) {
+            float one[MB][RMAX];
+            dot_rows<T, 1>(xm, xs, wb + r * ws, ws, k, mb, one);
+            for (int64_t i = 0; i < mb; ++i) dst[i][r] = one[i][0];
+          }
         }
       }
-      for (int64_t j = 0; j < mb; ++j)
+      for (int64_t i = 0; i < mb; ++i) {
+        T* yr = y + (m0 + i) * ys + j0;
         for (int64_t r = 0; r < rr; ++r) {
-          const float bias = b != nullptr ? load(b + n + r) : 0.0f;
-          store(y + (m0 + j) * ys + n + r, out[j][r] + bias);
+          if (silu) {
+            const float g = round_to(out[i][r], y);
+            const float s = round_to(g / (1.0f + std::exp(-g)), y);
+            store(yr + r, s * round_to(up[i][r], y));
+          } else {
+            store(yr + r, out[i][r] + (b != nullptr ? load(b + j0 + r) : 0.0f));
+          }
         }
+      }
     }
   }
 }
 
 template <typename T, int RB>
 void gemv_split(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y, int64_t ys,
-                int64_t m, int64_t n, int64_t k, int threads) {
+                int64_t m, int64_t n, int64_t k, int threads, bool silu) {
   const int64_t blocks = (n + RB - 1) / RB;
   threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, blocks)));
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -176,19 +196,19 @@ void gemv_split(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t n0 = std::min(n, blocks * t / nt * RB);
     const int64_t n1 = std::min(n, blocks * (t + 1) / nt * RB);
-    gemv_rows<T, RB>(x, xs, w, ws, b, y, ys, m, k, n0, n1);
+    gemv_rows<T, RB>(x, xs, w, ws, b, y, ys, m, n, k, n0, n1, silu);
   }
 }
 
 template <typename T>
 void gemv(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y, int64_t ys,
-          int64_t m, int64_t n, int64_t k, int threads) {
+          int64_t m, int64_t n, int64_t k, int threads, bool silu) {
   if (m == 1) {
-    gemv_split<T, 16>(x, xs, w, ws, b, y, ys, m, n, k, threads);
+    gemv_split<T, 16>(x, xs, w, ws, b, y, ys, m, n, k, threads, silu);
   } else if (m == 2) {
-    gemv_split<T, 8>(x, xs, w, ws, b, y, ys, m, n, k, threads);
+    gemv_split<T, 8>(x, xs, w, ws, b, y, ys, m, n, k, threads, silu);
   } else {
-    gemv_split<T, 4>(x, xs, w, ws, b, y, ys, m, n, k, threads);
+    gemv_split<T, 4>(x, xs, w, ws, b, y, ys, m, n, k, threads, silu);
   }
 }
 
@@ -197,15 +217,18 @@ void gemv(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y, int6
 extern "C" {
 
 // dtype: 0 fp32, 1 bf16 (x, w, b, y alike); b may be null. Strides in elements.
+// silu 0: y [m, n] = x w^T + b, w [n, k]. silu 1: w [2 n, k] (gate | up rows, no bias),
+// y [m, n] = silu(x gate^T) * (x up^T): a gate_up projection and its activation in one.
 int pdserve_gemv(const void* x, int64_t xs, const void* w, int64_t ws, const void* b, void* y,
-                 int64_t ys, int64_t m, int64_t n, int64_t k, int dtype, int threads) {
-  if (m < 0 || n < 0 || k < 0) return 1;
+                 int64_t ys, int64_t m, int64_t n, int64_t k, int dtype, int threads, int silu) {
+  if (m < 0 || n < 0 || k < 0 || (silu != 0 && b != nullptr)) return 1;
   if (dtype == 0) {
     gemv(static_cast<const float*>(x), xs, static_cast<const float*>(w), ws,
-         static_cast<const float*>(b), static_cast<float*>(y), ys, m, n, k, threads);
+         static_cast<const float*>(b), static_cast<float*>(y), ys, m, n, k, threads, silu != 0);
   } else if (dtype == 1) {
     gemv(static_cast<const uint16_t*>(x), xs, static_cast<const uint16_t*>(w), ws,
-         static_cast<const uint16_t*>(b), static_cast<uint16_t*>(y), ys, m, n, k, threads);
+         static_cast<const uint16_t*>(b), static_cast<uint16_t*>(y), ys, m, n, k, threads,
+         silu != 0);
   } else {
     return 2;
   }
