@@ -1,10 +1,10 @@
 """The CPU kernel set behind `get_ops("torch")`: native C++ ops where they exist (paged
 decode attention reading the KV blocks in place, kernels.cpu_attention; the layer's
 elementwise ops one call each, kernels.cpu_elementwise), and prefill attention on fresh
-prompts' own K/V (kernels.cpu_prefill: a native kernel, torch's flash SDPA for the rest). One op beyond the
-reference's set: `gate_up_silu` (kernels.cpu_gemv), a decode step's gate_up projection and
-SiLU(gate) * up in one native call; the model uses it where an op set offers it and it
-takes the input (it returns None otherwise).
+prompts' own K/V (kernels.cpu_prefill: a native kernel, torch's flash SDPA for the rest).
+One op beyond the reference's set: `gate_up_silu` (kernels.cpu_gemv), a decode step's
+gate_up projection and SiLU(gate) * up in one native call; the model uses it where an op
+set offers it and it takes the input (it returns None otherwise).
 
 Select the plain reference for every op with `PDSERVE_CPU_ATTENTION=reference` (see
 `kernels.ops.get_ops`). Same contracts as `kernels.reference`.
