@@ -6,14 +6,15 @@
 
 Runs workload B's 32 prompts (128 tokens) through `LLM.generate` for `--context` tokens,
 captures the inputs of the last 32-row decode step (context ~128 + `--context`), then
-replays that step's forward + logits + argmax `--rounds` times, one thread, timing each part
-in thread CPU time (a busy box's waiting for a core left out): the projections' GEMMs,
+replays that step's forward + logits + argmax `--rounds` times, one thread by default, timing
+each part in thread CPU time (a busy box's waiting for a core left out; with `--threads 2`
+wall time, meaningful on a quiet box only): the projections' GEMMs,
 lm_head, the paged decode attention (KV store apart), each native elementwise op, argmax,
 and the rest of the forward (Python, embedding, views). The replay writes the same KV slots
 every time, so the cache, weights and inputs are those of a real step.
 
 `--baseline-ref REF` also builds the native kernels (kernels/csrc) as they are at git REF
-and alternates the two kernel sets round by round (same weights, same inputs): the rows
+(or from the sources in directory REF) and alternates the two kernel sets round by round (same weights, same inputs): the rows
 `current` and `baseline`, and whether their greedy tokens agree (`same_argmax`).
 """
 
@@ -53,21 +54,22 @@ TIMED_OPS = (
 
 
 class Parts:
-    """Thread CPU seconds per part, accumulated by wrappers around the real functions."""
+    """Seconds per part, accumulated by wrappers around the real functions."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock) -> None:
         self.acc: dict[str, float] = defaultdict(float)
+        self.clock = clock
 
     def wrap(self, owner, name: str, part: str) -> None:
         fn = getattr(owner, name)
-        acc = self.acc
+        acc, clock = self.acc, self.clock
 
         def wrapped(*a, **kw):
-            t0 = time.thread_time()
+            t0 = clock()
             try:
                 return fn(*a, **kw)
             finally:
-                acc[part] += time.thread_time() - t0
+                acc[part] += clock() - t0
 
         setattr(owner, name, wrapped)
 
@@ -76,6 +78,10 @@ def build_at_ref(ref: str, cache: Path) -> dict[str, ctypes.CDLL]:
     """The native kernel libraries built from kernels/csrc as it is at git `ref`."""
     src = cache / "csrc"
     src.mkdir(parents=True, exist_ok=True)
+    if Path(ref).is_dir():  # a directory of sources instead of a git ref
+        for f in Path(ref).iterdir():
+            (src / f.name).write_bytes(f.read_bytes())
+        return build_from(src, cache)
     names = subprocess.run(
         ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:kernels/csrc"],
         capture_output=True, text=True, check=True,
@@ -86,6 +92,10 @@ def build_at_ref(ref: str, cache: Path) -> dict[str, ctypes.CDLL]:
             capture_output=True, check=True,
         ).stdout  # fmt: skip
         (src / name).write_bytes(blob)
+    return build_from(src, cache)
+
+
+def build_from(src: Path, cache: Path) -> dict[str, ctypes.CDLL]:
     saved = native.CSRC
     native.CSRC = src
     try:
@@ -127,15 +137,25 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--context", type=int, default=24, help="decode steps before the capture")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--baseline-ref", default=None, help="git ref of the baseline kernels")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--baseline-ref",
+        default=None,
+        help="git ref (or a source directory) of the baseline kernels",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     baseline = None
     if args.baseline_ref:
         baseline = build_at_ref(args.baseline_ref, Path(tempfile.mkdtemp(prefix="pdserve-ab-")))
     llm = LLM(
-        args.model, dtype=args.dtype, num_threads=1, max_num_seqs=64, max_num_batched_tokens=4096
+        args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
     )
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
     model = llm.engine.runner.model
     captured = []
     forward = model.forward
@@ -152,7 +172,7 @@ def main() -> None:
     step = captured[0]
     context = int(step[3].decode_context_lens.max())
 
-    parts = Parts()
+    parts = Parts(clock)
     for name in TIMED_OPS:
         parts.wrap(cpu_ops, name, name)
     parts.wrap(llama, "linear", "lm_head")  # compute_logits' call; projections below
@@ -165,13 +185,13 @@ def main() -> None:
             for name, kernels in sets.items():
                 install(kernels)
                 parts.acc.clear()
-                t0 = time.thread_time()
+                t0 = clock()
                 hidden = model(*step)
-                t1 = time.thread_time()
+                t1 = clock()
                 logits = model.compute_logits(hidden)
-                t2 = time.thread_time()
+                t2 = clock()
                 argmax[name] = logits.argmax(-1)
-                t3 = time.thread_time()
+                t3 = clock()
                 row = dict(parts.acc)
                 row["forward"], row["logits"], row["argmax"] = t1 - t0, t2 - t1, t3 - t2
                 row["step"] = t3 - t0
@@ -187,8 +207,8 @@ def main() -> None:
         "dtype": args.dtype,
         "rows": 32,
         "context": context,
-        "threads": 1,
-        "clock": "thread_time",
+        "threads": args.threads,
+        "clock": "thread_time" if args.threads == 1 else "wall",
         "median_ms": summary,
     }
     if baseline:

