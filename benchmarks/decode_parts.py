@@ -9,7 +9,8 @@ captures the inputs of the last 32-row decode step (context ~128 + `--context`),
 replays that step's forward + logits + argmax `--rounds` times, one thread by default, timing
 each part in thread CPU time (a busy box's waiting for a core left out; with `--threads 2`
 wall time, meaningful on a quiet box only): the projections' GEMMs,
-lm_head, the paged decode attention (KV store apart), each native elementwise op, argmax,
+lm_head, the paged decode attention (KV store apart), each native elementwise op, the greedy
+argmax (kernels/cpu_argmax.py, as the sampler runs it),
 and the rest of the forward (Python, embedding, views). The replay writes the same KV slots
 every time, so the cache, weights and inputs are those of a real step.
 
@@ -41,6 +42,7 @@ import engine.models.llama as llama  # noqa: E402
 from benchmarks.engine_throughput import make_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from kernels import cpu_attention, cpu_elementwise, cpu_ops, native  # noqa: E402
+from kernels.cpu_argmax import argmax_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMED_OPS = (
@@ -190,7 +192,7 @@ def main() -> None:
                 t1 = clock()
                 logits = model.compute_logits(hidden)
                 t2 = clock()
-                argmax[name] = logits.argmax(-1)
+                argmax[name] = argmax_rows(logits)  # the sampler's greedy pick
                 t3 = clock()
                 row = dict(parts.acc)
                 row["forward"], row["logits"], row["argmax"] = t1 - t0, t2 - t1, t3 - t2

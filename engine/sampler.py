@@ -16,6 +16,7 @@ from engine.logits_processors import process_logits
 from engine.outputs import TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from kernels.cpu_argmax import argmax_rows
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def sample(
     Logprobs are the log-softmax of the raw logits (before penalties, bias, grammar and
     temperature), as vLLM reports them by default."""
     processed = process_logits(logits, reqs)
-    tokens = processed.argmax(dim=-1).tolist()
+    tokens = argmax_rows(processed).tolist()  # greedy picks (a native call on CPU)
     errors: dict[int, str] = {}
     for i, r in enumerate(reqs):
         if not r.sampling_params.greedy:
