@@ -40,7 +40,7 @@ def op_sets() -> dict[str, object]:
     ref = SimpleNamespace(**{n: getattr(cpu_ops, n) for n in cpu_ops.__all__})
     for name in _ELEMENTWISE:
         setattr(ref, name, getattr(reference, name))
-    ref.gate_up_silu = None  # the unfused gate_up GEMM + reference silu_and_mul
+    ref.gate_up_silu = ref.norm_linear = None  # unfused: reference norms and SiLU * up
     return {"reference": ref, "native": cpu_ops}
 
 

@@ -7,7 +7,8 @@ EOS ignored, prefix cache reset so each run prefills), one engine per dtype; bet
 the small-M dispatch of engine/models/cpu_linear.py is switched: `onednn` = every GEMM
 through the prepacked oneDNN weights (`kernels.cpu_gemv.MAX_ROWS = 0`, main before the
 GEMV), `gemv` = rows up to MAX_ROWS through kernels/csrc/gemv.cpp, `gemv_fused` = that and
-the MLP's gate_up GEMV + SiLU * up as one call (`cpu_ops.gate_up_silu`). The variants alternate
+each norm with the projection after it and the gate_up GEMV with SiLU * up as one call
+(`cpu_ops.norm_linear`, `cpu_ops.gate_up_silu`). The variants alternate
 run by run (`--rounds` each); reported per variant: median out tok/s (wall) and process
 CPU ms per output token (with one thread the work itself, even on a busy machine), and
 whether both produced the same tokens.
@@ -63,6 +64,7 @@ def main() -> None:
             for name, (max_rows, fused) in variants.items():
                 cpu_gemv.MAX_ROWS = max_rows
                 cpu_ops.gate_up_silu = cpu_gemv.gate_up_silu if fused else None
+                cpu_ops.norm_linear = cpu_gemv.norm_linear if fused else None
                 c, w, tokens[name] = run(llm, prompts, new)
                 rows[name].append(
                     {
@@ -72,6 +74,7 @@ def main() -> None:
                 )
                 print(dtype, name, json.dumps(rows[name][-1]), flush=True)
         cpu_gemv.MAX_ROWS, cpu_ops.gate_up_silu = variants["gemv"][0], cpu_gemv.gate_up_silu
+        cpu_ops.norm_linear = cpu_gemv.norm_linear
         med = {v: {k: statistics.median(r[k] for r in rows[v]) for k in rows[v][0]} for v in rows}
         summary = {
             "dtype": dtype,

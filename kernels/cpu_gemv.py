@@ -26,11 +26,15 @@ MAX_ROWS = 8  # above this the prepacked oneDNN GEMM (docs/benchmarks.md, gemv_a
 _i64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]
 _ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 3
+_p = ctypes.c_void_p
+_NORM_ARGTYPES = [_p, _i64, _p, _i64, _p, ctypes.c_float, _p, _i64, _p, _i64, _p, _p]
+_NORM_ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 3
 _fn: ctypes._CFuncPtr | None | bool = False  # False: not loaded yet
+_norm_fn: ctypes._CFuncPtr | None = None
 
 
 def _load():
-    global _fn
+    global _fn, _norm_fn
     if _fn is False:
         lib = load_library("gemv")
         if lib is None:
@@ -38,6 +42,8 @@ def _load():
         else:
             fn = lib.pdserve_gemv
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+            _norm_fn = lib.pdserve_norm_gemv
+            _norm_fn.argtypes, _norm_fn.restype = _NORM_ARGTYPES, ctypes.c_int
             _fn = fn
     return _fn
 
@@ -75,7 +81,53 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     return _call(x, weight, None, 1)
 
 
-def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: int):
+def norm_linear(
+    x: torch.Tensor,  # [T, K]
+    residual: torch.Tensor | None,  # [T, K]
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K], or [2 I, K] gate | up rows with silu
+    bias: torch.Tensor | None,
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decoder layer's (residual add +) RMSNorm and the projection after it in one call:
+    `h, res = fused_add_rms_norm(x, residual, norm_weight, eps)` (`rms_norm` and res = x when
+    residual is None), then `linear(h, weight, bias)` (or `gate_up_silu(h, weight)`);
+    returns (projection, res), or None (not taken here)."""
+    if torch.compiler.is_compiling() or x.dim() != 2 or weight.dim() != 2:
+        return None
+    m, k = x.shape
+    dtype = x.dtype
+    if residual is not None and (
+        residual.shape != x.shape or residual.dtype != dtype or residual.stride(1) != 1
+    ):
+        return None
+    if norm_weight.dtype != dtype or norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        return None
+    if (silu and (bias is not None or weight.shape[0] % 2)) or not norm_weight.is_cpu:
+        return None
+    if _call(x, weight, bias, int(silu), check_only=True) is None:
+        return None
+    n = weight.shape[0] >> int(silu)
+    y = torch.empty((m, n), dtype=dtype)
+    res_out = x if residual is None else torch.empty((m, k), dtype=dtype)
+    _norm_fn(
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), norm_weight.data_ptr(), eps,
+        res_out.data_ptr(), k, weight.data_ptr(), weight.stride(0),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, _DTYPES[dtype],
+        _threads(), int(silu),
+    )  # fmt: skip
+    return y, res_out
+
+
+def _call(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: int,
+    check_only: bool = False,
+) -> torch.Tensor | bool | None:
     # one call per projection per decode step: the checks are ordered cheap and common first
     m, k = x.shape
     dtype = x.dtype
@@ -92,6 +144,8 @@ def _call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu
     fn = _fn if _fn else _load()
     if fn is None or torch.compiler.is_compiling():
         return None
+    if check_only:
+        return True
     n >>= silu  # gate_up: half the rows are outputs
     y = torch.empty((m, n), dtype=dtype)
     b = None if bias is None else bias.data_ptr()

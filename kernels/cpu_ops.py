@@ -2,9 +2,10 @@
 decode attention reading the KV blocks in place, kernels.cpu_attention; the layer's
 elementwise ops one call each, kernels.cpu_elementwise), and prefill attention on fresh
 prompts' own K/V (kernels.cpu_prefill: a native kernel, torch's flash SDPA for the rest).
-One op beyond the reference's set: `gate_up_silu` (kernels.cpu_gemv), a decode step's
-gate_up projection and SiLU(gate) * up in one native call; the model uses it where an op
-set offers it and it takes the input (it returns None otherwise).
+Two ops beyond the reference's set (kernels.cpu_gemv), for decode rows: `gate_up_silu`, the
+gate_up projection and SiLU(gate) * up in one native call, and `norm_linear`, a layer's
+(residual add +) RMSNorm and the projection after it (qkv, or gate_up + SiLU) in one;
+the model uses them where an op set offers them and they take the input (else None).
 
 Select the plain reference for every op with `PDSERVE_CPU_ATTENTION=reference` (see
 `kernels.ops.get_ops`). Same contracts as `kernels.reference`.
@@ -20,12 +21,13 @@ from kernels.cpu_elementwise import (
     silu_and_mul,
     store_kv,
 )
-from kernels.cpu_gemv import gate_up_silu
+from kernels.cpu_gemv import gate_up_silu, norm_linear
 from kernels.cpu_prefill import paged_prefill_attention
 
 __all__ = [
     "fused_add_rms_norm",
     "gate_up_silu",
+    "norm_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",

@@ -165,3 +165,37 @@ def test_gate_up_silu_equals_linear_then_silu_and_mul(dtype, i, k, threads):
         torch.testing.assert_close(y.double(), ref, **{"atol": 1e-3 * scale, **tol})
     assert cpu_gemv.gate_up_silu(x, w[:-1]) is None  # odd row count: not gate | up
     assert cpu_gemv.gate_up_silu(rand(cpu_gemv.MAX_ROWS + 1, k, dtype=dtype, seed=0), w) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("silu", [False, True], ids=["qkv", "gate_up"])
+def test_norm_linear_equals_norm_then_projection(dtype, silu, threads):
+    """(Residual add +) RMSNorm and the projection after it in one call: the residual
+    sum is the reference's exactly; the projection equals the reference norm's output
+    through F.linear (or SiLU * up) to fp32 summation order (bf16: a few ulps)."""
+    from kernels import reference
+
+    k, n = 131, 74
+    w = rand(n, k, dtype=dtype, seed=7) * 0.2
+    bias = None if silu else rand(n, dtype=dtype, seed=8)
+    nw = rand(k, dtype=dtype, seed=9)
+    for m in (1, 3, 6):
+        x, res = rand(m, k, dtype=dtype, seed=m), rand(m, k, dtype=dtype, seed=m + 10)
+        for r in (res, None):
+            out = cpu_gemv.norm_linear(x, r, nw, 1e-5, w, bias, silu)
+            assert out is not None
+            y, res_out = out
+            if r is None:
+                h, want_res = reference.rms_norm(x, nw, 1e-5), x
+            else:
+                h, want_res = reference.fused_add_rms_norm(x, r, nw, 1e-5)
+            assert torch.equal(res_out, want_res)
+            lin = F.linear(h.double(), w.double(), None if bias is None else bias.double())
+            want = reference.silu_and_mul(lin) if silu else lin
+            assert y.shape == want.shape and y.dtype == dtype
+            scale = want.abs().max().item()
+            tol = 1e-4 if dtype == torch.float32 else 2**-6
+            torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * scale)
+    assert cpu_gemv.norm_linear(x, res, nw, 1e-5, w[:-1], None, True) is None  # odd rows
+    big = rand(cpu_gemv.MAX_ROWS + 1, k, dtype=dtype, seed=0)
+    assert cpu_gemv.norm_linear(big, None, nw, 1e-5, w, bias, silu) is None

@@ -44,9 +44,12 @@ class LlamaAttention(nn.Module):
 
     def project_qkv(self, positions, x, cos_sin):
         """[T, hidden] -> q [T, H, D], k and v [T, Hkv, D], RoPE applied."""
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        return self.split_qkv(positions, self.qkv_proj(x), cos_sin)
+
+    def split_qkv(self, positions, qkv, cos_sin):
+        """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k and v [T, Hkv, D], RoPE applied."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.shape[0]
+        t = qkv.shape[0]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -117,17 +120,32 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     # The layer as two halves around attention, which reads and writes the paged KV cache.
+    # CPU decode rows: an op set's `norm_linear` (kernels/cpu_gemv.py) runs a norm and the
+    # projection after it as one call; it returns None for what it does not take.
     def before_attention(self, positions, x, residual, cos_sin):
         """Input norm (+ the residual add of the previous layer), qkv projection, RoPE."""
-        x, residual = self.input_layernorm(x, residual)
-        q, k, v = self.self_attn.project_qkv(positions, x, cos_sin)
+        attn, norm = self.self_attn, self.input_layernorm
+        fused = getattr(attn.ops, "norm_linear", None)
+        if fused is not None:
+            w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+            out = fused(x, residual, norm.weight, norm.eps, w, b, False)
+            if out is not None:
+                return (*attn.split_qkv(positions, out[0], cos_sin), out[1])
+        x, residual = norm(x, residual)
+        q, k, v = attn.project_qkv(positions, x, cos_sin)
         return q, k, v, residual
 
     def after_attention(self, o, residual):
         """o_proj, residual add + norm, MLP. o: [T, H, D]."""
         x = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        norm, mlp = self.post_attention_layernorm, self.mlp
+        fused = getattr(mlp.ops, "norm_linear", None)
+        if fused is not None:
+            out = fused(x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None, True)
+            if out is not None:
+                return mlp.down_proj(out[0]), out[1]
+        x, residual = norm(x, residual)
+        return mlp(x), residual
 
 
 def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

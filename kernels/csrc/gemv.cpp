@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "bf16.h"
 
@@ -212,9 +213,68 @@ void gemv(const T* x, int64_t xs, const T* w, int64_t ws, const T* b, T* y, int6
   }
 }
 
+// rows of out [m, k] = RMSNorm(x + res) * nw, res_out = x + res (res null: no add, res_out
+// unused), rounded where kernels/csrc/elementwise.cpp's rms_norm rounds.
+template <typename T>
+void add_rms_norm(const T* x, int64_t xs, const T* res, int64_t rs, const T* nw, float eps,
+                  T* res_out, int64_t ros, T* out, int64_t m, int64_t k) {
+  std::vector<float> buf(k);
+  for (int64_t r = 0; r < m; ++r) {
+    const T* xr = x + r * xs;
+    if (res != nullptr) {
+      for (int64_t i = 0; i < k; ++i) {
+        const float v = round_to(load(xr + i) + load(res + r * rs + i), xr);
+        store(res_out + r * ros + i, v);
+        buf[i] = v;
+      }
+    } else {
+      for (int64_t i = 0; i < k; ++i) buf[i] = load(xr + i);
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < k; ++i) ss += buf[i] * buf[i];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(k) + eps);
+    for (int64_t i = 0; i < k; ++i) store(out + r * k + i, load(nw + i) * round_to(buf[i] * inv, xr));
+  }
+}
+
+template <typename T>
+void norm_gemv(const T* x, int64_t xs, const T* res, int64_t rs, const T* nw, float eps,
+               T* res_out, int64_t ros, const T* w, int64_t ws, const T* b, T* y, int64_t ys,
+               int64_t m, int64_t n, int64_t k, int threads, bool silu) {
+  std::vector<T> normed(m * k);
+  add_rms_norm(x, xs, res, rs, nw, eps, res_out, ros, normed.data(), m, k);
+  gemv(normed.data(), k, w, ws, b, y, ys, m, n, k, threads, silu);
+}
+
 }  // namespace
 
 extern "C" {
+
+// A decoder layer's norm and the projection after it in one call: y = pdserve_gemv(
+// RMSNorm(x + res) * nw) and res_out = x + res (res null: plain RMSNorm, res_out unused).
+int pdserve_norm_gemv(const void* x, int64_t xs, const void* res, int64_t rs, const void* nw,
+                      float eps, void* res_out, int64_t ros, const void* w, int64_t ws,
+                      const void* b, void* y, int64_t ys, int64_t m, int64_t n, int64_t k,
+                      int dtype, int threads, int silu) {
+  if (m < 0 || n < 0 || k < 0 || (silu != 0 && b != nullptr)) return 1;
+  if (dtype == 0) {
+    using F = float;
+    norm_gemv(static_cast<const F*>(x), xs, static_cast<const F*>(res), rs,
+              static_cast<const F*>(nw), eps, static_cast<F*>(res_out), ros,
+              static_cast<const F*>(w), ws, static_cast<const F*>(b), static_cast<F*>(y), ys, m,
+              n, k, threads, silu != 0);
+  } else if (dtype == 1) {
+    using H = uint16_t;
+    norm_gemv(static_cast<const H*>(x), xs, static_cast<const H*>(res), rs,
+              static_cast<const H*>(nw), eps, static_cast<H*>(res_out), ros,
+              static_cast<const H*>(w), ws, static_cast<const H*>(b), static_cast<H*>(y), ys, m,
+              n, k, threads, silu != 0);
+  } else {
+    return 2;
+  }
+  return 0;
+}
 
 // dtype: 0 fp32, 1 bf16 (x, w, b, y alike); b may be null. Strides in elements.
 // silu 0: y [m, n] = x w^T + b, w [n, k]. silu 1: w [2 n, k] (gate | up rows, no bias),
