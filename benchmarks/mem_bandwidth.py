@@ -7,7 +7,8 @@ A (one sequence) reads every fp32 weight once per token: SmolLM2-135M's 30 layer
 aside). Its tok/s cannot pass read-bandwidth / 538 MB. Measured per thread count, best of
 `--repeats` over a 512 MiB buffer (far beyond any cache): `sum` (read only, the GEMV
 pattern), `copy` (read + write, STREAM-copy-like), and a 1-row GEMV over a [106496, 576] fp32
-weight (245 MB) as `F.linear` and as the model's prepacked oneDNN projections run it.
+weight (245 MB) as `F.linear`, as prepacked oneDNN runs it, and as the native decode GEMV
+(kernels/cpu_gemv.py, what the model's projections run at 1-8 rows).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.models.cpu_linear import linear, pack_weight  # noqa: E402
+from kernels import cpu_gemv  # noqa: E402
 
 A_BYTES_PER_TOKEN = 538e6
 
@@ -50,21 +51,29 @@ def main() -> None:
     a, b = torch.randn(n), torch.empty(n)
     w = a[: 106496 * 576].view(106496, 576)
     x = torch.randn(1, 576)
-    pack_weight(w)
+    packed_w = torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+    def prepacked():
+        return torch.ops.mkldnn._linear_pointwise(x, packed_w, None, "none", [], "")
+
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         read = a.numel() * 4 / best(a.sum, args.repeats) / 1e9
         copy = 2 * a.numel() * 4 / best(lambda: b.copy_(a), args.repeats) / 1e9
         gemv = w.numel() * 4 / best(lambda: F.linear(x, w), args.repeats) / 1e9
-        packed = w.numel() * 4 / best(lambda: linear(x, w, None), args.repeats) / 1e9
+        packed = w.numel() * 4 / best(prepacked, args.repeats) / 1e9
+        native = 0.0
+        if cpu_gemv.available():
+            native = w.numel() * 4 / best(lambda: cpu_gemv.linear(x, w, None), args.repeats) / 1e9
         row = {
             "threads": threads,
             "read_GBps": round(read, 1),
             "copy_GBps": round(copy, 1),
             "gemv_F_linear_GBps": round(gemv, 1),
             "gemv_prepacked_GBps": round(packed, 1),
-            "A_ceiling_tok_s": round(max(read, gemv, packed) * 1e9 / A_BYTES_PER_TOKEN, 1),
+            "gemv_native_GBps": round(native, 1),
+            "A_ceiling_tok_s": round(max(read, gemv, packed, native) * 1e9 / A_BYTES_PER_TOKEN, 1),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
