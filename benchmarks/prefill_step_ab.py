@@ -9,7 +9,7 @@ Variants (the engine's eager model, only the kernel module of some ops swapped):
   reference: every op from kernels.reference (PDSERVE_CPU_ATTENTION=reference; the
              prefill attention gathers K/V from the cache and runs SDPA's math path)
   native:    kernels.cpu_ops, what `get_ops("torch")` serves (MLP in row tiles of
-             engine.models.llama.MLP_TILE_ROWS)
+             engine.models.llama.mlp_tile_rows)
   native_tileN: native with the MLP in tiles of N rows (native_tile0: one untiled MLP
              call over the whole step, as main did before the tiling)
   ..._sdpa:  (suffix) fresh prompts' attention through torch's flash SDPA instead of
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine_throughput import DTYPES, make_prompts  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
-from engine.models.llama import MLP_TILE_ROWS, LlamaMLP  # noqa: E402
+from engine.models.llama import LlamaMLP  # noqa: E402
 from kernels import cpu_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 from kernels.cpu_prefill import PREFILL_ATTENTION_ENV  # noqa: E402
@@ -56,9 +56,9 @@ OP_MODULES = {
 }
 
 
-def set_ops(model, ops, tile_rows: int) -> None:
+def set_ops(model, ops, tile_rows: int | None) -> None:
     """Point every module of the model that calls kernels at `ops`; MLP tiles of
-    `tile_rows` rows."""
+    `tile_rows` rows (None: the engine's default)."""
     for m in model.modules():
         if isinstance(m, LlamaMLP):
             m.tile_rows = tile_rows
@@ -129,7 +129,7 @@ def main() -> None:
             base, sdpa = v.removesuffix("_sdpa"), v.endswith("_sdpa")
             base, _, tile = base.partition("_tile")
             ops = OP_MODULES[base]
-            tile_rows = int(tile) if tile else MLP_TILE_ROWS
+            tile_rows = int(tile) if tile else None
 
             def step(ops=ops, tile_rows=tile_rows, attn="sdpa" if sdpa else "native"):
                 set_ops(model, ops, tile_rows)

@@ -1,4 +1,4 @@
-"""The MLP of a long CPU step runs in row tiles (engine/models/llama.py, MLP_TILE_ROWS):
+"""The MLP of a long CPU step runs in row tiles (engine/models/llama.py, mlp_tile_rows):
 same result as one untiled call and as plain torch, in fp32 and bf16, with the
 weights prepacked for oneDNN as the engine runs them."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.model_arch import ModelArch
-from engine.models.llama import MLP_TILE_ROWS, LlamaMLP
+from engine.models.llama import LlamaMLP, mlp_tile_rows
 from kernels import cpu_ops
 from tests.hf_reference import hf_greedy, load_hf
 
@@ -78,21 +78,27 @@ def test_tiled_mlp_equals_untiled(rows, tile, expected_tiles, dtype):
     torch.testing.assert_close(tiled.float(), expected, **PLAIN_TOL[dtype])
 
 
-def test_default_tiles_a_long_prefill_step():
+def test_default_tile_holds_the_intermediate_in_cache():
+    assert mlp_tile_rows(1536, torch.float32) == 2048  # SmolLM2: 24 MiB of gate_up output
+    assert mlp_tile_rows(1536, torch.bfloat16) == 4096
+    assert mlp_tile_rows(14336, torch.float32) == 256  # a wide MLP: not below 256 rows
     mlp = make_mlp(torch.float32)
-    assert mlp.tile_rows == MLP_TILE_ROWS
-    x = torch.randn(4 * MLP_TILE_ROWS, 96)
+    assert mlp.tile_rows is None  # the default
+    tile = mlp_tile_rows(256, torch.float32)
+    x = torch.randn(2 * tile - 2, 96)
     with torch.inference_mode():
         _, calls = gate_up_calls(mlp, x)
-    assert calls == [MLP_TILE_ROWS] * 4
+    assert calls == [tile - 1] * 2
 
 
 def test_engine_step_over_a_tile_is_token_identical_to_hf(tiny_llama_dir):
-    """A prefill step of 3 x 400 tokens runs every layer's MLP in two tiles; greedy output
+    """A prefill step of 3 x 400 tokens runs every layer's MLP in three tiles; greedy output
     still equals Hugging Face's."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 1024) for _ in range(400)] for _ in range(3)]
     llm = LLM(tiny_llama_dir, block_size=16, num_blocks=128, max_num_batched_tokens=2048)
+    for layer in llm.engine.runner.model.model.layers:
+        layer.mlp.tile_rows = 512  # the tiny model's default tile is larger than the step
     mlp = llm.engine.runner.model.model.layers[0].mlp
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     rows: list[int] = []
@@ -101,7 +107,7 @@ def test_engine_step_over_a_tile_is_token_identical_to_hf(tiny_llama_dir):
         outs = llm.generate(prompts, params)
     finally:
         hook.remove()
-    assert rows[:2] == [600, 600]  # the 1200-token prefill step, in two tiles
+    assert rows[:3] == [400, 400, 400]  # the 1200-token prefill step, in three tiles
     hf = load_hf(tiny_llama_dir)
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, 4)

@@ -57,10 +57,19 @@ class LlamaAttention(nn.Module):
         return q, k, v
 
 
-# Rows per MLP tile in a long (prefill) step on CPU: gate_up's [rows, 2 * intermediate] output
-# then stays in the last-level cache instead of going out to DRAM and back (SmolLM2 fp32:
-# 1024 rows -> 12.6 MB; 4096 rows -> 50 MB per layer). See docs/benchmarks.md.
-MLP_TILE_ROWS = 1024
+# Bytes of gate_up output per MLP tile in a long (prefill) step on CPU: the [rows,
+# 2 * intermediate] intermediate then stays in the last-level cache (32 MiB on the
+# benchmark box) instead of going out to DRAM and back. SmolLM2 fp32: tiles of 2048 rows
+# (untiled, a 4096-row step writes and rereads 50 MB per layer: -7 % CPU tiled); bf16:
+# 4096 rows, so workload C's step is not cut (tiles gained nothing there, and every tile
+# is another fork/join of the GEMM threads). See docs/benchmarks.md.
+MLP_TILE_BYTES = 24 << 20
+
+
+def mlp_tile_rows(intermediate: int, dtype: torch.dtype) -> int:
+    """Rows per MLP tile: MLP_TILE_BYTES of gate_up output, at least 256 rows (smaller
+    GEMMs lose efficiency)."""
+    return max(256, MLP_TILE_BYTES // (2 * intermediate * dtype.itemsize))
 
 
 class LlamaMLP(nn.Module):
@@ -69,7 +78,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
-        self.tile_rows = MLP_TILE_ROWS  # 0: never tile
+        self.tile_rows: int | None = None  # rows per tile; None: mlp_tile_rows; 0: never tile
 
     def _mlp(self, x):
         # CPU decode rows: gate_up and SiLU * up in one native call (kernels/cpu_gemv.py)
@@ -80,18 +89,18 @@ class LlamaMLP(nn.Module):
         return self.down_proj(h)
 
     def forward(self, x):
-        """[T, hidden] -> [T, hidden]; above `tile_rows` rows, in equal row tiles (each
+        """[T, hidden] -> [T, hidden]; above the tile's rows, in equal row tiles (each
         row's result is the same either way: the MLP is row-wise)."""
         rows = x.shape[0]
-        if (
-            torch.compiler.is_compiling()
-            or not x.is_cpu
-            or not self.tile_rows
-            or rows <= self.tile_rows
-        ):
+        if torch.compiler.is_compiling() or not x.is_cpu:
             return self._mlp(x)
-        tiles = -(-rows // self.tile_rows)
-        step = -(-rows // tiles)  # equal tiles: 4096 rows at 1024 -> 4 x 1024, 1100 -> 2 x 550
+        tile = self.tile_rows
+        if tile is None:
+            tile = mlp_tile_rows(self.down_proj.in_features, x.dtype)
+        if not tile or rows <= tile:
+            return self._mlp(x)
+        tiles = -(-rows // tile)
+        step = -(-rows // tiles)  # equal tiles: 4096 rows at 2048 -> 2 x 2048, 2100 -> 2 x 1050
         out = x.new_empty(rows, self.down_proj.out_features)
         for s in range(0, rows, step):
             out[s : s + step] = self._mlp(x[s : s + step])
