@@ -60,12 +60,13 @@ def test_block_major_compiled_step(tiny_llama_dir, hf_model):
     check(llm, hf_model, random_prompts(3, [7, 30, 2], seed=5))
 
 
-def test_layout_config_errors_name_the_field():
+def test_layout_config_errors_name_the_field_and_lmcache_is_accepted():
     with pytest.raises(ConfigError, match="cache.layout"):
         CacheConfig(layout="blocks")
-    with pytest.raises(ConfigError, match="cache.layout.*LMCache"):
-        EngineConfig(
-            model=ModelConfig(),
-            cache=CacheConfig(layout=BLOCK_MAJOR),
-            kv_store=KVStoreConfig(backend="lmcache"),
-        )
+    # LMCache reads and writes block-major caches too (kv_transfer/kv_slots.py)
+    cfg = EngineConfig(
+        model=ModelConfig(),
+        cache=CacheConfig(layout=BLOCK_MAJOR),
+        kv_store=KVStoreConfig(backend="lmcache"),
+    )
+    assert cfg.cache.layout == BLOCK_MAJOR
