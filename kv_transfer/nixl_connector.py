@@ -25,7 +25,7 @@ from kv_transfer.frame_auth import FrameAuth
 from kv_transfer.prefill_side import PrefillSide
 
 
-def _nixl_factory(node_id: str, net_devices: str | None):
+def _nixl_factory(node_id: str, net_devices: str | None, warmup_timeout_s: float | None = None):
     def build(kv_cache: torch.Tensor):
         from kv_transfer.nixl_transport import NixlTransport
 
@@ -33,7 +33,8 @@ def _nixl_factory(node_id: str, net_devices: str | None):
             os.environ["UCX_NET_DEVICES"] = net_devices
         name = f"{node_id}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         # The engine loop polls every step, so no NIXL progress thread busy-spinning a core.
-        return NixlTransport(name, kv_cache, progress_thread=False)
+        kw = {} if warmup_timeout_s is None else {"warmup_timeout_s": warmup_timeout_s}
+        return NixlTransport(name, kv_cache, progress_thread=False, **kw)
 
     return build
 
@@ -49,11 +50,14 @@ def nixl_connector(
     heartbeat_s: float = 1.0,
     cluster_secret: bytes | None = None,
     net_devices: str | None = None,
+    warmup_timeout_s: float | None = None,
 ) -> DecodeSide | PrefillSide:
     """The decode or prefill side of the NIXL connector for one node. With
     `cluster_secret`, control frames are sealed and checked (kv_transfer/frame_auth.py),
     the control channel is encrypted (CurveZMQ) and `PrefillDone` notifications are sealed;
-    `net_devices` (UCX_NET_DEVICES) keeps the data plane's listeners on those devices."""
+    `net_devices` (UCX_NET_DEVICES) keeps the data plane's listeners on those devices;
+    `warmup_timeout_s` bounds a new decode peer's connection warm-up (default
+    `nixl_warmup.WARMUP_TIMEOUT_S`; a peer that misses it is dropped and refused)."""
     if role == "decode":
         return DecodeSide(
             lambda hello: DecodeControl(
@@ -71,7 +75,7 @@ def nixl_connector(
         # Give up on in-flight WRITEs half a grace before decode nodes reuse their blocks.
         return PrefillSide(
             PrefillControl(control_address, auth=FrameAuth(cluster_secret)),
-            _nixl_factory(node_id, net_devices),
+            _nixl_factory(node_id, net_devices, warmup_timeout_s),
             grace_s=abort_grace_s / 2,
         )
     raise ValueError(f"NIXL connector role must be 'prefill' or 'decode', got {role!r}")

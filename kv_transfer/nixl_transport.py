@@ -62,6 +62,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 from kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs, storage_of
 from kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
+from kv_transfer.nixl_warmup import WARMUP_TIMEOUT_S, PeerWarmups
 from kv_transfer.transfer_types import (
     PeerMetadata,
     TransferHandle,
@@ -87,12 +88,14 @@ class NixlTransport:
         backends: tuple[str, ...] = ("UCX",),
         backend_params: dict[str, str] | None = None,
         progress_thread: bool = True,
+        warmup_timeout_s: float = WARMUP_TIMEOUT_S,
     ) -> None:
         """`backend_params` go to every backend, e.g. {"ucx_error_handling_mode": "peer"}.
 
         `progress_thread=True` lets NIXL progress UCX in its own thread, which busy-polls
         (about one core per agent). With False, nothing moves on this side unless the owner
         calls `poll`/`wait`/`get_notifs` regularly (the engine loop does, once per step).
+        `warmup_timeout_s` bounds each new peer's connection warm-up (`add_peer`).
         """
         self.name = name
         self.layout = KVLayout.from_tensor(kv_cache)
@@ -106,6 +109,9 @@ class NixlTransport:
         for backend in backends:
             self._agent.create_backend(backend, dict(backend_params or {}))
         self._reg = self._agent.register_memory(storage_of(kv_cache))
+        self._warmups = PeerWarmups(
+            self._agent, name, self.layout, kv_cache.device, warmup_timeout_s
+        )
         self._codec = msgspec.msgpack.Encoder()
         self._peers: dict[str, PeerMetadata] = {}
         self._requests = RequestTable(name)
@@ -125,16 +131,23 @@ class NixlTransport:
 
     def local_metadata(self) -> bytes:
         self._check_open()
-        md = PeerMetadata(self.name, self._agent.get_agent_metadata(), self.layout)
+        w = self._warmups
+        md = PeerMetadata(
+            self.name, self._agent.get_agent_metadata(), self.layout, w.scratch_addr,
+            w.scratch_bytes,
+        )  # fmt: skip
         return self._codec.encode(md)
 
-    def add_peer(self, metadata: bytes, connect_s: float = CONNECT_S) -> str:
+    def add_peer(self, metadata: bytes, connect_s: float = CONNECT_S, warm_up: bool = True) -> str:
         """Load a peer's `local_metadata()`; returns its name. Same bytes twice: no-op.
 
         `connect_s` > 0: set up UCX's connection to the peer now (`make_connection`) and
-        progress it for that long, so the first WRITE does not pay for it (without a
-        progress thread nothing else would move it before that WRITE). A failure is
-        logged: the first WRITE then connects, as with `connect_s=0`."""
+        progress it for that long. A failure is logged: the first WRITE then connects.
+        `warm_up`: also post a 1-block WRITE between the two sides' scratch regions
+        (kv_transfer/nixl_warmup.py), which the owner drives with `progress_warmups()` on
+        every loop turn, so the wireup completes before the first real WRITE needs it
+        (`connect_s` alone does not finish it: without a progress thread UCX moves only
+        while we poll)."""
         self._check_open()
         md = msgspec.msgpack.decode(metadata, type=PeerMetadata)
         if md.agent_name == self.name:
@@ -154,6 +167,8 @@ class NixlTransport:
         logger.info("nixl transport %s: added peer %s", self.name, name)
         if connect_s > 0:
             self._connect(name, connect_s)
+        if warm_up:
+            self._warmups.start(name, md)
         return name
 
     def _connect(self, peer: str, budget_s: float) -> None:
@@ -172,6 +187,7 @@ class NixlTransport:
         self._check_open()
         if peer not in self._peers:
             return
+        self._warmups.cancel(peer)
         self._requests.fail_pending(peer)
         del self._peers[peer]
         try:
@@ -285,6 +301,20 @@ class NixlTransport:
         for agent, msgs in self._agent.get_new_notifs().items():
             self._notifs.setdefault(agent, []).extend(msgs)
 
+    def progress_warmups(self) -> list[tuple[str, str | None]]:
+        """Drive connection warm-ups (see `add_peer`); `(peer, None)` for each that
+        completed, `(peer, reason)` for each that failed or timed out (the peer stays
+        added: the caller decides). Also handles incoming notifications (kept for
+        `get_notifs`)."""
+        if not self._warmups.peers:
+            return []
+        self._stash_notifs()
+        return self._warmups.progress()
+
+    @property
+    def num_warming(self) -> int:
+        return len(self._warmups.peers)
+
     def send_notif(self, peer: str, msg: bytes) -> None:
         """Send `msg` to `peer` with no data; ordered after our completed transfers to it."""
         self._check_open()
@@ -314,6 +344,7 @@ class NixlTransport:
     def check_integrity(self) -> None:
         """Raise RuntimeError if a handle leaked (dropped unreleased) or counts disagree."""
         self._requests.check_integrity()
+        self._warmups.check_integrity()
 
     def close(self) -> None:
         """Cancel what is in flight, drop peers, deregister memory. Idempotent."""
@@ -323,6 +354,7 @@ class NixlTransport:
         for peer in list(self._peers):
             self.remove_peer(peer)
         self._requests.release_parked()
+        self._warmups.close()
         self._agent.deregister_memory(self._reg)
         # Destroy the agent (its UCX workers and threads) here, on the owner's thread, not
         # whenever the interpreter's teardown gets to it beside other native destructors.

@@ -174,6 +174,10 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
     # -- polling ---------------------------------------------------------------------------
     def poll(self) -> list[PrefillEvent]:
         events, self._events = self._events, []
+        if self.data is not None:
+            for agent, problem in self.data.progress_warmups():
+                if problem is not None:
+                    self._peer_failed(agent, problem)
         for ident, msg in self.control.recv():
             try:
                 events += self._on_message(ident, msg)
@@ -233,6 +237,16 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         self._bad_peers.pop(ident, None)
         self._agents[ident] = name
         logger.info("decode peer %s introduced itself", name)
+
+    def _peer_failed(self, agent: str, problem: str) -> None:
+        """A decode peer's data plane failed its connection warm-up: drop it (its WRITEs in
+        flight fail, so those attempts end and their decode nodes fail over) and refuse its
+        orders until it introduces itself again (a new hello, e.g. after a reconnect)."""
+        for ident, name in list(self._agents.items()):
+            if name == agent:
+                del self._agents[ident]
+                self._refuse(ident, f"peer refused: {problem}")
+        self._data.remove_peer(agent)
 
     def _refuse(self, ident: bytes, reason: str) -> None:
         if len(self._bad_peers) < MAX_TOMBSTONES:  # beyond: its orders still need a hello
@@ -349,7 +363,10 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         return self.control.sockets()
 
     def has_pending(self) -> bool:
-        return bool(self._sends or self._events)
+        """Sends or events outstanding, or a new peer's warm-up to drive (so an idle loop
+        keeps polling until it ends)."""
+        warming = self.data is not None and self.data.num_warming > 0
+        return bool(self._sends or self._events) or warming
 
     def check_integrity(self) -> None:
         if self.data is None:

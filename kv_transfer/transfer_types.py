@@ -48,6 +48,10 @@ class PeerMetadata(msgspec.Struct, frozen=True):
     agent_name: str
     agent_metadata: bytes
     layout: KVLayout
+    # A registered region apart from the KV blocks that a new peer's connection warm-up
+    # WRITEs into (kv_transfer/nixl_warmup.py); 0 = none.
+    scratch_addr: int = 0
+    scratch_bytes: int = 0
 
 
 class TransferHandle:
@@ -77,6 +81,8 @@ class DataPlane(Protocol):
 
     def add_peer(self, metadata: bytes) -> str: ...
 
+    def remove_peer(self, peer: str) -> None: ...
+
     @property
     def peers(self) -> list[str]: ...
 
@@ -104,6 +110,16 @@ class DataPlane(Protocol):
     def check_integrity(self) -> None: ...
 
     def close(self) -> None: ...
+
+    def progress_warmups(self) -> list[tuple[str, str | None]]:
+        """Drive new peers' connection warm-ups; `(peer, None)` for each that completed,
+        `(peer, reason)` for each that failed or timed out (kv_transfer/nixl_warmup.py)."""
+        ...
+
+    @property
+    def num_warming(self) -> int:
+        """Warm-ups still in flight."""
+        ...
 
 
 class DataPlaneOwner:

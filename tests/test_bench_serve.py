@@ -278,10 +278,11 @@ def test_bench_kv_between_two_processes_given_only_addresses(tmp_path):
     # meeting the listener as a new peer: first contact -> first completed WRITE
     s = report["connection_setup"]
     assert s["write_bytes"] == 30 * 2 * 16 * 3 * 64 * 4  # one block, every layer, K and V
-    for k in ("metadata_exchange_ms", "add_peer_ms", "first_write_ms"):
+    for k in ("metadata_exchange_ms", "add_peer_ms", "warmup_ms", "first_write_ms"):
         assert 0 < s[k] < s["contact_to_first_write_ms"], (k, s)
+    assert s["warmup_ok"] is True  # the connection warm-up completed
     assert s["warm_write_ms"] > 0 and s["first_vs_warm"] > 0
-    parts = s["metadata_exchange_ms"] + s["add_peer_ms"] + s["first_write_ms"]
+    parts = s["metadata_exchange_ms"] + s["add_peer_ms"] + s["warmup_ms"] + s["first_write_ms"]
     assert s["contact_to_first_write_ms"] == pytest.approx(parts, abs=1e-3)
     assert s["setup_ms"] == pytest.approx(s["contact_to_first_write_ms"] - s["warm_write_ms"],
                                           abs=1e-3)  # fmt: skip

@@ -205,6 +205,16 @@ class SimData:
     def peers(self) -> list[str]:
         return list(self._peers)
 
+    def remove_peer(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
+    def progress_warmups(self) -> list[tuple[str, str | None]]:
+        return []  # no connection to warm up
+
+    @property
+    def num_warming(self) -> int:
+        return 0
+
     def peer_layout(self, peer: str) -> KVLayout:
         return self._peers[peer]
 
