@@ -14,8 +14,10 @@ Contract
   `PeerMetadata`), never a KV block. Peers that announce no scratch are not warmed up.
 * Every warm-up ends within `timeout_s`: DONE (the connection is up), FAILED (NIXL said
   so: the peer died or is unreachable) or timed out (cancelled). `progress()` returns
-  `(peer, None)` for a DONE one and `(peer, reason)` for the others; the owner decides
-  what a failed peer means (a prefill node drops it, kv_transfer/prefill_side.py).
+  `(peer, None)` for a DONE one and `(peer, reason)` for the others, a timeout's reason
+  being a `WarmupTimedOut`; the owner decides what they mean (a prefill node drops a
+  FAILED peer and keeps a timed-out one: its loop was busy, not gone;
+  kv_transfer/prefill_side.py).
 * Warm-ups have their own request table: they count in neither the transport's stats
   nor its `num_inflight`. `cancel(peer)` ends a peer's warm-up silently; `close()` all.
 * Not thread-safe: the transport's owner thread drives it.
@@ -33,7 +35,13 @@ from nixl._api import nixl_agent
 
 from kv_transfer.kv_layout import KVLayout
 from kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
-from kv_transfer.transfer_types import PeerMetadata, TransferHandle, TransferState, TransferStats
+from kv_transfer.transfer_types import (
+    PeerMetadata,
+    TransferHandle,
+    TransferState,
+    TransferStats,
+    WarmupTimedOut,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,9 +167,8 @@ class PeerWarmups:
             if handle.state is TransferState.FAILED:
                 ended.append((peer, "the connection warm-up WRITE failed"))
             elif now >= w.started + self.timeout_s:
-                ended.append(
-                    (peer, f"the connection warm-up did not finish in {self.timeout_s:g} s")
-                )
+                reason = f"the connection warm-up did not finish in {self.timeout_s:g} s"
+                ended.append((peer, WarmupTimedOut(reason)))
             else:
                 continue
             logger.warning("nixl transport %s: peer %s: %s", self.name, peer, ended[-1][1])

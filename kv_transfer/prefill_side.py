@@ -39,7 +39,13 @@ from kv_transfer.base import (
     TransferKey,
 )
 from kv_transfer.order_check import order_problem
-from kv_transfer.transfer_types import DataPlane, DataPlaneOwner, TransferHandle, TransferState
+from kv_transfer.transfer_types import (
+    DataPlane,
+    DataPlaneOwner,
+    TransferHandle,
+    TransferState,
+    WarmupTimedOut,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +182,9 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         events, self._events = self._events, []
         if self.data is not None:
             for agent, problem in self.data.progress_warmups():
-                if problem is not None:
+                # A warm-up that only ran out of time (the decode loop was busy) is not the
+                # peer failing: it stays, and its first WRITE finishes the connection.
+                if problem is not None and not isinstance(problem, WarmupTimedOut):
                     self._peer_failed(agent, problem)
         for ident, msg in self.control.recv():
             try:
@@ -239,7 +247,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         logger.info("decode peer %s introduced itself", name)
 
     def _peer_failed(self, agent: str, problem: str) -> None:
-        """A decode peer's data plane failed its connection warm-up: drop it (its WRITEs in
+        """A decode peer's data plane failed its connection warm-up (NIXL said so): drop it (its WRITEs in
         flight fail, so those attempts end and their decode nodes fail over) and refuse its
         orders until it introduces itself again (a new hello, e.g. after a reconnect)."""
         for ident, name in list(self._agents.items()):

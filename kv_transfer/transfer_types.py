@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     import torch
 
 
+class WarmupTimedOut(str):
+    """A connection warm-up's reason when it only ran out of time (the peer's side did not
+    progress in time, e.g. its engine loop was in a long step): not a failure of the peer.
+    The connection then finishes with the peer's first transfer, as without a warm-up."""
+
+
 class TransferState(enum.Enum):
     PENDING = "pending"
     DONE = "done"
@@ -113,7 +119,8 @@ class DataPlane(Protocol):
 
     def progress_warmups(self) -> list[tuple[str, str | None]]:
         """Drive new peers' connection warm-ups; `(peer, None)` for each that completed,
-        `(peer, reason)` for each that failed or timed out (kv_transfer/nixl_warmup.py)."""
+        `(peer, reason)` for each that failed or timed out (a timeout's reason is a
+        `WarmupTimedOut`; kv_transfer/nixl_warmup.py)."""
         ...
 
     @property

@@ -22,6 +22,7 @@ from kv_transfer.base import NewOrder, RecvDone, RecvFailed  # noqa: E402
 from kv_transfer.kv_layout import storage_of  # noqa: E402
 from kv_transfer.nixl_connector import nixl_connector  # noqa: E402
 from kv_transfer.nixl_transport import NixlTransport, PeerMetadata, TransferState  # noqa: E402
+from kv_transfer.transfer_types import WarmupTimedOut  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 from tests.test_nixl_transport import SENTINEL, SMALL, Cmd, Peer, _kv  # noqa: E402
 
@@ -113,8 +114,8 @@ def test_a_silent_peer_warmup_is_waited_out_then_cancelled():
             ended, waited = _drive(t, limit_s=30)
             # It times out (UCX may, rarely, give up on the frozen peer first: also fine).
             assert len(ended) == 1 and ended[0][0] == name and ended[0][1], ended
-            if "did not finish in 1 s" in ended[0][1]:
-                assert waited >= 1.0
+            if isinstance(ended[0][1], WarmupTimedOut):  # not counted as a failed peer
+                assert "did not finish in 1 s" in ended[0][1] and waited >= 1.0
             assert waited < 1.0 + 15.0, waited  # by its deadline, plus a loaded box's polls
             assert t.num_warming == 0
             t.check_integrity()
@@ -194,11 +195,11 @@ def test_prefill_side_warms_a_new_decode_peer_up_and_its_blocks_land():
         prefill.close()
 
 
-def test_prefill_side_drops_a_peer_whose_warmup_never_completes():
-    """The decode node's loop stalls (its NIXL agent has no progress thread, so UCX's
-    wireup with it never completes): the prefill node's warm-up runs out at its deadline,
-    the peer is dropped (its order in flight fails, so decode fails over) and refused
-    until it says hello again; nothing waits longer than the deadline."""
+def test_prefill_side_keeps_a_peer_whose_warmup_only_timed_out():
+    """The decode node's loop stalls past the warm-up deadline (its NIXL agent has no
+    progress thread, so UCX's wireup with it cannot complete): the prefill node's warm-up
+    is cancelled at its deadline, but a busy loop is not a dead peer: the peer stays, and
+    once the decode loop runs again its orders' blocks land intact."""
     prefill, decode = _pair(warmup_timeout_s=1.0)
     try:
         decode.request_prefill(_order(decode.local_name, "s1"), prefill.control_address)
@@ -215,20 +216,17 @@ def test_prefill_side_drops_a_peer_whose_warmup_never_completes():
             time.sleep(0.005)
         waited = time.monotonic() - t0
         assert any(isinstance(e, NewOrder) for e in events)
-        assert prefill.data.peers == [] and prefill.data.num_warming == 0
-        assert waited < 1.0 + 10.0
-        # The engine then finishes the order: its WRITE cannot be posted, it ends early.
+        assert prefill.data.num_warming == 0 and waited < 1.0 + 10.0
+        assert prefill.data.peers == [decode.local_name]  # kept
         prefill.finish(("s1", 0), [2, 3], 0, first_token=7, logprob=None)
-        decode.request_prefill(_order(decode.local_name, "s2"), prefill.control_address)
         events = _drive_sides(
-            [prefill, decode], 30,
-            lambda ev: {e.key for e in ev if isinstance(e, RecvFailed)} >= {("s1", 0), ("s2", 0)},
-        )  # fmt: skip
-        failed = {e.key: e.reason for e in events if isinstance(e, RecvFailed)}
-        assert "cannot post a WRITE" in failed[("s1", 0)]
-        assert "warm-up did not finish" in failed[("s2", 0)]
-        assert not any(isinstance(e, NewOrder) for e in events)
-        assert torch.all(decode.data._kv_cache == 0.0)
+            [prefill, decode], 60, lambda ev: any(isinstance(e, RecvDone) for e in ev)
+        )
+        assert [e.first_token for e in events if isinstance(e, RecvDone)] == [7]
+        assert not any(isinstance(e, RecvFailed) for e in events)
+        dst = decode.data._kv_cache
+        assert torch.all(dst[:, :, 5:7] == 1.0) and torch.all(dst[:, :, :5] == 0.0)
+        assert torch.all(dst[:, :, 7:] == 0.0)
         prefill.check_integrity()
     finally:
         decode.close()
