@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
+from api.body_deadline import BodyTimeout, body_timeout_response
 from api.errors import InvalidRequestError
 from api.protocol import ErrorInfo, ErrorResponse
 
@@ -189,5 +190,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if isinstance(exc, BodyTimeout):
+            return body_timeout_response(str(exc.detail))
         code = "body_too_large" if exc.status_code == 413 else None
         return error_response(exc.status_code, str(exc.detail), code=code)

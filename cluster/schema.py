@@ -116,6 +116,9 @@ class RouterSection(Section):
     breaker_cooldown_s: float = Field(
         5.0, gt=0, description="first open period of a breaker (doubles while failures go on)"
     )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not received in full by then gets HTTP 408"
+    )
     max_concurrent_per_key: int = Field(
         0,
         ge=0,
@@ -265,6 +268,9 @@ class NodeGroup(Section):
         "local", description="decode: when KV does not arrive, prefill locally or fail"
     )
     max_body_bytes: int = Field(4 << 20, ge=1, description="larger request bodies get HTTP 413")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="a request body not received in full by then gets HTTP 408"
+    )
     connector: ConnectorSection | None = Field(
         None, description="KV connector (required for prefill, and for decode with prefill nodes)"
     )

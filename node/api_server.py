@@ -17,6 +17,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from api.body_deadline import DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware
 from api.cluster_secret import NodeKeyMiddleware
 from api.errors import InvalidRequestError
 from api.http import (
@@ -60,6 +61,7 @@ def build_app(
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     health_timeout_s: float = 10.0,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     prefill_nodes: PrefillNodes | None = None,
     cluster: ClusterOptions | None = None,
 ) -> FastAPI:
@@ -104,6 +106,7 @@ def build_app(
     app = FastAPI(title="pdserve node", lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     app.add_middleware(NodeKeyMiddleware, secret=config.kv_transfer.cluster_secret)
+    app.add_middleware(BodyDeadlineMiddleware, timeout_s=body_timeout_s)  # outermost
     _add_error_handlers(app)
 
     @app.get("/health")

@@ -14,6 +14,7 @@ import logging
 import shutil
 import tempfile
 
+from api.body_deadline import DEFAULT_BODY_TIMEOUT_S
 from api.cluster_secret import load_cluster_secret
 from api.http import DEFAULT_MAX_BODY_BYTES
 from engine.config import (
@@ -69,6 +70,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "(uses port and port+1); default: IPC sockets in a fresh temporary directory",
     )
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="a request body not received in full within this many seconds gets a 408",
+    )
     kv = KVTransferConfig()
     g = p.add_argument_group("prefill/decode disaggregation")
     g.add_argument("--role", default=kv.role, choices=["colocated", "prefill", "decode"])
@@ -281,7 +288,12 @@ def serve(args: argparse.Namespace) -> None:
         addresses = EngineAddresses.from_base(f"ipc://{tmpdir}/engine")
     try:
         app = build_app(
-            config, addresses, args.served_model_name, args.max_body_bytes, cluster=cluster
+            config,
+            addresses,
+            args.served_model_name,
+            args.max_body_bytes,
+            cluster=cluster,
+            body_timeout_s=args.body_timeout_s,
         )
         serve_draining(
             app,

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.body_deadline import BodyDeadlineMiddleware
 from api.errors import InvalidRequestError
 from api.http import BodySizeLimitMiddleware, add_error_handlers, error_response
 from api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -72,7 +73,10 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_body_bytes)
     _add_error_handlers(app)
     app.fast = FastGeneration(app.fastapi, config.max_body_bytes, error_for)
-    app.front = AuthAndCount(app.dispatch, config.api_key, config.max_concurrent_per_key)
+    app.front = BodyDeadlineMiddleware(
+        AuthAndCount(app.dispatch, config.api_key, config.max_concurrent_per_key),
+        config.body_timeout_s,
+    )
 
     def usable_decode(request: Request) -> int:
         return len(request.app.state.view.usable(True))

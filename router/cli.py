@@ -98,6 +98,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--breaker-failures", type=int, default=d.breaker_failures)
     p.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s)
     p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=d.body_timeout_s,
+        help="a request body not received in full within this many seconds gets a 408",
+    )
+    p.add_argument(
         "--drain-timeout-s",
         type=float,
         default=5.0,
@@ -136,6 +142,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout_s,
         breaker_failures=args.breaker_failures,
         breaker_cooldown_s=args.breaker_cooldown_s,
+        body_timeout_s=args.body_timeout_s,
     )
 
 

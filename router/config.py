@@ -39,6 +39,7 @@ class RouterConfig:
     breaker_failures: int = 3  # consecutive failures that open a node's circuit
     breaker_cooldown_s: float = 5.0  # first open period (doubles while failures go on)
     max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0  # a request body not in full by then: 408
     max_concurrent_per_key: int = 0  # generation requests in flight per client; 0: no limit
     prompt_tokens_per_minute_per_key: int = 0  # router/token_budget.py; 0: no limit
     max_prompt_tokens_per_request: int = 0  # per client request; 0: only the context length
@@ -81,6 +82,7 @@ class RouterConfig:
             "connect_timeout_s",
             "request_timeout_s",
             "breaker_cooldown_s",
+            "body_timeout_s",
         ):
             if not getattr(self, name) > 0:
                 raise RouterConfigError(name, f"must be > 0, got {getattr(self, name)}")

@@ -14,6 +14,10 @@ stays exactly the node's:
 - no or a non-JSON `Content-Type`, no `Content-Length` (chunked), or one over the body
   limit (the 413 of `BodySizeLimitMiddleware`).
 
+A body that does not arrive in full within `body_timeout_s` (the `receive` the router's
+`BodyDeadlineMiddleware` times raises `BodyTimeout`) gets the node's 408 here, sent
+through the counting `send`.
+
 Errors the serving layer raises (bad prompt, unknown model, no node, token limits) get the
 responses of the app's exception handlers (`error_for`).
 """
@@ -29,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.body_deadline import BodyTimeout, body_timeout_response
 from api.http import error_response
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from router.client_watch import ClientWatch
@@ -77,7 +82,11 @@ class FastGeneration:
         ):
             await self.slow(scope, receive, send)
             return
-        body = await _read_body(receive)
+        try:
+            body = await _read_body(receive)
+        except BodyTimeout as e:
+            await body_timeout_response(str(e.detail))(scope, receive, send)
+            return
         if body is None:  # the client left while sending
             return
         model = ROUTES[scope["path"]]
