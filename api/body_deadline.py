@@ -70,8 +70,9 @@ class BodyDeadlineMiddleware:
             left = deadline - loop.time()
             if left <= 0:
                 raise BodyTimeout(self.timeout_s)
-            try:
-                msg = await asyncio.wait_for(receive(), left)
+            try:  # asyncio.timeout: a timer on this task, no task per receive
+                async with asyncio.timeout(left):
+                    msg = await receive()
             except TimeoutError:
                 raise BodyTimeout(self.timeout_s) from None
             if msg["type"] != "http.request" or not msg.get("more_body"):
