@@ -45,6 +45,7 @@ def op_sets() -> dict[str, object]:
 
 
 def set_ops(model, ops) -> None:
+    model.fused_decode = None  # op by op (the one-call decode forward only chains native ops)
     for layer in model.model.layers:
         for m in (layer.self_attn, layer.self_attn.attn, layer.mlp):
             m.ops = ops

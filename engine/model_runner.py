@@ -26,11 +26,13 @@ from engine.model_arch import ModelArch
 from engine.model_files import default_cache_dir
 from engine.models import get_model_class
 from engine.models.cpu_linear import onednn_available
+from engine.models.fused_decode import FusedDecode
 from engine.request import Request
 from engine.sampler import Sampled, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
 from engine.warmup import warm_up_kernels
 from engine.weights import load_model_weights
+from kernels import cpu_gemv
 from kernels.ops import default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,10 @@ class ModelRunner:
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
+        if self.device.type == "cpu":
+            model.fused_decode = FusedDecode.build(model)
+            fused = "one native call" if model.fused_decode is not None else "op by op"
+            logger.info("decode steps of <= %d rows: %s", cpu_gemv.MAX_ROWS, fused)
         attn = model.model.layers[0].self_attn
         self.kv_layout = config.cache.layout
         self.kv_cache = allocate_kv_cache(

@@ -184,6 +184,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin", torch.empty(0, cfg.head_dim), persistent=False)
         # decode steps compiled per batch bucket (engine/compiled_model.py); None: eager
         self.compiled_decode: Callable[..., torch.Tensor | None] | None = None
+        # CPU decode steps of a few rows as one native call (engine/models/fused_decode.py,
+        # set at load by the runner); None: op by op
+        self.fused_decode: Callable[..., torch.Tensor | None] | None = None
 
     def init_rope(self, device: torch.device) -> None:
         """Compute the RoPE table (fp32, whatever the model's dtype) on `device`."""
@@ -203,6 +206,10 @@ class LlamaForCausalLM(nn.Module):
         if not torch.compiler.is_compiling() and self.compiled_decode is not None:
             hidden = self.compiled_decode(input_ids, positions, kv_cache, meta)
             if hidden is not None:  # None: not a step it runs (prompt tokens in it, ...)
+                return hidden
+        if self.fused_decode is not None and not torch.compiler.is_compiling():
+            hidden = self.fused_decode(input_ids, positions, kv_cache, meta)
+            if hidden is not None:  # None: not a step it takes (prompt tokens, > 8 rows, ...)
                 return hidden
         x = self.model.embed_tokens(input_ids)
         residual = None

@@ -1,0 +1,173 @@
+"""A Llama model's small decode steps as one native call (kernels/cpu_decode.py).
+
+`FusedDecode.build(model)` describes the model to the native chain once, at load: every
+layer's weight and norm pointers, the RoPE table, the embedding. The KV cache's per-layer
+planes are added the first time a cache is seen (a runner has one; tests bring their
+own). `__call__(input_ids, positions, kv_cache, meta)` returns the step's hidden states,
+or None for a step it does not take, which the model then runs op by op:
+
+- prompt tokens in the step, more rows than `cpu_gemv.MAX_ROWS` (above that the
+  prepacked oneDNN GEMMs win), an empty step;
+- inputs of another dtype or not contiguous, a cache of another dtype or whose blocks are
+  not each contiguous;
+- token ids, positions, slots or context lengths out of range (the per-op path then
+  raises or handles them as it always has; nothing was written).
+
+`build` returns None (per-op path always) off CPU, outside the native op set
+(kernels.cpu_ops), for dtypes other than fp32/bf16, head dims the attention kernel lacks,
+norms with different eps, or where a native library cannot be built. Results equal the
+per-op path's bit for bit: the same kernels run with the same arguments
+(tests/test_fused_decode.py). `steps` counts the steps it ran.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels import cpu_attention, cpu_decode, cpu_gemv
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _row_stride(w: torch.Tensor) -> int:
+    if w.dim() != 2 or w.stride(1) != 1:
+        raise ValueError("weight rows not contiguous")
+    return w.stride(0)
+
+
+class FusedDecode:
+    def __init__(self, model: torch.nn.Module, fn, kernels: dict[str, int]) -> None:
+        cfg = model.config
+        layers = model.model.layers
+        attn = layers[0].self_attn
+        self.model = model
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self._fn = fn
+        self._layers = (cpu_decode.Layer * len(layers))()
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            self._layers[i] = cpu_decode.Layer(
+                input_norm=_ptr(layer.input_layernorm.weight),
+                qkv=_ptr(a.qkv_proj.weight), qkv_ws=_row_stride(a.qkv_proj.weight),
+                qkv_bias=_ptr(a.qkv_proj.bias),
+                o=_ptr(a.o_proj.weight), o_ws=_row_stride(a.o_proj.weight),
+                post_norm=_ptr(layer.post_attention_layernorm.weight),
+                gate_up=_ptr(mlp.gate_up_proj.weight),
+                gate_up_ws=_row_stride(mlp.gate_up_proj.weight),
+                down=_ptr(mlp.down_proj.weight), down_ws=_row_stride(mlp.down_proj.weight),
+            )  # fmt: skip
+        embed = model.model.embed_tokens.weight
+        self._model = cpu_decode.Model(
+            **kernels,
+            num_layers=len(layers), hidden=cfg.hidden_size, num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            intermediate=layers[0].mlp.down_proj.in_features, vocab=embed.shape[0],
+            eps=model.model.norm.eps, scale=attn.attn.scale, dtype=_DTYPES[self.dtype],
+            embed=_ptr(embed), embed_stride=_row_stride(embed),
+            final_norm=_ptr(model.model.norm.weight),
+            cos_sin=_ptr(model.cos_sin), max_pos=model.cos_sin.shape[0],
+            layers=self._layers, **cpu_decode.wrapper_constants(),
+        )  # fmt: skip
+        self._model_ref = ctypes.byref(self._model)
+        self._cache_key: tuple | None = None
+        self._cache: torch.Tensor | None = None  # kept alive: the plan points into it
+        self.steps = 0
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> FusedDecode | None:
+        """The fused decode for `model`, or None where it cannot run (see the module doc)."""
+        from kernels import cpu_ops
+
+        layers = model.model.layers
+        embed = model.model.embed_tokens.weight
+        if not embed.is_cpu or embed.dtype not in _DTYPES or not len(layers):
+            return None
+        attn = layers[0].self_attn
+        if attn.ops is not cpu_ops or not cpu_attention.head_dim_supported(attn.head_dim):
+            return None
+        norms = [model.model.norm]
+        for layer in layers:
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if any(n.eps != norms[0].eps for n in norms):
+            return None
+        if model.cos_sin.dtype != torch.float32 or not model.cos_sin.is_contiguous():
+            return None
+        if any(p.dtype != embed.dtype or not p.is_cpu for p in model.parameters()):
+            return None
+        found = cpu_decode.libraries()
+        if found is None:
+            return None
+        try:
+            return cls(model, *found)
+        except ValueError:  # a weight whose rows are not contiguous
+            return None
+
+    def _bind_cache(self, kv_cache: torch.Tensor) -> bool:
+        """Point every layer at its planes of `kv_cache` ([L, 2, N, bs, Hkv, D])."""
+        if kv_cache.dtype != self.dtype or not kv_cache.is_cpu or kv_cache.dim() != 6:
+            return False
+        planes = kv_cache[0, 0]
+        if not cpu_attention.blocks_contiguous(planes) or kv_cache.shape[0] != len(self._layers):
+            return False
+        attn = self.model.model.layers[0].self_attn
+        if kv_cache.shape[4:] != (attn.num_kv_heads, attn.head_dim):
+            return False
+        for i in range(len(self._layers)):
+            self._layers[i].k_cache = kv_cache[i, 0].data_ptr()
+            self._layers[i].v_cache = kv_cache[i, 1].data_ptr()
+        m = self._model
+        m.block_size, m.block_stride, m.num_blocks = (
+            planes.shape[1],
+            planes.stride(0),
+            planes.shape[0],
+        )
+        self._cache = kv_cache
+        return True
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_cache: torch.Tensor,  # [L, 2, N, bs, Hkv, D]
+        meta,  # engine.attention.AttentionMetadata
+    ) -> torch.Tensor | None:  # [T, hidden]
+        m = input_ids.shape[0]
+        if m == 0 or m > cpu_gemv.MAX_ROWS or meta.num_decode_tokens != m:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        if key != self._cache_key:
+            if not self._bind_cache(kv_cache):
+                return None
+            self._cache_key = key
+        slots, tables, lens = meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens
+        if (
+            input_ids.dtype != torch.int64
+            or positions.dtype != torch.int64
+            or slots.dtype != torch.int64
+            or tables.dtype != torch.int32
+            or lens.dtype != torch.int32
+            or not (input_ids.is_contiguous() and positions.is_contiguous())
+            or not (slots.is_contiguous() and tables.is_contiguous() and lens.is_contiguous())
+            or not input_ids.is_cpu
+        ):
+            return None
+        out = torch.empty((m, self._model.hidden), dtype=self.dtype)
+        rc = self._fn(
+            self._model_ref, input_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+            tables.data_ptr(), tables.shape[1], lens.data_ptr(), m, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == 5:
+            raise RuntimeError(f"fused decode forward: {cpu_decode.ERRORS[rc]}")
+        if rc != 0:  # bad inputs, nothing written: the per-op path handles them as it does
+            return None
+        self.steps += 1
+        return out

@@ -1,0 +1,176 @@
+// A Llama-family decode forward for a few rows (<= 8) in one call: every layer's kernels
+// chained natively, no Python between them.
+//
+// Contract: LlamaForCausalLM.forward (engine/models/llama.py) on a decode-only step through
+// the CPU op set (kernels/cpu_ops.py), bit for bit: embedding, then per layer (residual
+// add +) RMSNorm + qkv GEMV (+ bias), RoPE in place, K/V store into the paged cache, paged
+// decode attention, o GEMV, residual add + RMSNorm + gate_up GEMV + SiLU * up, down GEMV;
+// then the final residual add + RMSNorm. The hidden states written to `out` are the ones
+// the per-op path returns.
+//
+// How it stays exact: this file does no arithmetic of its own. It calls the very kernels
+// the per-op path calls through ctypes (pdserve_norm_gemv and pdserve_gemv in gemv.cpp,
+// pdserve_rope, pdserve_store_kv and pdserve_rms_norm in elementwise.cpp,
+// pdserve_paged_decode in paged_decode.cpp), through function pointers the caller takes
+// from those libraries (kernels/cpu_decode.py), with the arguments, thread counts and key
+// splits the Python wrappers would pass. Each library keeps its own compiler flags
+// (elementwise.cpp's -ffp-contract=off, ...). What goes away is the Python between them:
+// ~10 ctypes calls, ~20 nn.Module calls and views a layer (~4 ms a token at one thread for
+// SmolLM2's 30 layers, docs/benchmarks.md).
+//
+// The model (weights, norms, RoPE table, cache pointers) is described once, at load, by a
+// `Model` struct the caller keeps alive; a step passes only its inputs. Called through
+// ctypes: no torch headers.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using NormGemv = int (*)(const void*, int64_t, const void*, int64_t, const void*, float, void*,
+                         int64_t, const void*, int64_t, const void*, void*, int64_t, int64_t,
+                         int64_t, int64_t, int, int, int);
+using Gemv = int (*)(const void*, int64_t, const void*, int64_t, const void*, void*, int64_t,
+                     int64_t, int64_t, int64_t, int, int, int);
+using RmsNorm = int (*)(const void*, int64_t, const void*, int64_t, const void*, void*, int64_t,
+                        void*, int64_t, int64_t, int64_t, float, int, int);
+using Rope = int (*)(const int64_t*, void*, int64_t, int64_t, int64_t, void*, int64_t, int64_t,
+                     int64_t, const float*, int64_t, int64_t, int, int);
+using StoreKv = int (*)(const char*, int64_t, const char*, int64_t, char*, char*,
+                        const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int);
+using PagedDecode = int (*)(const void*, const void*, const void*, const int32_t*,
+                            const int32_t*, void*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int,
+                            int);
+
+}  // namespace
+
+extern "C" {
+
+// One decoder layer's weights (plain [out, in] rows, `*_ws` elements apart) and its K and
+// V cache planes ([N, bs, Hkv, D], blocks `Model::block_stride` elements apart).
+struct PdserveLayer {
+  const void* input_norm;
+  const void* qkv;
+  int64_t qkv_ws;
+  const void* qkv_bias;  // null: none
+  const void* o;
+  int64_t o_ws;
+  const void* post_norm;
+  const void* gate_up;  // [2 I, hidden]: gate rows, then up rows
+  int64_t gate_up_ws;
+  const void* down;
+  int64_t down_ws;
+  void* k_cache;
+  void* v_cache;
+};
+
+struct PdserveModel {
+  // the chained kernels (addresses of the extern "C" functions of the other libraries)
+  const void* norm_gemv;
+  const void* gemv;
+  const void* rms_norm;
+  const void* rope;
+  const void* store_kv;
+  const void* paged_decode;
+  int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
+  float eps, scale;
+  int32_t dtype;  // 0 fp32, 1 bf16
+  const void* embed;  // [vocab, hidden], rows `embed_stride` elements apart
+  int64_t embed_stride;
+  const void* final_norm;
+  const float* cos_sin;  // [max_pos, head_dim] fp32
+  int64_t max_pos;
+  int64_t block_size, block_stride, num_blocks;
+  // the Python wrappers' thresholds: elementwise ops go parallel from this many elements
+  // (cpu_elementwise.PARALLEL_MIN_ELEMENTS); attention key splits (cpu_attention.num_splits)
+  int64_t parallel_min_elements, items_per_thread, min_split_keys;
+  const PdserveLayer* layers;
+};
+
+// Hidden states [m, hidden] of a decode step of m rows (one new token each) into `out`.
+// ids, positions, slots [m] int64; tables [m, width] int32 (rows `width` apart); lens [m]
+// int32. Returns 0; before anything is written: 1 a token id outside the vocabulary, 2 a
+// position outside the RoPE table, 3 a slot outside the cache, 4 a context length outside
+// [1, width * block_size]; 5 a kernel refused its arguments (after some layers ran).
+int pdserve_decode_forward(const PdserveModel* p, const int64_t* ids, const int64_t* positions,
+                           const int64_t* slots, const int32_t* tables, int64_t width,
+                           const int32_t* lens, int64_t m, void* out, int threads) {
+  const PdserveModel& md = *p;
+  const int64_t hid = md.hidden, D = md.head_dim;
+  const int64_t q_size = md.num_heads * D, kv_size = md.num_kv_heads * D;
+  const int64_t qkv_n = q_size + 2 * kv_size, inter = md.intermediate;
+  const int64_t elem = md.dtype == 0 ? 4 : 2;
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    if (ids[r] < 0 || ids[r] >= md.vocab) return 1;
+    if (positions[r] < 0 || positions[r] >= md.max_pos) return 2;
+    if (slots[r] >= md.num_blocks * md.block_size) return 3;
+    if (lens[r] < 1 || lens[r] > width * md.block_size) return 4;
+    max_len = std::max<int64_t>(max_len, lens[r]);
+  }
+  const auto norm_gemv = reinterpret_cast<NormGemv>(md.norm_gemv);
+  const auto gemv = reinterpret_cast<Gemv>(md.gemv);
+  const auto rms_norm = reinterpret_cast<RmsNorm>(md.rms_norm);
+  const auto rope = reinterpret_cast<Rope>(md.rope);
+  const auto store_kv = reinterpret_cast<StoreKv>(md.store_kv);
+  const auto paged_decode = reinterpret_cast<PagedDecode>(md.paged_decode);
+  auto small = [&](int64_t elements) { return elements >= md.parallel_min_elements ? threads : 1; };
+  // cpu_attention.num_splits: one split per sequence unless too few to keep threads busy
+  const int64_t want = md.items_per_thread * threads;
+  int64_t splits = 1;
+  if (m < want) splits = std::max<int64_t>(1, std::min((want + m - 1) / m, max_len / md.min_split_keys));
+  const int64_t split_keys = std::max<int64_t>(1, (max_len + splits - 1) / splits);
+
+  // activations, in bytes: x (layer input), two residuals, qkv, attention out, o out, h
+  std::vector<char> buf(elem * m * (4 * hid + qkv_n + q_size + inter));
+  char* x = buf.data();
+  char* res[2] = {x + elem * m * hid, x + 2 * elem * m * hid};
+  char* xo = x + 3 * elem * m * hid;
+  char* qkv = x + 4 * elem * m * hid;
+  char* attn = qkv + elem * m * qkv_n;
+  char* h = attn + elem * m * q_size;
+  const char* embed = static_cast<const char*>(md.embed);
+  for (int64_t r = 0; r < m; ++r)
+    std::memcpy(x + r * hid * elem, embed + ids[r] * md.embed_stride * elem, hid * elem);
+
+  const char* resid = nullptr;  // layer 0: no residual yet (its residual is x itself)
+  int cur = 0;
+  int rc = 0;
+  for (int64_t i = 0; i < md.num_layers && rc == 0; ++i) {
+    const PdserveLayer& L = md.layers[i];
+    // (residual add +) input RMSNorm + qkv projection
+    char* res_out = resid == nullptr ? x : res[cur];
+    rc |= norm_gemv(x, hid, resid, hid, L.input_norm, md.eps, res_out, hid, L.qkv, L.qkv_ws,
+                    L.qkv_bias, qkv, qkv_n, m, qkv_n, hid, md.dtype, threads, 0);
+    resid = res_out;
+    char* k = qkv + q_size * elem;
+    char* v = k + kv_size * elem;
+    rc |= rope(positions, qkv, qkv_n, D, md.num_heads, k, qkv_n, D, md.num_kv_heads, md.cos_sin,
+               D, m, md.dtype, small(m * q_size));
+    rc |= store_kv(k, qkv_n * elem, v, qkv_n * elem, static_cast<char*>(L.k_cache),
+                   static_cast<char*>(L.v_cache), slots, m, kv_size * elem, md.block_size,
+                   md.block_stride * elem, md.num_blocks * md.block_size, small(m * kv_size));
+    rc |= paged_decode(qkv, L.k_cache, L.v_cache, tables, lens, attn, m, md.num_heads,
+                       md.num_kv_heads, D, md.block_size, width, qkv_n, D, md.block_stride,
+                       split_keys, splits, md.scale, md.dtype, threads);
+    rc |= gemv(attn, q_size, L.o, L.o_ws, nullptr, xo, hid, m, hid, q_size, md.dtype, threads, 0);
+    // residual add + post-attention RMSNorm + gate_up + SiLU * up, then down
+    cur ^= 1;
+    rc |= norm_gemv(xo, hid, resid, hid, L.post_norm, md.eps, res[cur], hid, L.gate_up,
+                    L.gate_up_ws, nullptr, h, inter, m, inter, hid, md.dtype, threads, 1);
+    resid = res[cur];
+    cur ^= 1;
+    rc |= gemv(h, inter, L.down, L.down_ws, nullptr, x, hid, m, hid, inter, md.dtype, threads, 0);
+  }
+  if (rc != 0) return 5;
+  // final residual add + RMSNorm (the residual sum itself is not needed: into xo)
+  if (rms_norm(x, hid, resid, hid, md.final_norm, out, hid, xo, hid, m, hid, md.eps, md.dtype,
+               small(m * hid)) != 0)
+    return 5;
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,162 @@
+"""The fused decode forward (engine/models/fused_decode.py): one native call for a decode
+step of <= 8 rows, equal bit for bit to the model's per-op path, and used by the engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import AttentionMetadata
+from engine.models.fused_decode import FusedDecode
+from tests.conftest import make_tiny_llama
+from tests.hf_reference import hf_greedy, load_hf
+from tests.test_compiled_model import _decode_inputs
+from tests.test_engine import random_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _per_op_and_fused(model, ids, pos, cache, meta):
+    """(per-op hidden, per-op cache, fused hidden, fused cache) from the same inputs."""
+    fused = model.fused_decode
+    kv_ref, kv_fused = cache.clone(), cache.clone()
+    steps = fused.steps
+    with torch.inference_mode():
+        model.fused_decode = None
+        try:
+            ref = model(ids, pos, kv_ref, meta)
+        finally:
+            model.fused_decode = fused
+        got = model(ids, pos, kv_fused, meta)
+    assert fused.steps == steps + 1, "the fused path did not run"
+    return ref, kv_ref, got, kv_fused
+
+
+def _same_layout_cache(runner, seed: int) -> torch.Tensor:
+    cache = runner.kv_cache.clone()  # clone keeps the layout's strides
+    g = torch.Generator().manual_seed(seed)
+    cache.copy_(torch.randn(cache.shape, generator=g).to(cache.dtype))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["layer_major", "block_major"])
+def test_fused_equals_per_op(tiny_llama_dir, dtype, layout):
+    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=256, kv_layout=layout)
+    runner = llm.engine.runner
+    model = runner.model
+    assert isinstance(model.fused_decode, FusedDecode)
+    for rows, threads in [(1, 1), (3, 2), (8, 2), (2, 1)]:
+        torch.set_num_threads(threads)
+        cache = _same_layout_cache(runner, seed=rows)
+        ids, pos, meta = _decode_inputs(rows, cache, seed=rows)
+        ref, kv_ref, got, kv_fused = _per_op_and_fused(model, ids, pos, cache, meta)
+        assert torch.equal(got, ref), (rows, (got.float() - ref.float()).abs().max())
+        assert torch.equal(kv_fused, kv_ref), "the K/V stored differ"
+        assert not torch.equal(kv_fused, cache), "nothing was stored"
+    torch.set_num_threads(1)
+
+
+def test_fused_with_qkv_bias_and_long_context(tmp_path):
+    """A Qwen2-style qkv bias; contexts long enough for attention key splits."""
+    path = make_tiny_llama(str(tmp_path / "m"), seed=3)
+    llm = LLM(path, block_size=16, num_blocks=256)
+    runner = llm.engine.runner
+    model = runner.model
+    g = torch.Generator().manual_seed(4)
+    for layer in model.model.layers:  # the bias Qwen2 checkpoints carry
+        proj = layer.self_attn.qkv_proj
+        proj.bias = torch.nn.Parameter(torch.randn(proj.out_features, generator=g))
+    model.fused_decode = FusedDecode.build(model)
+    cache = _same_layout_cache(runner, seed=7)
+    g = torch.Generator().manual_seed(1)
+    rows, width = 2, 30
+    tables = torch.randperm(256, generator=g)[: rows * width].to(torch.int32).reshape(rows, width)
+    lens = torch.tensor([470, 301], dtype=torch.int32)
+    pos = (lens - 1).long()
+    slots = tables[torch.arange(rows), pos // 16].long() * 16 + pos % 16
+    meta = AttentionMetadata(
+        slots, rows, tables, lens, tables[:0], torch.zeros(1, dtype=torch.int32), lens[:0]
+    )
+    ids = torch.tensor([5, 900])
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        ref, kv_ref, got, kv_fused = _per_op_and_fused(model, ids, pos, cache, meta)
+        assert torch.equal(got, ref) and torch.equal(kv_fused, kv_ref)
+    torch.set_num_threads(1)
+
+
+def test_steps_it_does_not_take_run_per_op(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256)
+    runner = llm.engine.runner
+    model, fused = runner.model, runner.model.fused_decode
+    cache = _same_layout_cache(runner, seed=0)
+    steps = fused.steps
+    with torch.inference_mode():
+        ids, pos, meta = _decode_inputs(9, cache, seed=2)  # more than MAX_ROWS rows
+        assert fused(ids, pos, cache, meta) is None
+        ids, pos, meta = _decode_inputs(2, cache, seed=2)
+        bad = ids.clone()
+        bad[1] = 1024  # outside the vocabulary: per-op path, which raises as it always has
+        assert fused(bad, pos, cache, meta) is None
+        with pytest.raises(IndexError):
+            model(bad, pos, cache, meta)
+        assert fused(ids.int(), pos, cache, meta) is None  # int32 ids: not taken
+    assert fused.steps == steps
+
+
+def test_engine_uses_fused_decode_and_equals_hf(tiny_llama_dir):
+    """Greedy tokens equal Hugging Face's, with the decode steps run fused (a test that
+    fails if the engine silently stops taking the fused path)."""
+    hf = load_hf(tiny_llama_dir)
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512)
+    fused = llm.engine.runner.model.fused_decode
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = random_prompts(3, [5, 40, 17], seed=11)
+    outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
+    assert fused.steps >= 11, fused.steps  # every decode step of the three rows
+
+
+def test_no_fused_decode_with_reference_kernels(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "reference")
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    assert llm.engine.runner.model.fused_decode is None
+
+
+_OTHER_BUILD = """
+import torch
+from engine import LLM
+from tests.test_fused_decode import _decode_inputs, _per_op_and_fused, _same_layout_cache
+from kernels import cpu_gemv
+assert cpu_gemv.isa() == 256, cpu_gemv.isa()
+for dtype in ("float32", "bfloat16"):
+    llm = LLM({path!r}, dtype=dtype, block_size=4, num_blocks=256)
+    runner = llm.engine.runner
+    for rows in (1, 4):
+        cache = _same_layout_cache(runner, seed=rows)
+        ids, pos, meta = _decode_inputs(rows, cache, seed=rows)
+        ref, kv_ref, got, kv_fused = _per_op_and_fused(runner.model, ids, pos, cache, meta)
+        assert torch.equal(got, ref) and torch.equal(kv_fused, kv_ref)
+print("ok")
+"""
+
+
+def test_avx2_build(tiny_llama_dir, tmp_path):
+    """The CI box kind has AVX2 and no AVX-512: every library built for it."""
+    if not os.uname().machine.startswith("x86"):
+        pytest.skip("x86 -march values")
+    env = dict(os.environ, PDSERVE_KERNEL_MARCH="haswell", PYTHONPATH=str(ROOT))
+    env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
+    code = _OTHER_BUILD.format(path=tiny_llama_dir)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
