@@ -15,6 +15,8 @@ Variants (the engine's eager model, only the kernel module of some ops swapped):
   ..._sdpa:  (suffix) fresh prompts' attention through torch's flash SDPA instead of
              the native kernel (PDSERVE_PREFILL_ATTENTION=sdpa); native_tile0_sdpa is
              main before both changes
+  ..._noglu: (suffix, before _sdpa) gate_up packed whole and SiLU * mul as its own
+             native pass (what main did before PackedGateUp.silu_mul)
   native_refprefill: kernels.cpu_ops with the reference's prefill attention (what main
              served before kernels/cpu_prefill.py)
   hf:        transformers' LlamaForCausalLM forward on the [32, 128] batch, logits of the
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine_throughput import DTYPES, make_prompts  # noqa: E402
 from engine import LLM  # noqa: E402
 from engine.attention import AttentionMetadata  # noqa: E402
+from engine.models.cpu_linear import _packed, pack_weight  # noqa: E402
 from engine.models.llama import LlamaMLP  # noqa: E402
 from kernels import cpu_ops  # noqa: E402
 from kernels import reference as ref  # noqa: E402
@@ -56,12 +59,15 @@ OP_MODULES = {
 }
 
 
-def set_ops(model, ops, tile_rows: int | None) -> None:
+def set_ops(model, ops, tile_rows: int | None, glu: bool = True) -> None:
     """Point every module of the model that calls kernels at `ops`; MLP tiles of
-    `tile_rows` rows (None: the engine's default)."""
+    `tile_rows` rows (None: the engine's default); gate_up packed as halves with SiLU * mul
+    fused into its GEMMs (glu), or packed whole with SiLU * mul apart."""
     for m in model.modules():
         if isinstance(m, LlamaMLP):
             m.tile_rows = tile_rows
+            if isinstance(_packed(m.gate_up_proj.weight), tuple) != glu:
+                pack_weight(m.gate_up_proj.weight, halves=glu)
         if hasattr(m, "ops"):
             m.ops = ops
         if hasattr(m, "attn"):  # PagedAttention is a plain object, not a submodule
@@ -115,8 +121,9 @@ def main() -> None:
     prompts = make_prompts(args.prompts, args.prompt_len, llm.engine.vocab_size, seed=ord("C"))
     ids, pos, meta = fresh_batch(prompts, runner.block_size)
     last = (torch.arange(args.prompts) + 1) * args.prompt_len - 1
-    steps = {}
+    steps, setups = {}, {}  # setups[v]: switches the model to v, outside the timing
     for v in args.variants.split(","):
+        setups[v] = lambda: None
         if v == "hf":
             from transformers import AutoModelForCausalLM
 
@@ -127,21 +134,26 @@ def main() -> None:
                                                     use_cache=False).logits  # fmt: skip
         else:
             base, sdpa = v.removesuffix("_sdpa"), v.endswith("_sdpa")
+            base, glu = base.removesuffix("_noglu"), not base.endswith("_noglu")
             base, _, tile = base.partition("_tile")
             ops = OP_MODULES[base]
             tile_rows = int(tile) if tile else None
 
-            def step(ops=ops, tile_rows=tile_rows, attn="sdpa" if sdpa else "native"):
-                set_ops(model, ops, tile_rows)
+            def setup(ops=ops, tile_rows=tile_rows, attn="sdpa" if sdpa else "native", glu=glu):
+                set_ops(model, ops, tile_rows, glu)
                 os.environ[PREFILL_ATTENTION_ENV] = attn
-                return model.compute_logits(model(ids, pos, kv, meta)[last])
 
-            steps[v] = step
+            setups[v] = setup
+            steps[v] = lambda: model.compute_logits(model(ids, pos, kv, meta)[last])
     best = {v: [float("inf"), float("inf")] for v in steps}
     with torch.inference_mode():
-        outs = {v: fn() for v, fn in steps.items()}  # warm, and the outputs to compare
+        outs = {}  # warm, and the outputs to compare
+        for v, fn in steps.items():
+            setups[v]()
+            outs[v] = fn()
         for _ in range(args.rounds):
             for v, fn in steps.items():
+                setups[v]()
                 wall, cpu = timed(fn)
                 best[v] = [min(best[v][0], wall), min(best[v][1], cpu)]
     base = outs[next(iter(outs))].reshape(args.prompts, -1).float()

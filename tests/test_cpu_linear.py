@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from engine.models import cpu_linear
-from engine.models.cpu_linear import PackedLinear, linear, onednn_available, pack_weight
+from engine.models.cpu_linear import (
+    PackedGateUp,
+    PackedLinear,
+    linear,
+    onednn_available,
+    pack_weight,
+)
+from kernels import reference
 
 pytestmark = pytest.mark.skipif(
     not onednn_available(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch"
@@ -39,6 +46,36 @@ def test_packed_linear_bf16():
         out = m(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [9, 300])
+def test_packed_gate_up_silu_mul_equals_reference(rows, dtype):
+    """The gate_up weight packed as halves: silu_mul (SiLU and * as oneDNN post-ops) equals
+    the reference's silu_and_mul of the projection, and the plain projection still equals
+    F.linear (both halves side by side)."""
+    if not onednn_available(torch.device("cpu"), dtype):
+        pytest.skip("no native bf16 here")
+    torch.manual_seed(rows)
+    m = PackedGateUp(96, 2 * 160, bias=False)
+    with torch.no_grad():
+        m.weight.mul_(0.2)
+    m = m.to(dtype)
+    x = torch.randn(rows, 96).to(dtype)
+    with torch.no_grad():
+        assert m.silu_mul(x) is None  # not packed yet: the caller takes the plain path
+        proj = torch.nn.functional.linear(x.float(), m.weight.float())
+        ref = reference.silu_and_mul(proj)  # fp32 throughout
+        rounded = reference.silu_and_mul(torch.nn.functional.linear(x, m.weight)).float()
+        m.pack()
+        out = m.silu_mul(x)
+        plain = m(x)
+    assert out.shape == (rows, 160) and out.dtype == dtype and plain.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)
+    torch.testing.assert_close(plain.float(), proj, **tol)
+    if dtype == torch.bfloat16:  # fewer roundings than the reference's bf16 ops: closer to fp32
+        assert (out.float() - ref).abs().mean() < (rounded - ref).abs().mean()
 
 
 def test_unpacked_and_dead_weights_fall_back_to_f_linear():

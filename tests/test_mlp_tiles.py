@@ -5,6 +5,7 @@ weights prepacked for oneDNN as the engine runs them."""
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -43,13 +44,32 @@ def plain(mlp: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, mlp.down_proj.weight.float())
 
 
-def gate_up_calls(mlp: LlamaMLP, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+@contextmanager
+def gate_up_rows(mlp: LlamaMLP):
+    """Rows of each gate_up call of `mlp`: the fused path (PackedGateUp.silu_mul, SiLU * up
+    as oneDNN post-ops) or the plain projection."""
     rows: list[int] = []
-    hook = mlp.gate_up_proj.register_forward_hook(lambda m, a, out: rows.append(a[0].shape[0]))
+    proj = mlp.gate_up_proj
+    silu_mul = proj.silu_mul
+
+    def counted(x):
+        out = silu_mul(x)
+        if out is not None:
+            rows.append(x.shape[0])
+        return out
+
+    proj.silu_mul = counted
+    hook = proj.register_forward_hook(lambda m, a, out: rows.append(a[0].shape[0]))
     try:
-        return mlp(x), rows
+        yield rows
     finally:
         hook.remove()
+        del proj.silu_mul
+
+
+def gate_up_calls(mlp: LlamaMLP, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    with gate_up_rows(mlp) as rows:
+        return mlp(x), rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -101,12 +121,8 @@ def test_engine_step_over_a_tile_is_token_identical_to_hf(tiny_llama_dir):
         layer.mlp.tile_rows = 512  # the tiny model's default tile is larger than the step
     mlp = llm.engine.runner.model.model.layers[0].mlp
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    rows: list[int] = []
-    hook = mlp.gate_up_proj.register_forward_hook(lambda m, a, out: rows.append(a[0].shape[0]))
-    try:
+    with gate_up_rows(mlp) as rows:
         outs = llm.generate(prompts, params)
-    finally:
-        hook.remove()
     assert rows[:3] == [400, 400, 400]  # the 1200-token prefill step, in three tiles
     hf = load_hf(tiny_llama_dir)
     for p, o in zip(prompts, outs):

@@ -15,6 +15,12 @@ sees the plain weight (one graph serves every layer, the weights being inputs), 
 op looks the packed copy up by the plain weight's storage. A weight that was never packed
 (or whose packing died with its model) falls back to `F.linear`, so the op is always
 correct. fp32 results differ from `F.linear` only by summation order (~1e-5 relative).
+
+The MLP's gate_up projection (`PackedGateUp`) is packed as its two halves, so prefill
+rows run SiLU(gate) * up inside the GEMMs (`silu_mul`): the gate GEMM applies SiLU to its
+fp32 accumulators as a oneDNN post-op ("swish"), the up GEMM multiplies its accumulators
+by that output (binary "mul" post-op). No [T, 2 I] intermediate is written and read back,
+and no separate SiLU * mul pass runs (docs/benchmarks.md, "Third round").
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from torch import nn
 
 from kernels import cpu_gemv
 
-# plain weight's data_ptr -> (weak ref to the plain weight, packed oneDNN weight)
-_PACKED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+# plain weight's data_ptr -> (weak ref to the plain weight, packed oneDNN weight; for a
+# gate_up weight, the (gate, up) halves packed apart)
+_PACKED: dict[int, tuple[weakref.ref, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,7 +47,7 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor | None:
+def _packed(weight: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     entry = _PACKED.get(weight.data_ptr())
     if entry is None or entry[0]() is None:
         return None
@@ -57,7 +64,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     packed = _packed(weight)
     if packed is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    x = x.contiguous()
+    if isinstance(packed, tuple):  # gate_up packed as halves (bias-free): both, side by side
+        return torch.cat([torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                          for p in packed], dim=-1)  # fmt: skip
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @torch.library.custom_op("pdserve::packed_linear", mutates_args=())
@@ -82,12 +93,44 @@ class PackedLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def pack_weight(weight: torch.Tensor) -> None:
-    """Reorder `weight` [out, in] for oneDNN once; calls through `linear` then use it."""
+class PackedGateUp(PackedLinear):
+    """The MLP's gate_up projection, [2 I, K] (gate rows, then up rows), bias-free; packed
+    as its two halves so that `silu_mul` runs the activation inside the GEMMs."""
+
+    def pack(self) -> None:
+        pack_weight(self.weight, halves=True)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(x gate^T) * (x up^T), [T, I], through the packed halves with oneDNN
+        post-ops; None when not packed (or traced). fp32: equal to the reference's
+        silu_and_mul(linear(x, W)) but for summation order and oneDNN's exp. bf16: rounded
+        twice (SiLU(gate), then the product) where the reference's ops round four times
+        (gate, up, SiLU, product): ~1 bf16 ulp apart where they differ, and the closer to
+        fp32 (tests/test_cpu_linear.py)."""
+        if torch.compiler.is_compiling() or x.dim() != 2:
+            return None
+        packed = _packed(self.weight)
+        if not isinstance(packed, tuple):
+            return None
+        gate_w, up_w = packed
+        x = x.contiguous()
+        gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, None, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, None, "mul")
+
+
+def pack_weight(weight: torch.Tensor, halves: bool = False) -> None:
+    """Reorder `weight` [out, in] for oneDNN once; calls through `linear` then use it.
+    halves: pack rows [:out/2] and [out/2:] apart (a gate_up weight)."""
     for key in [k for k, (ref, _) in _PACKED.items() if ref() is None]:
         del _PACKED[key]
     w = weight.detach()
-    _PACKED[w.data_ptr()] = (weakref.ref(weight), torch.ops.mkldnn._reorder_linear_weight(w, None))
+    reorder = torch.ops.mkldnn._reorder_linear_weight
+    if halves:
+        n = w.shape[0] // 2
+        packed = (reorder(w[:n].contiguous(), None), reorder(w[n:].contiguous(), None))
+    else:
+        packed = reorder(w, None)
+    _PACKED[w.data_ptr()] = (weakref.ref(weight), packed)
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -15,7 +15,13 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, PagedAttention
 from engine.model_arch import ModelArch
-from engine.models.cpu_linear import PackedLinear, linear, pack_linears, pack_weight
+from engine.models.cpu_linear import (
+    PackedGateUp,
+    PackedLinear,
+    linear,
+    pack_linears,
+    pack_weight,
+)
 from engine.models.rope import build_cos_sin_cache
 
 _STACKED = {  # HF name fragment -> (merged name, shard index)
@@ -75,15 +81,19 @@ def mlp_tile_rows(intermediate: int, dtype: torch.dtype) -> int:
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelArch, ops: ModuleType):
         super().__init__()
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj = PackedGateUp(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
         self.tile_rows: int | None = None  # rows per tile; None: mlp_tile_rows; 0: never tile
 
     def _mlp(self, x):
-        # CPU decode rows: gate_up and SiLU * up in one native call (kernels/cpu_gemv.py)
+        # An op set with `gate_up_silu` (the CPU one) fuses SiLU * up into gate_up: decode
+        # rows in one native call (kernels/cpu_gemv.py), more rows as oneDNN post-ops of
+        # the packed halves (PackedGateUp.silu_mul); None where neither takes x.
         fused = getattr(self.ops, "gate_up_silu", None)
         h = fused(x, self.gate_up_proj.weight) if fused is not None else None
+        if h is None and fused is not None:
+            h = self.gate_up_proj.silu_mul(x)
         if h is None:
             h = self.ops.silu_and_mul(self.gate_up_proj(x))
         return self.down_proj(h)
