@@ -53,6 +53,10 @@ class Model(ctypes.Structure):
 
 
 _ARGTYPES = [ctypes.POINTER(Model), _p, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
+# pdserve_decode_attention(model, layer, qkv, positions, slots, tables, width, lens, m, out,
+# threads): one layer's RoPE + KV store + paged decode attention, for steps whose GEMMs
+# stay in Python (more than cpu_gemv.MAX_ROWS rows)
+_ATTN_ARGTYPES = [ctypes.POINTER(Model), _i64, _p, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
 ERRORS = {
     1: "a token id outside the vocabulary",
     2: "a position outside the RoPE table",
@@ -66,9 +70,9 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-def libraries() -> tuple[ctypes._CFuncPtr, dict[str, int]] | None:
-    """(the decode_forward entry point, {kernel field: address}), or None if any of the
-    libraries cannot be built here."""
+def libraries() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, dict[str, int]] | None:
+    """(the whole-forward entry point, the per-layer attention entry point, {kernel field:
+    address}), or None if any of the libraries cannot be built here."""
     names = ("decode_forward", "gemv", "elementwise", "paged_decode")
     libs = {n: load_library(n) for n in names}
     if any(lib is None for lib in libs.values()):
@@ -76,6 +80,9 @@ def libraries() -> tuple[ctypes._CFuncPtr, dict[str, int]] | None:
     fn = libs["decode_forward"].pdserve_decode_forward
     if fn.argtypes is None:
         fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    attn = libs["decode_forward"].pdserve_decode_attention
+    if attn.argtypes is None:
+        attn.argtypes, attn.restype = _ATTN_ARGTYPES, ctypes.c_int
     kernels = {
         "norm_gemv": _address(libs["gemv"], "pdserve_norm_gemv"),
         "gemv": _address(libs["gemv"], "pdserve_gemv"),
@@ -84,7 +91,7 @@ def libraries() -> tuple[ctypes._CFuncPtr, dict[str, int]] | None:
         "store_kv": _address(libs["elementwise"], "pdserve_store_kv"),
         "paged_decode": _address(libs["paged_decode"], "pdserve_paged_decode"),
     }
-    return fn, kernels
+    return fn, attn, kernels
 
 
 def wrapper_constants() -> dict[str, int]:

@@ -26,7 +26,7 @@ def _per_op_and_fused(model, ids, pos, cache, meta):
     """(per-op hidden, per-op cache, fused hidden, fused cache) from the same inputs."""
     fused = model.fused_decode
     kv_ref, kv_fused = cache.clone(), cache.clone()
-    steps = fused.steps
+    steps = fused.steps + fused.layer_steps
     with torch.inference_mode():
         model.fused_decode = None
         try:
@@ -34,7 +34,7 @@ def _per_op_and_fused(model, ids, pos, cache, meta):
         finally:
             model.fused_decode = fused
         got = model(ids, pos, kv_fused, meta)
-    assert fused.steps == steps + 1, "the fused path did not run"
+    assert fused.steps + fused.layer_steps == steps + 1, "the fused path did not run"
     return ref, kv_ref, got, kv_fused
 
 
@@ -52,7 +52,8 @@ def test_fused_equals_per_op(tiny_llama_dir, dtype, layout):
     runner = llm.engine.runner
     model = runner.model
     assert isinstance(model.fused_decode, FusedDecode)
-    for rows, threads in [(1, 1), (3, 2), (8, 2), (2, 1)]:
+    # <= 8 rows: one call; more: one attention call a layer, the GEMMs oneDNN's
+    for rows, threads in [(1, 1), (3, 2), (8, 2), (2, 1), (9, 1), (32, 2)]:
         torch.set_num_threads(threads)
         cache = _same_layout_cache(runner, seed=rows)
         ids, pos, meta = _decode_inputs(rows, cache, seed=rows)
@@ -97,18 +98,24 @@ def test_steps_it_does_not_take_run_per_op(tiny_llama_dir):
     runner = llm.engine.runner
     model, fused = runner.model, runner.model.fused_decode
     cache = _same_layout_cache(runner, seed=0)
-    steps = fused.steps
+    steps = fused.steps, fused.layer_steps
     with torch.inference_mode():
-        ids, pos, meta = _decode_inputs(9, cache, seed=2)  # more than MAX_ROWS rows
-        assert fused(ids, pos, cache, meta) is None
-        ids, pos, meta = _decode_inputs(2, cache, seed=2)
-        bad = ids.clone()
-        bad[1] = 1024  # outside the vocabulary: per-op path, which raises as it always has
-        assert fused(bad, pos, cache, meta) is None
-        with pytest.raises(IndexError):
-            model(bad, pos, cache, meta)
-        assert fused(ids.int(), pos, cache, meta) is None  # int32 ids: not taken
-    assert fused.steps == steps
+        for rows in (2, 12):
+            ids, pos, meta = _decode_inputs(rows, cache, seed=2)
+            bad = ids.clone()
+            bad[1] = 1024  # outside the vocabulary: per-op path, which raises as it always has
+            with pytest.raises(IndexError):
+                model(bad, pos, cache, meta)
+            assert fused(ids.int(), pos, cache, meta) is None  # int32 ids: not taken
+            bad = pos.clone()
+            bad[0] = 10**6  # outside the RoPE table: per-op path
+            assert fused(ids, bad, cache, meta) is None
+        model.model.layers[0].mlp.tile_rows = 8  # the per-op MLP would run in row tiles
+        try:
+            assert fused(ids, pos, cache, meta) is None
+        finally:
+            model.model.layers[0].mlp.tile_rows = None
+    assert (fused.steps, fused.layer_steps) == steps
 
 
 def test_engine_uses_fused_decode_and_equals_hf(tiny_llama_dir):
@@ -123,6 +130,12 @@ def test_engine_uses_fused_decode_and_equals_hf(tiny_llama_dir):
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
     assert fused.steps >= 11, fused.steps  # every decode step of the three rows
+    # more rows than MAX_ROWS: the per-layer path
+    prompts = random_prompts(10, [3, 9, 20], seed=12)
+    outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
+    assert fused.layer_steps >= 10, fused.layer_steps
 
 
 def test_no_fused_decode_with_reference_kernels(tiny_llama_dir, monkeypatch):
@@ -140,7 +153,7 @@ assert cpu_gemv.isa() == 256, cpu_gemv.isa()
 for dtype in ("float32", "bfloat16"):
     llm = LLM({path!r}, dtype=dtype, block_size=4, num_blocks=256)
     runner = llm.engine.runner
-    for rows in (1, 4):
+    for rows in (1, 4, 11):
         cache = _same_layout_cache(runner, seed=rows)
         ids, pos, meta = _decode_inputs(rows, cache, seed=rows)
         ref, kv_ref, got, kv_fused = _per_op_and_fused(runner.model, ids, pos, cache, meta)

@@ -1,23 +1,27 @@
-"""A Llama model's small decode steps as one native call (kernels/cpu_decode.py).
+"""A Llama model's decode steps in few native calls (kernels/cpu_decode.py).
 
 `FusedDecode.build(model)` describes the model to the native chain once, at load: every
 layer's weight and norm pointers, the RoPE table, the embedding. The KV cache's per-layer
 planes are added the first time a cache is seen (a runner has one; tests bring their
-own). `__call__(input_ids, positions, kv_cache, meta)` returns the step's hidden states,
-or None for a step it does not take, which the model then runs op by op:
+own). `__call__(input_ids, positions, kv_cache, meta)` returns a decode-only step's hidden
+states:
 
-- prompt tokens in the step, more rows than `cpu_gemv.MAX_ROWS` (above that the
-  prepacked oneDNN GEMMs win), an empty step;
-- inputs of another dtype or not contiguous, a cache of another dtype or whose blocks are
-  not each contiguous;
-- token ids, positions, slots or context lengths out of range (the per-op path then
-  raises or handles them as it always has; nothing was written).
+- up to `cpu_gemv.MAX_ROWS` rows: the whole forward as one native call (`steps` counts them);
+- more rows (their GEMMs stay the prepacked oneDNN ones, which win there): a plain loop over
+  the layers calling the per-op path's own functions without its module calls and views,
+  with each layer's RoPE + KV store + attention as one native call (`layer_steps`);
+
+or None for a step it does not take, which the model then runs op by op: prompt tokens in
+the step, an empty step, more rows than an MLP row tile; inputs of another dtype or not
+contiguous, a cache of another dtype or whose blocks are not each contiguous; positions,
+slots or context lengths out of range, token ids too for the one-call path (the per-op
+path then raises or handles them as it always has; nothing was written).
 
 `build` returns None (per-op path always) off CPU, outside the native op set
 (kernels.cpu_ops), for dtypes other than fp32/bf16, head dims the attention kernel lacks,
 norms with different eps, or where a native library cannot be built. Results equal the
 per-op path's bit for bit: the same kernels run with the same arguments
-(tests/test_fused_decode.py). `steps` counts the steps it ran.
+(tests/test_fused_decode.py).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import ctypes
 
 import torch
 
-from kernels import cpu_attention, cpu_decode, cpu_gemv
+from engine.models.cpu_linear import linear
+from engine.models.llama import mlp_tile_rows
+from kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -42,13 +48,26 @@ def _row_stride(w: torch.Tensor) -> int:
 
 
 class FusedDecode:
-    def __init__(self, model: torch.nn.Module, fn, kernels: dict[str, int]) -> None:
+    def __init__(self, model: torch.nn.Module, fn, attend, kernels: dict[str, int]) -> None:
         cfg = model.config
         layers = model.model.layers
         attn = layers[0].self_attn
         self.model = model
         self.dtype = model.model.embed_tokens.weight.dtype
         self._fn = fn
+        self._attend = attend
+        # larger steps: (input norm, qkv, qkv bias, o, post norm, gate_up, down) per layer
+        self._weights = [
+            (
+                layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
+                layer.self_attn.qkv_proj.bias, layer.self_attn.o_proj.weight,
+                layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
+                layer.mlp.down_proj.weight,
+            )
+            for layer in layers
+        ]  # fmt: skip
+        self._eps = model.model.norm.eps
+        self._q_size = attn.q_size
         self._layers = (cpu_decode.Layer * len(layers))()
         for i, layer in enumerate(layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -77,13 +96,12 @@ class FusedDecode:
         self._model_ref = ctypes.byref(self._model)
         self._cache_key: tuple | None = None
         self._cache: torch.Tensor | None = None  # kept alive: the plan points into it
-        self.steps = 0
+        self.steps = 0  # steps run as one call
+        self.layer_steps = 0  # larger steps run with one attention call a layer
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> FusedDecode | None:
         """The fused decode for `model`, or None where it cannot run (see the module doc)."""
-        from kernels import cpu_ops
-
         layers = model.model.layers
         embed = model.model.embed_tokens.weight
         if not embed.is_cpu or embed.dtype not in _DTYPES or not len(layers):
@@ -138,9 +156,7 @@ class FusedDecode:
         meta,  # engine.attention.AttentionMetadata
     ) -> torch.Tensor | None:  # [T, hidden]
         m = input_ids.shape[0]
-        if m == 0 or m > cpu_gemv.MAX_ROWS or meta.num_decode_tokens != m:
-            return None
-        if torch.compiler.is_compiling():
+        if m == 0 or meta.num_decode_tokens != m or torch.compiler.is_compiling():
             return None
         key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
         if key != self._cache_key:
@@ -159,6 +175,8 @@ class FusedDecode:
             or not input_ids.is_cpu
         ):
             return None
+        if m > cpu_gemv.MAX_ROWS:
+            return self._by_layer(input_ids, positions, slots, tables, lens, m)
         out = torch.empty((m, self._model.hidden), dtype=self.dtype)
         rc = self._fn(
             self._model_ref, input_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
@@ -171,3 +189,38 @@ class FusedDecode:
             return None
         self.steps += 1
         return out
+
+    def _by_layer(self, input_ids, positions, slots, tables, lens, m) -> torch.Tensor | None:
+        """A decode step of more than MAX_ROWS rows: the per-op path's own calls (the
+        prepacked oneDNN GEMMs, cpu_ops' native norms and SiLU * up) without its module
+        calls and views, and each layer's RoPE + KV store + attention as one native call."""
+        mlp = self.model.model.layers[0].mlp
+        tile = mlp.tile_rows
+        if tile is None:
+            tile = mlp_tile_rows(mlp.down_proj.in_features, self.dtype)
+        if tile and m > tile:  # the per-op MLP would run in row tiles
+            return None
+        eps, ref, attend = self._eps, self._model_ref, self._attend
+        rows = (positions.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1])
+        rows = (*rows, lens.data_ptr(), m)
+        threads = torch.get_num_threads()
+        x = self.model.model.embed_tokens(input_ids)
+        residual = None
+        for i, (in_w, qkv_w, qkv_b, o_w, post_w, gu_w, down_w) in enumerate(self._weights):
+            if residual is None:
+                h, residual = cpu_ops.rms_norm(x, in_w, eps), x
+            else:
+                h, residual = cpu_ops.fused_add_rms_norm(x, residual, in_w, eps)
+            qkv = linear(h, qkv_w, qkv_b)
+            if not qkv.is_contiguous():
+                return None
+            o = torch.empty((m, self._q_size), dtype=self.dtype)
+            rc = attend(ref, i, qkv.data_ptr(), *rows, o.data_ptr(), threads)
+            if rc:  # checked before the first store: the per-op path takes the step
+                if i == 0 and rc != 5:
+                    return None
+                raise RuntimeError(f"fused decode attention: {cpu_decode.ERRORS[rc]}")
+            h, residual = cpu_ops.fused_add_rms_norm(linear(o, o_w, None), residual, post_w, eps)
+            x = linear(cpu_ops.silu_and_mul(linear(h, gu_w, None)), down_w, None)
+        self.layer_steps += 1
+        return cpu_ops.fused_add_rms_norm(x, residual, self.model.model.norm.weight, eps)[0]

@@ -90,6 +90,61 @@ struct PdserveModel {
   const PdserveLayer* layers;
 };
 
+}  // extern "C"
+
+namespace {
+
+// The inputs' range checks (nothing is written when one fails; codes as documented below)
+// and the longest context.
+int check_rows(const PdserveModel& md, const int64_t* ids, const int64_t* positions,
+               const int64_t* slots, int64_t width, const int32_t* lens, int64_t m,
+               int64_t* max_len) {
+  *max_len = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    if (ids != nullptr && (ids[r] < 0 || ids[r] >= md.vocab)) return 1;
+    if (positions[r] < 0 || positions[r] >= md.max_pos) return 2;
+    if (slots[r] >= md.num_blocks * md.block_size) return 3;
+    if (lens[r] < 1 || lens[r] > width * md.block_size) return 4;
+    *max_len = std::max<int64_t>(*max_len, lens[r]);
+  }
+  return 0;
+}
+
+// Layer L's attention on this step's qkv rows [m, qkv_n] (q | k | v, contiguous rows):
+// RoPE on q and k in place, k and v stored at their slots, paged decode attention into
+// out [m, q_size]; as kernels/cpu_elementwise.py and cpu_attention.py call them.
+int attend(const PdserveModel& md, const PdserveLayer& L, char* qkv, const int64_t* positions,
+           const int64_t* slots, const int32_t* tables, int64_t width, const int32_t* lens,
+           int64_t m, int64_t max_len, void* out, int threads) {
+  const int64_t D = md.head_dim, q_size = md.num_heads * D, kv_size = md.num_kv_heads * D;
+  const int64_t qkv_n = q_size + 2 * kv_size, elem = md.dtype == 0 ? 4 : 2;
+  auto small = [&](int64_t elements) { return elements >= md.parallel_min_elements ? threads : 1; };
+  // cpu_attention.num_splits: one split per sequence unless too few to keep threads busy
+  const int64_t want = md.items_per_thread * threads;
+  int64_t splits = 1;
+  if (m < want)
+    splits = std::max<int64_t>(1, std::min((want + m - 1) / m, max_len / md.min_split_keys));
+  const int64_t split_keys = std::max<int64_t>(1, (max_len + splits - 1) / splits);
+  char* k = qkv + q_size * elem;
+  char* v = k + kv_size * elem;
+  int rc = reinterpret_cast<Rope>(md.rope)(positions, qkv, qkv_n, D, md.num_heads, k, qkv_n, D,
+                                           md.num_kv_heads, md.cos_sin, D, m, md.dtype,
+                                           small(m * q_size));
+  rc |= reinterpret_cast<StoreKv>(md.store_kv)(
+      k, qkv_n * elem, v, qkv_n * elem, static_cast<char*>(L.k_cache),
+      static_cast<char*>(L.v_cache), slots, m, kv_size * elem, md.block_size,
+      md.block_stride * elem, md.num_blocks * md.block_size, small(m * kv_size));
+  rc |= reinterpret_cast<PagedDecode>(md.paged_decode)(
+      qkv, L.k_cache, L.v_cache, tables, lens, out, m, md.num_heads, md.num_kv_heads, D,
+      md.block_size, width, qkv_n, D, md.block_stride, split_keys, splits, md.scale, md.dtype,
+      threads);
+  return rc;
+}
+
+}  // namespace
+
+extern "C" {
+
 // Hidden states [m, hidden] of a decode step of m rows (one new token each) into `out`.
 // ids, positions, slots [m] int64; tables [m, width] int32 (rows `width` apart); lens [m]
 // int32. Returns 0; before anything is written: 1 a token id outside the vocabulary, 2 a
@@ -104,25 +159,11 @@ int pdserve_decode_forward(const PdserveModel* p, const int64_t* ids, const int6
   const int64_t qkv_n = q_size + 2 * kv_size, inter = md.intermediate;
   const int64_t elem = md.dtype == 0 ? 4 : 2;
   int64_t max_len = 0;
-  for (int64_t r = 0; r < m; ++r) {
-    if (ids[r] < 0 || ids[r] >= md.vocab) return 1;
-    if (positions[r] < 0 || positions[r] >= md.max_pos) return 2;
-    if (slots[r] >= md.num_blocks * md.block_size) return 3;
-    if (lens[r] < 1 || lens[r] > width * md.block_size) return 4;
-    max_len = std::max<int64_t>(max_len, lens[r]);
-  }
+  const int bad = check_rows(md, ids, positions, slots, width, lens, m, &max_len);
+  if (bad != 0) return bad;
   const auto norm_gemv = reinterpret_cast<NormGemv>(md.norm_gemv);
   const auto gemv = reinterpret_cast<Gemv>(md.gemv);
   const auto rms_norm = reinterpret_cast<RmsNorm>(md.rms_norm);
-  const auto rope = reinterpret_cast<Rope>(md.rope);
-  const auto store_kv = reinterpret_cast<StoreKv>(md.store_kv);
-  const auto paged_decode = reinterpret_cast<PagedDecode>(md.paged_decode);
-  auto small = [&](int64_t elements) { return elements >= md.parallel_min_elements ? threads : 1; };
-  // cpu_attention.num_splits: one split per sequence unless too few to keep threads busy
-  const int64_t want = md.items_per_thread * threads;
-  int64_t splits = 1;
-  if (m < want) splits = std::max<int64_t>(1, std::min((want + m - 1) / m, max_len / md.min_split_keys));
-  const int64_t split_keys = std::max<int64_t>(1, (max_len + splits - 1) / splits);
 
   // activations, in bytes: x (layer input), two residuals, qkv, attention out, o out, h
   std::vector<char> buf(elem * m * (4 * hid + qkv_n + q_size + inter));
@@ -146,16 +187,7 @@ int pdserve_decode_forward(const PdserveModel* p, const int64_t* ids, const int6
     rc |= norm_gemv(x, hid, resid, hid, L.input_norm, md.eps, res_out, hid, L.qkv, L.qkv_ws,
                     L.qkv_bias, qkv, qkv_n, m, qkv_n, hid, md.dtype, threads, 0);
     resid = res_out;
-    char* k = qkv + q_size * elem;
-    char* v = k + kv_size * elem;
-    rc |= rope(positions, qkv, qkv_n, D, md.num_heads, k, qkv_n, D, md.num_kv_heads, md.cos_sin,
-               D, m, md.dtype, small(m * q_size));
-    rc |= store_kv(k, qkv_n * elem, v, qkv_n * elem, static_cast<char*>(L.k_cache),
-                   static_cast<char*>(L.v_cache), slots, m, kv_size * elem, md.block_size,
-                   md.block_stride * elem, md.num_blocks * md.block_size, small(m * kv_size));
-    rc |= paged_decode(qkv, L.k_cache, L.v_cache, tables, lens, attn, m, md.num_heads,
-                       md.num_kv_heads, D, md.block_size, width, qkv_n, D, md.block_stride,
-                       split_keys, splits, md.scale, md.dtype, threads);
+    rc |= attend(md, L, qkv, positions, slots, tables, width, lens, m, max_len, attn, threads);
     rc |= gemv(attn, q_size, L.o, L.o_ws, nullptr, xo, hid, m, hid, q_size, md.dtype, threads, 0);
     // residual add + post-attention RMSNorm + gate_up + SiLU * up, then down
     cur ^= 1;
@@ -168,9 +200,26 @@ int pdserve_decode_forward(const PdserveModel* p, const int64_t* ids, const int6
   if (rc != 0) return 5;
   // final residual add + RMSNorm (the residual sum itself is not needed: into xo)
   if (rms_norm(x, hid, resid, hid, md.final_norm, out, hid, xo, hid, m, hid, md.eps, md.dtype,
-               small(m * hid)) != 0)
+               m * hid >= md.parallel_min_elements ? threads : 1) != 0)
     return 5;
   return 0;
+}
+
+// Larger decode steps (their GEMMs stay oneDNN's, in Python): layer `layer`'s RoPE, K/V
+// store and paged decode attention in one call, on qkv [m, qkv_n] contiguous, into out
+// [m, q_size]. Returns as pdserve_decode_forward (no token ids here: never 1).
+int pdserve_decode_attention(const PdserveModel* p, int64_t layer, void* qkv,
+                             const int64_t* positions, const int64_t* slots,
+                             const int32_t* tables, int64_t width, const int32_t* lens,
+                             int64_t m, void* out, int threads) {
+  const PdserveModel& md = *p;
+  if (layer < 0 || layer >= md.num_layers) return 5;
+  int64_t max_len = 0;
+  const int bad = check_rows(md, nullptr, positions, slots, width, lens, m, &max_len);
+  if (bad != 0) return bad;
+  const int rc = attend(md, md.layers[layer], static_cast<char*>(qkv), positions, slots, tables,
+                        width, lens, m, max_len, out, threads);
+  return rc != 0 ? 5 : 0;
 }
 
 }  // extern "C"
