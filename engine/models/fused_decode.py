@@ -56,12 +56,12 @@ class FusedDecode:
         self.dtype = model.model.embed_tokens.weight.dtype
         self._fn = fn
         self._attend = attend
-        # larger steps: (input norm, qkv, qkv bias, o, post norm, gate_up, down) per layer
+        # larger steps: (input norm, qkv, qkv bias, o, post norm, gate_up module, down) a layer
         self._weights = [
             (
                 layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
                 layer.self_attn.qkv_proj.bias, layer.self_attn.o_proj.weight,
-                layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj.weight,
+                layer.post_attention_layernorm.weight, layer.mlp.gate_up_proj,
                 layer.mlp.down_proj.weight,
             )
             for layer in layers
@@ -192,8 +192,10 @@ class FusedDecode:
 
     def _by_layer(self, input_ids, positions, slots, tables, lens, m) -> torch.Tensor | None:
         """A decode step of more than MAX_ROWS rows: the per-op path's own calls (the
-        prepacked oneDNN GEMMs, cpu_ops' native norms and SiLU * up) without its module
-        calls and views, and each layer's RoPE + KV store + attention as one native call."""
+        prepacked oneDNN GEMMs, SiLU * up fused into gate_up, cpu_ops' native norms)
+        without its module calls and views, and each layer's RoPE + KV store + attention
+        as one native call. Mirrors LlamaDecoderLayer: a change there is a change here
+        (tests/test_fused_decode.py compares the two bit for bit)."""
         mlp = self.model.model.layers[0].mlp
         tile = mlp.tile_rows
         if tile is None:
@@ -206,7 +208,7 @@ class FusedDecode:
         threads = torch.get_num_threads()
         x = self.model.model.embed_tokens(input_ids)
         residual = None
-        for i, (in_w, qkv_w, qkv_b, o_w, post_w, gu_w, down_w) in enumerate(self._weights):
+        for i, (in_w, qkv_w, qkv_b, o_w, post_w, gate_up, down_w) in enumerate(self._weights):
             if residual is None:
                 h, residual = cpu_ops.rms_norm(x, in_w, eps), x
             else:
@@ -221,6 +223,10 @@ class FusedDecode:
                     return None
                 raise RuntimeError(f"fused decode attention: {cpu_decode.ERRORS[rc]}")
             h, residual = cpu_ops.fused_add_rms_norm(linear(o, o_w, None), residual, post_w, eps)
-            x = linear(cpu_ops.silu_and_mul(linear(h, gu_w, None)), down_w, None)
+            # LlamaMLP._mlp above MAX_ROWS: SiLU * up as oneDNN post-ops of the packed halves
+            act = gate_up.silu_mul(h)
+            if act is None:
+                act = cpu_ops.silu_and_mul(linear(h, gate_up.weight, None))
+            x = linear(act, down_w, None)
         self.layer_steps += 1
         return cpu_ops.fused_add_rms_norm(x, residual, self.model.model.norm.weight, eps)[0]
