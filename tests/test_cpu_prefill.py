@@ -9,6 +9,11 @@ both with the same arguments. Tolerances as tests/test_cpu_attention.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.profiler import profile
@@ -77,6 +82,39 @@ def test_prefill_equals_reference(chunks, h, hkv, d, bs, dtype, path):
         actual = cpu_prefill.paged_prefill_attention(*args, new_kv=kv)
         assert actual.dtype == dtype and actual.shape == expected.shape
         torch.testing.assert_close(actual, expected, **TOL[dtype])
+
+
+_OTHER_BUILD = """
+import os, torch
+from kernels import cpu_prefill
+from kernels import reference as ref
+from tests.test_cpu_prefill import CASES, TOL, make_step
+assert cpu_prefill.available()
+torch.set_num_threads(2)
+for dtype in (torch.float32, torch.bfloat16):
+    for chunks, h, hkv, d, bs in CASES:
+        args, new_kv = make_step(chunks, h, hkv, d, bs, dtype)
+        expected = ref.paged_prefill_attention(*args)
+        actual = cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv)
+        torch.testing.assert_close(actual, expected, **TOL[dtype])
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
+def test_native_kernel_other_vector_paths(march, tmp_path):
+    """The CI box kind (AVX2, no AVX-512 nor avx512_bf16: fp32 arithmetic for bf16 too, the
+    generic softmax) and the plain C++ build equal the reference as well."""
+    if not os.uname().machine.startswith("x86"):
+        pytest.skip("x86 -march values")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(root))
+    env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
+    env[cpu_prefill.PREFILL_ATTENTION_ENV] = "native"
+    out = subprocess.run(
+        [sys.executable, "-c", _OTHER_BUILD], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
 def _ops(fn) -> dict[str, int]:

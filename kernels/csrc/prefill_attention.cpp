@@ -14,6 +14,11 @@
 // S = Q K^T in register tiles of 4 rows x 16 keys, skipping key tiles past the causal
 // edge, an exact softmax per row (whole row in memory: no online rescaling), and
 // O = P V in tiles of 4 rows x D. Arithmetic fp32; bf16 only on load and final store.
+// bf16 where the CPU has avx512_bf16: S = Q K^T runs on vdpbf16ps straight from the bf16
+// Q and K (K laid out in key-interleaved pairs of D), 32 products an instruction where fp32
+// FMAs do 16; bf16 products are exact in fp32 and accumulate in fp32, so S is what the
+// fp32 path computes but for summation order (the softmax scale is applied to S, not Q).
+// Other builds (AVX2, no avx512_bf16) take the fp32 path for bf16 too.
 // Items are spread over OpenMP threads dynamically (later blocks have more keys).
 
 #include <omp.h>
@@ -25,6 +30,13 @@
 #include <vector>
 
 #include "bf16.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__)
+#define PDSERVE_PREFILL_DPBF16 1
+#endif
 
 namespace {
 
@@ -58,16 +70,123 @@ inline float exp_le0(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+#if defined(__AVX512F__)
+// exp_le0 on 16 lanes (GCC leaves the scalar loops below unvectorized).
+inline __m512 exp_le0_v(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n =
+      _mm512_sub_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.4426950408889634f), magic), magic);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  return _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// Row sr of S: keys 0 .. seen - 1 become exp(s - max), keys seen .. tile_end - 1 zero
+// (tile_end a multiple of kJ); returns their sum.
+inline float softmax_row(float* sr, int64_t seen, int64_t tile_end) {
+#if defined(__AVX512F__)
+  static_assert(kJ == 16, "tile_end is a multiple of the 16 lanes");
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= seen; j += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sr + j));
+  if (j < seen) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (seen - j)) - 1);
+    vm = _mm512_mask_max_ps(vm, tail, vm, _mm512_maskz_loadu_ps(tail, sr + j));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+  __m512 l = _mm512_setzero_ps();
+  for (j = 0; j < tile_end; j += 16) {
+    const __mmask16 live = j + 16 <= seen ? static_cast<__mmask16>(0xffff)
+                           : j < seen     ? static_cast<__mmask16>((1u << (seen - j)) - 1)
+                                          : static_cast<__mmask16>(0);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_le0_v(_mm512_sub_ps(_mm512_loadu_ps(sr + j), m)));
+    l = _mm512_add_ps(l, e);
+    _mm512_storeu_ps(sr + j, e);
+  }
+  return _mm512_reduce_add_ps(l);
+#else
+  float m = sr[0];
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 1; j < seen; ++j) m = std::max(m, sr[j]);
+  float l = 0.0f;
+#pragma omp simd reduction(+ : l)
+  for (int64_t j = 0; j < seen; ++j) {
+    const float e = exp_le0(sr[j] - m);
+    sr[j] = e;
+    l += e;
+  }
+  for (int64_t j = seen; j < tile_end; ++j) sr[j] = 0.0f;
+  return l;
+#endif
+}
+
 struct Buffers {
   std::vector<float> kt, v, q, s;
-  Buffers(int64_t d, int64_t max_keys) {
+  std::vector<uint16_t> kt2, q2;  // bf16 K in key-interleaved D pairs, bf16 Q (vdpbf16ps)
+  Buffers(int64_t d, int64_t max_keys, bool bf16_dot) {
     const int64_t keys = (max_keys + kJ - 1) / kJ * kJ;
-    kt.resize(d * keys);
+    if (bf16_dot) {
+      kt2.resize(d * keys);
+      q2.resize(kBlock * d);
+    } else {
+      kt.resize(d * keys);
+      q.resize(kBlock * d);
+    }
     v.resize(keys * d);
-    q.resize(kBlock * d);
     s.resize(kBlock * keys);
   }
 };
+
+#if defined(PDSERVE_PREFILL_DPBF16)
+// S[r][j] = scale * q[r] . k[j] for the kR rows from r0, keys of tiles 0 .. ntiles - 1, on
+// vdpbf16ps: kt2 holds, for each pair c2 of D, the keys' (k[j][2 c2], k[j][2 c2 + 1]) side
+// by side (a tile of 16 keys x one pair = 32 bf16 = one register); q2 is bf16 [rows, D],
+// each row's pair broadcast as one 32-bit lane.
+template <int64_t DC>
+inline void scores_tile_bf16(const uint16_t* q2, const uint16_t* kt2, float* s, int64_t r0,
+                             int64_t ntiles, int64_t d_rt, int64_t keys, float scale) {
+  const int64_t d = DC > 0 ? DC : d_rt;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t = 0; t < ntiles; ++t) {
+    __m512 acc[kR];
+    for (int64_t r = 0; r < kR; ++r) acc[r] = _mm512_setzero_ps();
+    const uint16_t* kb = kt2 + t * kJ * 2;
+    for (int64_t c2 = 0; c2 < d / 2; ++c2) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kb + c2 * keys * 2);
+      for (int64_t r = 0; r < kR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, q2 + (r0 + r) * d + 2 * c2, sizeof(pair));
+        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), kv);
+      }
+    }
+    for (int64_t r = 0; r < kR; ++r)
+      _mm512_storeu_ps(s + (r0 + r) * keys + t * kJ, _mm512_mul_ps(acc[r], vscale));
+  }
+}
+#endif
+
+// Whether bf16 inputs take the vdpbf16ps scores (D even: whole pairs).
+template <typename T>
+constexpr bool bf16_dot_type() {
+#if defined(PDSERVE_PREFILL_DPBF16)
+  return sizeof(T) == 2;
+#else
+  return false;
+#endif
+}
 
 // S[r][j] = q[r] . k[j] for the kR rows from r0, keys of tiles 0 .. ntiles - 1.
 template <int64_t DC>
@@ -123,14 +242,26 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
   const int64_t d = DC > 0 ? DC : d_rt;
   const int64_t nkeys = i1;  // causal: the last row sees keys 0 .. i1 - 1
   const int64_t keys = (nkeys + kJ - 1) / kJ * kJ;
+  constexpr bool bf16_dot = bf16_dot_type<T>();
   float* kt = buf.kt.data();
+  uint16_t* kt2 = buf.kt2.data();
   float* vb = buf.v.data();
   for (int64_t j = 0; j < keys; ++j) {
     if (j < nkeys) {
       const T* kj = k + (base + j) * ks_t + g * ks_h;
       const T* vj = v + (base + j) * vs_t + g * vs_h;
-      for (int64_t c = 0; c < d; ++c) kt[c * keys + j] = load(kj + c);
+      if constexpr (bf16_dot) {
+        for (int64_t c2 = 0; c2 < d / 2; ++c2)
+          std::memcpy(kt2 + (c2 * keys + j) * 2, kj + 2 * c2, 2 * sizeof(uint16_t));
+      } else {
+        for (int64_t c = 0; c < d; ++c) kt[c * keys + j] = load(kj + c);
+      }
       for (int64_t c = 0; c < d; ++c) vb[j * d + c] = load(vj + c);
+    } else if constexpr (bf16_dot) {
+      for (int64_t c2 = 0; c2 < d / 2; ++c2) {
+        kt2[(c2 * keys + j) * 2] = 0;
+        kt2[(c2 * keys + j) * 2 + 1] = 0;
+      }
     } else {
       for (int64_t c = 0; c < d; ++c) kt[c * keys + j] = 0.0f;
     }
@@ -138,16 +269,30 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
   const int64_t rows = i1 - i0;
   const int64_t rows_p = (rows + kR - 1) / kR * kR;
   float* qb = buf.q.data();
+  uint16_t* q2 = buf.q2.data();
   float* s = buf.s.data();
   float inv_l[kBlock];
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t h = g * group + hh;
     for (int64_t r = 0; r < rows_p; ++r) {
       const T* qr = q + (base + i0 + r) * qs_t + h * qs_h;
-      for (int64_t c = 0; c < d; ++c) qb[r * d + c] = r < rows ? load(qr + c) * scale : 0.0f;
+      if constexpr (bf16_dot) {
+        if (r < rows)
+          std::memcpy(q2 + r * d, qr, d * sizeof(uint16_t));
+        else
+          std::memset(q2 + r * d, 0, d * sizeof(uint16_t));
+      } else {
+        for (int64_t c = 0; c < d; ++c) qb[r * d + c] = r < rows ? load(qr + c) * scale : 0.0f;
+      }
     }
     for (int64_t r0 = 0; r0 < rows_p; r0 += kR) {
       const int64_t last = std::min(i0 + r0 + kR, i1);  // keys this row tile can see
+#if defined(PDSERVE_PREFILL_DPBF16)
+      if constexpr (bf16_dot) {
+        scores_tile_bf16<DC>(q2, kt2, s, r0, (last + kJ - 1) / kJ, d, keys, scale);
+        continue;
+      }
+#endif
       scores_tile<DC>(qb, kt, s, r0, (last + kJ - 1) / kJ, d, keys);
     }
     for (int64_t r = 0; r < rows_p; ++r) {
@@ -158,19 +303,7 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
         inv_l[r] = 0.0f;
         continue;
       }
-      const int64_t seen = i0 + r + 1;
-      float m = sr[0];
-#pragma omp simd reduction(max : m)
-      for (int64_t j = 1; j < seen; ++j) m = std::max(m, sr[j]);
-      float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-      for (int64_t j = 0; j < seen; ++j) {
-        const float e = exp_le0(sr[j] - m);
-        sr[j] = e;
-        l += e;
-      }
-      for (int64_t j = seen; j < tile_end; ++j) sr[j] = 0.0f;
-      inv_l[r] = 1.0f / l;
+      inv_l[r] = 1.0f / softmax_row(sr, i0 + r + 1, tile_end);
     }
     for (int64_t r0 = 0; r0 < rows_p; r0 += kR) {
       const int64_t last = std::min(i0 + r0 + kR, i1);
@@ -204,7 +337,7 @@ void run(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks_t, int64
   const int64_t os_t = h * d;
 #pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
   {
-    Buffers buf(d, max_len);
+    Buffers buf(d, max_len, bf16_dot_type<T>());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const Item& it = items[i];
@@ -243,13 +376,13 @@ int dispatch(const void* q, int64_t qs_t, int64_t qs_h, const void* k, int64_t k
 extern "C" {
 
 // Strides in elements. dtype 0 = fp32, 1 = bf16. Returns 0, or 1 for an unsupported shape
-// (head dim over 256, or H not a multiple of Hkv).
+// (head dim odd or over 256, or H not a multiple of Hkv).
 int pdserve_prefill_attention(const void* q, int64_t qs_t, int64_t qs_h, const void* k,
                               int64_t ks_t, int64_t ks_h, const void* v, int64_t vs_t,
                               int64_t vs_h, void* out, const int64_t* begins, const int64_t* ends, int64_t nseq,
                               int64_t h, int64_t hkv, int64_t d, float scale, int dtype,
                               int threads) {
-  if (hkv <= 0 || h % hkv != 0) return 1;
+  if (hkv <= 0 || h % hkv != 0 || d % 2 != 0) return 1;
   if (dtype == 0)
     return dispatch<float>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, out, begins, ends, nseq, h,
                            hkv, d, scale, threads);
