@@ -18,6 +18,8 @@
 // Q and K (K laid out in key-interleaved pairs of D), 32 products an instruction where fp32
 // FMAs do 16; bf16 products are exact in fp32 and accumulate in fp32, so S is what the
 // fp32 path computes but for summation order (the softmax scale is applied to S, not Q).
+// With D a multiple of 32, P V too: P rounded to bf16 (as torch's flash kernel does for
+// bf16), V in D-interleaved key pairs, fp32 accumulation, 1 / l applied in fp32.
 // Other builds (AVX2, no avx512_bf16) take the fp32 path for bf16 too.
 // Items are spread over OpenMP threads dynamically (later blocks have more keys).
 
@@ -135,12 +137,15 @@ inline float softmax_row(float* sr, int64_t seen, int64_t tile_end) {
 
 struct Buffers {
   std::vector<float> kt, v, q, s;
-  std::vector<uint16_t> kt2, q2;  // bf16 K in key-interleaved D pairs, bf16 Q (vdpbf16ps)
+  // vdpbf16ps operands: K in key-interleaved D pairs, Q, V in D-interleaved key pairs, P
+  std::vector<uint16_t> kt2, q2, v2, p2;
   Buffers(int64_t d, int64_t max_keys, bool bf16_dot) {
     const int64_t keys = (max_keys + kJ - 1) / kJ * kJ;
     if (bf16_dot) {
       kt2.resize(d * keys);
       q2.resize(kBlock * d);
+      v2.resize(keys * d);
+      p2.resize(kBlock * keys);
     } else {
       kt.resize(d * keys);
       q.resize(kBlock * d);
@@ -174,6 +179,60 @@ inline void scores_tile_bf16(const uint16_t* q2, const uint16_t* kt2, float* s, 
     }
     for (int64_t r = 0; r < kR; ++r)
       _mm512_storeu_ps(s + (r0 + r) * keys + t * kJ, _mm512_mul_ps(acc[r], vscale));
+  }
+}
+
+// v2 [keys / 2][D][2]: key pair (2 j2, 2 j2 + 1) side by side for each column, from bf16
+// V rows (D a multiple of 32); keys nkeys .. keys - 1 zero.
+inline void interleave_v(const uint16_t* v, int64_t vs, int64_t nkeys, int64_t keys, int64_t d,
+                         uint16_t* v2) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < keys; j += 2) {
+    for (int64_t c = 0; c < d; c += 32) {
+      const __m512i a = j < nkeys ? _mm512_loadu_si512(v + j * vs + c) : _mm512_setzero_si512();
+      const __m512i b =
+          j + 1 < nkeys ? _mm512_loadu_si512(v + (j + 1) * vs + c) : _mm512_setzero_si512();
+      uint16_t* dst = v2 + (j / 2 * d + c) * 2;
+      _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(dst + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// out rows r0 .. r0 + kR (those < rows) = P V / l over keys 0 .. nkeys - 1 on vdpbf16ps:
+// p2 is P rounded to bf16 [rows, keys] (zero past each row's keys), v2 as interleave_v
+// builds it; D in chunks of 64 columns (16 accumulators).
+template <int64_t DC>
+inline void pv_tile_bf16(const uint16_t* p2, const uint16_t* v2, const float* inv_l, int64_t r0,
+                         int64_t rows, int64_t nkeys, int64_t d_rt, int64_t keys, uint16_t* o,
+                         int64_t os_t) {
+  const int64_t d = DC > 0 ? DC : d_rt;
+  const int64_t pairs = (nkeys + 1) / 2;
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    const int64_t nb = std::min<int64_t>(4, (d - c0) / 16);  // 16-column blocks here
+    __m512 acc[kR][4];
+    for (int64_t r = 0; r < kR; ++r)
+      for (int64_t b = 0; b < 4; ++b) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t j2 = 0; j2 < pairs; ++j2) {
+      const uint16_t* vj = v2 + (j2 * d + c0) * 2;
+      __m512bh vv[4];
+      for (int64_t b = 0; b < nb; ++b) vv[b] = (__m512bh)_mm512_loadu_si512(vj + b * 32);
+      for (int64_t r = 0; r < kR; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, p2 + (r0 + r) * keys + 2 * j2, sizeof(pair));
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+        for (int64_t b = 0; b < nb; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], pp, vv[b]);
+      }
+    }
+    for (int64_t r = 0; r < kR && r0 + r < rows; ++r) {
+      const __m512 il = _mm512_set1_ps(inv_l[r0 + r]);
+      uint16_t* orow = o + (r0 + r) * os_t + c0;
+      for (int64_t b = 0; b < nb; ++b)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + b * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][b], il)));
+    }
   }
 }
 #endif
@@ -243,6 +302,7 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
   const int64_t nkeys = i1;  // causal: the last row sees keys 0 .. i1 - 1
   const int64_t keys = (nkeys + kJ - 1) / kJ * kJ;
   constexpr bool bf16_dot = bf16_dot_type<T>();
+  const bool pv_bf16 = bf16_dot && d % 32 == 0;  // P V on vdpbf16ps too (else fp32 V)
   float* kt = buf.kt.data();
   uint16_t* kt2 = buf.kt2.data();
   float* vb = buf.v.data();
@@ -256,7 +316,8 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
       } else {
         for (int64_t c = 0; c < d; ++c) kt[c * keys + j] = load(kj + c);
       }
-      for (int64_t c = 0; c < d; ++c) vb[j * d + c] = load(vj + c);
+      if (!pv_bf16)
+        for (int64_t c = 0; c < d; ++c) vb[j * d + c] = load(vj + c);
     } else if constexpr (bf16_dot) {
       for (int64_t c2 = 0; c2 < d / 2; ++c2) {
         kt2[(c2 * keys + j) * 2] = 0;
@@ -266,6 +327,13 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
       for (int64_t c = 0; c < d; ++c) kt[c * keys + j] = 0.0f;
     }
   }
+#if defined(PDSERVE_PREFILL_DPBF16)
+  uint16_t* v2 = buf.v2.data();
+  uint16_t* p2 = buf.p2.data();
+  if constexpr (bf16_dot) {
+    if (pv_bf16) interleave_v(v + base * vs_t + g * vs_h, vs_t, nkeys, keys, d, v2);
+  }
+#endif
   const int64_t rows = i1 - i0;
   const int64_t rows_p = (rows + kR - 1) / kR * kR;
   float* qb = buf.q.data();
@@ -301,10 +369,29 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
       if (r >= rows) {  // padding row: no keys
         for (int64_t j = 0; j < tile_end; ++j) sr[j] = 0.0f;
         inv_l[r] = 0.0f;
+      } else {
+        inv_l[r] = 1.0f / softmax_row(sr, i0 + r + 1, tile_end);
+      }
+#if defined(PDSERVE_PREFILL_DPBF16)
+      if (pv_bf16) {  // P rounded to bf16 (as torch's flash kernel does for bf16)
+        for (int64_t j = 0; j < tile_end; j += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p2 + r * keys + j),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + j)));
+      }
+#endif
+    }
+#if defined(PDSERVE_PREFILL_DPBF16)
+    if constexpr (bf16_dot) {
+      if (pv_bf16) {
+        for (int64_t r0 = 0; r0 < rows_p; r0 += kR) {
+          const int64_t last = std::min(i0 + r0 + kR, i1);
+          pv_tile_bf16<DC>(p2, v2, inv_l, r0, rows, last, d, keys,
+                           o + (base + i0) * os_t + h * d, os_t);
+        }
         continue;
       }
-      inv_l[r] = 1.0f / softmax_row(sr, i0 + r + 1, tile_end);
     }
+#endif
     for (int64_t r0 = 0; r0 < rows_p; r0 += kR) {
       const int64_t last = std::min(i0 + r0 + kR, i1);
       pv_tile<DC>(s, vb, d, inv_l, r0, rows, last, d, keys, o + (base + i0) * os_t + h * d,
