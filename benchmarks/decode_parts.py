@@ -76,33 +76,37 @@ class Parts:
         setattr(owner, name, wrapped)
 
 
-def build_at_ref(ref: str, cache: Path) -> dict[str, ctypes.CDLL]:
+def build_at_ref(
+    ref: str, cache: Path, names: tuple[str, ...] = ("paged_decode", "elementwise")
+) -> dict[str, ctypes.CDLL]:
     """The native kernel libraries built from kernels/csrc as it is at git `ref`."""
     src = cache / "csrc"
     src.mkdir(parents=True, exist_ok=True)
     if Path(ref).is_dir():  # a directory of sources instead of a git ref
         for f in Path(ref).iterdir():
             (src / f.name).write_bytes(f.read_bytes())
-        return build_from(src, cache)
-    names = subprocess.run(
+        return build_from(src, cache, names)
+    files = subprocess.run(
         ["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{ref}:kernels/csrc"],
         capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
-    for name in names:
+    for name in files:
         blob = subprocess.run(
             ["git", "-C", str(ROOT), "show", f"{ref}:kernels/csrc/{name}"],
             capture_output=True, check=True,
         ).stdout  # fmt: skip
         (src / name).write_bytes(blob)
-    return build_from(src, cache)
+    return build_from(src, cache, names)
 
 
-def build_from(src: Path, cache: Path) -> dict[str, ctypes.CDLL]:
+def build_from(
+    src: Path, cache: Path, names: tuple[str, ...] = ("paged_decode", "elementwise")
+) -> dict[str, ctypes.CDLL]:
     saved = native.CSRC
     native.CSRC = src
     try:
         os.environ["PDSERVE_KERNEL_CACHE"] = str(cache / "lib")
-        libs = {n: ctypes.CDLL(str(native.build(n))) for n in ("paged_decode", "elementwise")}
+        libs = {n: ctypes.CDLL(str(native.build(n))) for n in names}
     finally:
         native.CSRC = saved
         os.environ.pop("PDSERVE_KERNEL_CACHE")

@@ -7,7 +7,7 @@
 // to nearest even. A decode step of one sequence reads every weight once per token: the
 // GEMV is bound by how fast the weights stream from DRAM, so the kernel streams each
 // output row's contiguous K (no repacked copy) with 16/8/4 rows in flight per register
-// block (for 1/2/3+ activation rows) and each row prefetched into L2 ahead of its use,
+// block (for 1/2/3+ activation rows) and each row prefetched ahead of its use,
 // all M activation rows sharing each weight load (activation rows in chunks of MB; a
 // chunk after the first reads the block's weights from L1/L2, not DRAM).
 //
@@ -36,12 +36,24 @@ using pdserve_cpu::store;
 
 constexpr int MB = 4;     // activation rows per register block (more: in chunks of MB)
 constexpr int RMAX = 16;  // weight rows per register block: 16 / 8 / 4 for 1 / 2 / 3+ rows
-// Each weight row is prefetched into L2 this many rows ahead of its use. Measured on the
+// Each weight row is prefetched this many rows ahead of its use. Measured on the
 // AVX-512 box (docs/benchmarks.md): a 1-row GEMV over DRAM-resident weights went from
-// ~17.8 to ~23 GB/s on one thread with it; prefetching into L1 or non-temporal gained nothing.
+// ~17.8 to ~23 GB/s on one thread with it; prefetching into L1 or non-temporal gained
+// nothing for the GEMV alone. fp32 rows go into L2 (prefetcht1). bf16 rows are prefetched
+// non-temporal (prefetchnta): the weights then do not evict the last-level cache's other
+// data (the KV rows attention reads next, the engine's Python between steps), which took
+// 5-10 % off a bf16 workload-A token at one thread; in fp32 it measured the same or ~2 %
+// worse, so fp32 keeps prefetcht1 (docs/benchmarks.md, "Decode forward in fewer native calls").
 template <typename T>
 constexpr int64_t PF_ROWS = 64 / sizeof(T);  // 16 fp32 rows, 32 bf16 rows
-inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 2); }  // x86: prefetcht1
+template <typename T>
+inline void prefetch(const T* p) {
+  if constexpr (sizeof(T) == 2) {
+    __builtin_prefetch(p, 0, 0);  // x86: prefetchnta
+  } else {
+    __builtin_prefetch(p, 0, 2);  // x86: prefetcht1
+  }
+}
 
 #if defined(__AVX512F__)
 constexpr int V = 16;
