@@ -71,6 +71,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def _is_decode(s) -> bool:
+    """A scheduled row that decodes: one new token, past the prompt."""
+    return s.num_new_tokens == 1 and s.request.num_computed_tokens >= s.request.num_prompt_tokens
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, arch: ModelArch, model_dir: str, num_blocks: int):
         mc = config.model
@@ -182,11 +187,19 @@ class ModelRunner:
     def _execute(
         self, out: SchedulerOutput, block_ids: dict[str, list[int]]
     ) -> tuple[dict[str, Sampled], dict[str, str]]:
-        rows = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first
+        # Decode rows first: one new token that is not a prompt token. A prompt's last token
+        # alone (the rest cached) is a prefill row, computed by the kernels a whole prompt
+        # gets (prefill attention; with prompt tokens in the step, prepacked GEMMs and no
+        # decode GEMV, kernels/cpu_gemv.py): a prompt gets the same bits cached or not.
+        rows = sorted(out.scheduled, key=lambda s: not _is_decode(s))
         if not rows:
             return {}, {}
+        nd = sum(map(_is_decode, rows))
         with record_function("step.prepare"):
-            input_ids, positions, meta, cu = self._prepare(rows, block_ids)
+            input_ids, positions, meta, cu = self._prepare(rows, block_ids, nd)
+        cpu_gemv.set_prompt_step(
+            any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in rows)
+        )
         with record_function("step.forward"):
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if self._step_done is not None:
@@ -208,8 +221,9 @@ class ModelRunner:
             {reqs[j].request_id: e for j, e in errors.items()},
         )
 
-    def _prepare(self, rows, block_ids: dict[str, list[int]]):
-        """The step's flattened inputs: (input_ids, positions, metadata, cu_seqlens)."""
+    def _prepare(self, rows, block_ids: dict[str, list[int]], nd: int):
+        """The step's flattened inputs: (input_ids, positions, metadata, cu_seqlens); the
+        first `nd` rows are decode rows."""
         bs = self.block_size
         q_lens = np.array([s.num_new_tokens for s in rows], dtype=np.int64)
         starts = np.array([s.request.num_computed_tokens for s in rows], dtype=np.int64)
@@ -233,7 +247,6 @@ class ModelRunner:
             block_table[i, : len(t)] = t
         slots = block_table[row_of_tok, positions // bs].astype(np.int64) * bs + positions % bs
 
-        nd = int((q_lens == 1).sum())
         dev = self.device
         bt = torch.from_numpy(block_table).to(dev)
         seq_t = torch.from_numpy(seq_lens.astype(np.int32)).to(dev)

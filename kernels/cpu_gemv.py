@@ -6,6 +6,11 @@ activations: memory-bound. The kernel streams the weight in its plain [out, in] 
 the OpenMP threads in one parallel region per call. Contract: `F.linear` with fp32
 accumulation (fp32 and bf16; in bf16 the result is rounded once, at the end).
 
+Only steps of generated tokens take it (`set_prompt_step`): a step with prompt tokens in
+it runs the prepacked GEMM at any row count, so a prompt's rows get the same bits whether
+its prefix was cached (a few rows left to compute) or not (the GEMV sums in another order
+than oneDNN; the same request twice would otherwise give different logprobs).
+
 `linear` returns None for what the kernel does not take (more than `MAX_ROWS` rows, a
 dtype other than fp32/bf16 or mixed dtypes, a non-CPU tensor, an inner dimension that
 is not contiguous, inside a torch.compile trace) and on a machine where the library
@@ -31,6 +36,18 @@ _NORM_ARGTYPES = [_p, _i64, _p, _i64, _p, ctypes.c_float, _p, _i64, _p, _i64, _p
 _NORM_ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 3
 _fn: ctypes._CFuncPtr | None | bool = False  # False: not loaded yet
 _norm_fn: ctypes._CFuncPtr | None = None
+_prompt_step = False  # set by the model runner per step: prompt tokens in it -> not here
+
+
+def set_prompt_step(prompt: bool) -> None:
+    """Whether the step about to run has prompt tokens (then every call returns None)."""
+    global _prompt_step
+    _prompt_step = prompt
+
+
+def prompt_step() -> bool:
+    """Whether the step running has prompt tokens (engine/models/fused_decode.py asks)."""
+    return _prompt_step
 
 
 def _load():
@@ -133,6 +150,8 @@ def _call(
     dtype = x.dtype
     code = _DTYPES.get(dtype)
     if code is None or m > MAX_ROWS or m == 0 or weight.dtype != dtype or weight.dim() != 2:
+        return None
+    if _prompt_step:
         return None
     n, wk = weight.shape
     ws, wstep = weight.stride()

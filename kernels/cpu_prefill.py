@@ -16,10 +16,15 @@ GQA heads repeated). Here:
   - every call is 4-D, which torch's CPU dispatcher sends to its flash kernel
     (`_scaled_dot_product_flash_attention_for_cpu`: tiled online softmax in fp32
     accumulators, GQA without repeating heads); 3-D inputs go to the math path.
-Fresh sequences (given `new_kv`) go first to the native kernel
-(kernels/csrc/prefill_attention.cpp: one call for all of them, register-tiled fp32
-arithmetic, causal tiles skipped); torch's flash kernel serves them where it cannot be
-built or for a dtype/stride it does not take (`PDSERVE_PREFILL_ATTENTION=sdpa` forces it).
+Where it is built, every sequence goes to the native kernel
+(kernels/csrc/prefill_attention.cpp: register-tiled fp32 arithmetic, causal tiles
+skipped): fresh sequences (given `new_kv`) in one call over their new K/V, sequences with
+a cached prefix in a second call over their context gathered from the cache, each query
+row at its position in the context. A row's result depends only on its position and its
+keys, so a prompt gets the same bits whether its prefix was cached or not (the same
+request twice: the same logprobs). torch's flash kernel serves them where the kernel
+cannot be built or for a dtype/stride it does not take (`PDSERVE_PREFILL_ATTENTION=sdpa`
+forces it).
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ from kernels.reference import _gather_kv
 PREFILL_ATTENTION_ENV = "PDSERVE_PREFILL_ATTENTION"  # "native" (default) or "sdpa"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
-_ARGS = [_p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _i64, _i64, _i64, _i64,
-         ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
+_ARGS = [_p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _p, _p, _i64, _i64, _i64,
+         _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
 _fn: list = []  # [the kernel, or None if it cannot be built], filled on first use
 
 
@@ -56,8 +61,19 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def _native_fresh(q, k, v, out, rows: list[tuple[int, int]], scale: float) -> bool:
-    """Attention of fresh sequences (row ranges `rows`) over their own K/V, into `out`.
+def _native(
+    q,
+    k,
+    v,
+    out,
+    rows: list[tuple[int, int]],
+    scale: float,
+    kv_begins: list[int] | None = None,
+    q_offsets: list[int] | None = None,
+) -> bool:
+    """Attention of the sequences whose query rows are `rows` (ranges of q/out), into
+    `out`: sequence b's keys are k/v rows kv_begins[b] .. (default: its own rows), its
+    first query row at position q_offsets[b] of that context (default 0: fresh).
     False (nothing written) when the native kernel does not take these tensors."""
     if os.environ.get(PREFILL_ATTENTION_ENV, "native") == "sdpa" or torch.compiler.is_compiling():
         return False
@@ -71,14 +87,35 @@ def _native_fresh(q, k, v, out, rows: list[tuple[int, int]], scale: float) -> bo
         return False
     begins = torch.tensor([b for b, _ in rows], dtype=torch.int64)
     ends = torch.tensor([e for _, e in rows], dtype=torch.int64)
+    kvb = None if kv_begins is None else torch.tensor(kv_begins, dtype=torch.int64)
+    offs = None if q_offsets is None else torch.tensor(q_offsets, dtype=torch.int64)
     _, h, d = q.shape
     rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), begins.data_ptr(),
-        ends.data_ptr(), len(rows), h, k.shape[1], d, scale, _DTYPES[dtype],
-        torch.get_num_threads(),
+        ends.data_ptr(), None if kvb is None else kvb.data_ptr(),
+        None if offs is None else offs.data_ptr(), len(rows), h, k.shape[1], d, scale,
+        _DTYPES[dtype], torch.get_num_threads(),
     )  # fmt: skip
     return rc == 0
+
+
+def _native_cached(q, k_cache, v_cache, block_tables, out, idx, starts, lens, scale) -> bool:
+    """The native kernel for sequences `idx` that have a cached prefix: their contexts
+    gathered from the cache into one K and one V tensor, one call."""
+    if os.environ.get(PREFILL_ATTENTION_ENV, "native") == "sdpa" or _kernel() is None:
+        return False
+    ks, vs, kv_begins, offsets, at = [], [], [], [], 0
+    for i in idx:
+        ks.append(_gather_kv(k_cache, block_tables[i], lens[i]))
+        vs.append(_gather_kv(v_cache, block_tables[i], lens[i]))
+        kv_begins.append(at)
+        offsets.append(lens[i] - (starts[i + 1] - starts[i]))
+        at += lens[i]
+    k = ks[0] if len(ks) == 1 else torch.cat(ks)
+    v = vs[0] if len(vs) == 1 else torch.cat(vs)
+    rows = [(starts[i], starts[i + 1]) for i in idx]
+    return _native(q, k, v, out, rows, scale, kv_begins, offsets)
 
 
 def _sdpa(q, k, v, scale, causal=False, mask=None):
@@ -115,10 +152,14 @@ def paged_prefill_attention(
     done: set[int] = set()  # sequences the native kernel has written
     if new_kv is not None and t:
         idx = [i for i in range(len(lens)) if fresh[i] and q_lens[i]]
-        if idx and _native_fresh(q, *new_kv, out, [(starts[i], starts[i + 1]) for i in idx], scale):
+        if idx and _native(q, *new_kv, out, [(starts[i], starts[i + 1]) for i in idx], scale):
             done = set(idx)
-            if all(i in done or not q_lens[i] for i in range(len(lens))):
-                return out
+    cached = [i for i in range(len(lens)) if not fresh[i] and q_lens[i]]
+    if t and cached:
+        if _native_cached(q, k_cache, v_cache, block_tables, out, cached, starts, lens, scale):
+            done |= set(cached)
+    if done and all(i in done or not q_lens[i] for i in range(len(lens))):
+        return out
     if not done and new_kv is not None and lens and all(fresh) and len(set(q_lens)) == 1 and t:
         b, n = len(lens), q_lens[0]
         k, v = new_kv

@@ -136,16 +136,47 @@ def test_fresh_prompts_skip_the_cache_and_run_flash(monkeypatch):
     assert "aten::_scaled_dot_product_attention_math" not in ops
 
 
-def test_fresh_prompts_run_native_and_the_rest_sdpa():
-    """Fresh prompts of any lengths: no torch attention op at all; a prefix-cached
-    sequence beside them still gathers and runs flash, alone."""
+def test_native_runs_every_sequence_without_torch_attention():
+    """Fresh prompts of any lengths: no torch attention op and no gather; a sequence with
+    a cached prefix beside them goes to the native kernel too (its context gathered)."""
     args, new_kv = make_step([(0, 64), (0, 7), (0, 130)], 9, 3, 64, 16, torch.float32)
     ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
     assert FLASH not in ops and "aten::index" not in ops
     args, new_kv = make_step([(0, 64), (32, 8), (0, 5)], 9, 3, 64, 16, torch.float32)
     ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
-    assert ops.get(FLASH) == 1  # only the sequence with a cached prefix
-    assert ops.get("aten::index") == 2  # its K and V
+    assert FLASH not in ops
+    assert ops.get("aten::index") == 2  # K and V of the sequence with a prefix
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix", [1, 16, 32, 129, 200])
+def test_a_prompt_gets_the_same_bits_with_its_prefix_cached(dtype, prefix):
+    """The same prompt computed fresh, and again with its first `prefix` tokens cached
+    (only the rest in the step, beside other sequences): the recomputed rows are bitwise
+    equal. (Otherwise the same request twice gives different logprobs.)"""
+    h, hkv, d, bs, n = 9, 3, 64, 16, 260
+    args, new_kv = make_step([(0, n)], h, hkv, d, bs, dtype, seed=1)
+    q, k_cache, v_cache, table, _, _, scale = args
+    fresh = cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv)
+    # the second step: a fresh neighbour, then the same prompt's rows prefix .. n
+    other, other_kv = make_step([(0, 37)], h, hkv, d, bs, dtype, seed=2)
+    t = 37 + n - prefix
+    q2 = torch.cat([other[0], q[prefix:]])
+    k2 = torch.cat([other_kv[0], new_kv[0][prefix:]])
+    v2 = torch.cat([other_kv[1], new_kv[1][prefix:]])
+    kc = torch.cat([k_cache, other[1]])  # the neighbour's blocks after the prompt's
+    vc = torch.cat([v_cache, other[2]])
+    tables = torch.zeros((2, max(table.shape[1], other[3].shape[1])), dtype=torch.int32)
+    tables[0, : other[3].shape[1]] = other[3][0] + k_cache.shape[0]
+    tables[1, : table.shape[1]] = table[0]
+    starts = torch.tensor([0, 37, t], dtype=torch.int32)
+    lens = torch.tensor([37, n], dtype=torch.int32)
+    cached = cpu_prefill.paged_prefill_attention(
+        q2, kc, vc, tables, starts, lens, scale, new_kv=(k2, v2)
+    )
+    assert torch.equal(cached[37:], fresh[prefix:])
+    torch.testing.assert_close(cached[:37], cpu_prefill.paged_prefill_attention(
+        *other, new_kv=other_kv), rtol=0, atol=0)  # fmt: skip
 
 
 def test_the_reference_stays_the_unfused_oracle():

@@ -64,6 +64,22 @@ def test_prefix_cache_reuse(tiny_llama_dir, hf_model):
     assert out_a2.num_cached_tokens == 40
 
 
+@pytest.mark.parametrize("length", [41, 43, 47])  # 1, 3 and 7 tokens after the cached blocks
+def test_same_request_twice_same_logprobs(tiny_llama_dir, length):
+    """A prompt computed whole, then again with all but its last few tokens from the prefix
+    cache: the same tokens and bit-equal logprobs (the few rows left run the same kernels
+    a whole prompt does: prepacked GEMMs, not the decode GEMV; the native prefill attention
+    with the cached context)."""
+    llm = LLM(tiny_llama_dir, block_size=8, num_blocks=128)
+    prompt = random_prompts(1, [length], seed=7)[0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=True)
+    (first,) = llm.generate([prompt], params)
+    (again,) = llm.generate([prompt], params)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == length // 8 * 8
+    assert again.token_ids == first.token_ids
+    assert again.logprobs == first.logprobs
+
+
 def test_preemption_by_recompute(tiny_llama_dir, hf_model):
     # 12 blocks x 4 tokens cannot hold 4 sequences of ~30 tokens: preemption must happen.
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=12, enable_prefix_caching=False)

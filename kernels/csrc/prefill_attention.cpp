@@ -1,11 +1,15 @@
-// Causal attention of fresh prompts (no cached prefix) over their own K/V, on CPU.
+// Causal prefill (extend) attention on CPU.
 //
-// Contract: kernels/reference.py paged_prefill_attention for sequences whose query chunk
-// is the whole sequence (q_len == seq_len), with K/V read from this step's rows instead
-// of the cache (kernels/cpu_prefill.py decides when that holds). q [T, H, D], k/v
-// [T, Hkv, D] strided views (inner stride 1), out [T, H, D] row-major; sequence b is rows
-// begins[b] .. ends[b] (sequences need not be adjacent: a step's other rows are left
-// alone); GQA: query head h reads kv head h / (H / Hkv).
+// Contract: kernels/reference.py paged_prefill_attention. q [T, H, D], k/v [Tk, Hkv, D]
+// strided views (inner stride 1), out [T, H, D] row-major. Sequence b's query rows are
+// q rows begins[b] .. ends[b] (sequences need not be adjacent: a step's other rows are
+// left alone), at positions q_offsets[b] .. q_offsets[b] + (ends[b] - begins[b]) of its
+// context, whose keys 0 .. are k/v rows kv_begins[b] .. (a fresh prompt: its own new
+// rows, offset 0; a prompt with a cached prefix: its context gathered from the cache;
+// kernels/cpu_prefill.py). kv_begins / q_offsets may be null: begins / 0. GQA: query head
+// h reads kv head h / (H / Hkv). A row's arithmetic depends only on its position and the
+// keys it sees, never on which other rows are in the call: a prompt gets the same bits
+// whether its prefix was cached or computed in the same step.
 //
 // Why not torch's flash kernel: at prompt lengths of a few hundred it runs many tiny
 // GEMM calls per (sequence, head, 32-row block) and converts bf16 per call. Here one work
@@ -292,12 +296,13 @@ inline void pv_tile(const float* p, const float* v, int64_t vs, const float* inv
   }
 }
 
-// One work item: sequence rows [base, base + len), kv head g, query rows i0 .. i1.
+// One work item: kv head g, query positions i0 .. i1 of a sequence whose position i is
+// q/out row qbase + i and whose key j is k/v row kvbase + j.
 template <int64_t DC, typename T>
 void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks_t,
                   int64_t ks_h, const T* v, int64_t vs_t, int64_t vs_h, T* o, int64_t os_t,
-                  int64_t base, int64_t g, int64_t group, int64_t d_rt, int64_t i0,
-                  int64_t i1, float scale, Buffers& buf) {
+                  int64_t qbase, int64_t kvbase, int64_t g, int64_t group, int64_t d_rt,
+                  int64_t i0, int64_t i1, float scale, Buffers& buf) {
   const int64_t d = DC > 0 ? DC : d_rt;
   const int64_t nkeys = i1;  // causal: the last row sees keys 0 .. i1 - 1
   const int64_t keys = (nkeys + kJ - 1) / kJ * kJ;
@@ -308,8 +313,8 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
   float* vb = buf.v.data();
   for (int64_t j = 0; j < keys; ++j) {
     if (j < nkeys) {
-      const T* kj = k + (base + j) * ks_t + g * ks_h;
-      const T* vj = v + (base + j) * vs_t + g * vs_h;
+      const T* kj = k + (kvbase + j) * ks_t + g * ks_h;
+      const T* vj = v + (kvbase + j) * vs_t + g * vs_h;
       if constexpr (bf16_dot) {
         for (int64_t c2 = 0; c2 < d / 2; ++c2)
           std::memcpy(kt2 + (c2 * keys + j) * 2, kj + 2 * c2, 2 * sizeof(uint16_t));
@@ -331,7 +336,7 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
   uint16_t* v2 = buf.v2.data();
   uint16_t* p2 = buf.p2.data();
   if constexpr (bf16_dot) {
-    if (pv_bf16) interleave_v(v + base * vs_t + g * vs_h, vs_t, nkeys, keys, d, v2);
+    if (pv_bf16) interleave_v(v + kvbase * vs_t + g * vs_h, vs_t, nkeys, keys, d, v2);
   }
 #endif
   const int64_t rows = i1 - i0;
@@ -343,7 +348,7 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
   for (int64_t hh = 0; hh < group; ++hh) {
     const int64_t h = g * group + hh;
     for (int64_t r = 0; r < rows_p; ++r) {
-      const T* qr = q + (base + i0 + r) * qs_t + h * qs_h;
+      const T* qr = q + (qbase + i0 + r) * qs_t + h * qs_h;
       if constexpr (bf16_dot) {
         if (r < rows)
           std::memcpy(q2 + r * d, qr, d * sizeof(uint16_t));
@@ -386,7 +391,7 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
         for (int64_t r0 = 0; r0 < rows_p; r0 += kR) {
           const int64_t last = std::min(i0 + r0 + kR, i1);
           pv_tile_bf16<DC>(p2, v2, inv_l, r0, rows, last, d, keys,
-                           o + (base + i0) * os_t + h * d, os_t);
+                           o + (qbase + i0) * os_t + h * d, os_t);
         }
         continue;
       }
@@ -394,7 +399,7 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
 #endif
     for (int64_t r0 = 0; r0 < rows_p; r0 += kR) {
       const int64_t last = std::min(i0 + r0 + kR, i1);
-      pv_tile<DC>(s, vb, d, inv_l, r0, rows, last, d, keys, o + (base + i0) * os_t + h * d,
+      pv_tile<DC>(s, vb, d, inv_l, r0, rows, last, d, keys, o + (qbase + i0) * os_t + h * d,
                   os_t);
     }
   }
@@ -402,19 +407,22 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
 
 template <int64_t DC, typename T>
 void run(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks_t, int64_t ks_h,
-         const T* v, int64_t vs_t, int64_t vs_h, T* o, const int64_t* begins, const int64_t* ends, int64_t nseq,
+         const T* v, int64_t vs_t, int64_t vs_h, T* o, const int64_t* begins,
+         const int64_t* ends, const int64_t* kv_begins, const int64_t* q_offsets, int64_t nseq,
          int64_t h, int64_t hkv, int64_t d, float scale, int threads) {
   struct Item {
-    int64_t base, g, i0, i1;
+    int64_t qbase, kvbase, g, i0, i1;
   };
   std::vector<Item> items;
   int64_t max_len = 0;
   for (int64_t b = 0; b < nseq; ++b) {
-    const int64_t len = ends[b] - begins[b];
+    const int64_t off = q_offsets ? q_offsets[b] : 0;
+    const int64_t len = off + ends[b] - begins[b];  // context length: keys the last row sees
+    const int64_t kvb = kv_begins ? kv_begins[b] : begins[b];
     max_len = std::max(max_len, len);
-    for (int64_t i0 = 0; i0 < len; i0 += kBlock)
+    for (int64_t i0 = off; i0 < len; i0 += kBlock)
       for (int64_t g = 0; g < hkv; ++g)
-        items.push_back({begins[b], g, i0, std::min(i0 + kBlock, len)});
+        items.push_back({begins[b] - off, kvb, g, i0, std::min(i0 + kBlock, len)});
   }
   // heaviest (most keys) first, so the dynamic schedule ends balanced
   std::stable_sort(items.begin(), items.end(),
@@ -428,8 +436,8 @@ void run(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks_t, int64
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const Item& it = items[i];
-      attend_block<DC>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, o, os_t, it.base, it.g,
-                       group, d, it.i0, it.i1, scale, buf);
+      attend_block<DC>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, o, os_t, it.qbase,
+                       it.kvbase, it.g, group, d, it.i0, it.i1, scale, buf);
     }
   }
 }
@@ -437,20 +445,21 @@ void run(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks_t, int64
 template <typename T>
 int dispatch(const void* q, int64_t qs_t, int64_t qs_h, const void* k, int64_t ks_t,
              int64_t ks_h, const void* v, int64_t vs_t, int64_t vs_h, void* o,
-             const int64_t* begins, const int64_t* ends, int64_t nseq, int64_t h, int64_t hkv, int64_t d, float scale,
+             const int64_t* begins, const int64_t* ends, const int64_t* kv_begins,
+             const int64_t* q_offsets, int64_t nseq, int64_t h, int64_t hkv, int64_t d, float scale,
              int threads) {
   const T* qp = static_cast<const T*>(q);
   const T* kp = static_cast<const T*>(k);
   const T* vp = static_cast<const T*>(v);
   T* op = static_cast<T*>(o);
   if (d == 64) {
-    run<64>(qp, qs_t, qs_h, kp, ks_t, ks_h, vp, vs_t, vs_h, op, begins, ends, nseq, h, hkv, d, scale,
+    run<64>(qp, qs_t, qs_h, kp, ks_t, ks_h, vp, vs_t, vs_h, op, begins, ends, kv_begins, q_offsets, nseq, h, hkv, d, scale,
             threads);
   } else if (d == 128) {
-    run<128>(qp, qs_t, qs_h, kp, ks_t, ks_h, vp, vs_t, vs_h, op, begins, ends, nseq, h, hkv, d, scale,
+    run<128>(qp, qs_t, qs_h, kp, ks_t, ks_h, vp, vs_t, vs_h, op, begins, ends, kv_begins, q_offsets, nseq, h, hkv, d, scale,
              threads);
   } else if (d <= 256) {
-    run<0>(qp, qs_t, qs_h, kp, ks_t, ks_h, vp, vs_t, vs_h, op, begins, ends, nseq, h, hkv, d, scale,
+    run<0>(qp, qs_t, qs_h, kp, ks_t, ks_h, vp, vs_t, vs_h, op, begins, ends, kv_begins, q_offsets, nseq, h, hkv, d, scale,
            threads);
   } else {
     return 1;
@@ -466,14 +475,16 @@ extern "C" {
 // (head dim odd or over 256, or H not a multiple of Hkv).
 int pdserve_prefill_attention(const void* q, int64_t qs_t, int64_t qs_h, const void* k,
                               int64_t ks_t, int64_t ks_h, const void* v, int64_t vs_t,
-                              int64_t vs_h, void* out, const int64_t* begins, const int64_t* ends, int64_t nseq,
+                              int64_t vs_h, void* out, const int64_t* begins,
+                              const int64_t* ends, const int64_t* kv_begins,
+                              const int64_t* q_offsets, int64_t nseq,
                               int64_t h, int64_t hkv, int64_t d, float scale, int dtype,
                               int threads) {
   if (hkv <= 0 || h % hkv != 0 || d % 2 != 0) return 1;
   if (dtype == 0)
-    return dispatch<float>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, out, begins, ends, nseq, h,
+    return dispatch<float>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, out, begins, ends, kv_begins, q_offsets, nseq, h,
                            hkv, d, scale, threads);
-  return dispatch<uint16_t>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, out, begins, ends, nseq, h,
+  return dispatch<uint16_t>(q, qs_t, qs_h, k, ks_t, ks_h, v, vs_t, vs_h, out, begins, ends, kv_begins, q_offsets, nseq, h,
                             hkv, d, scale, threads);
 }
 
