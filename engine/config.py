@@ -25,6 +25,9 @@ class ModelConfig:
     seed: int = 0
     # CPU fp32/bf16: projections' weights prepacked for oneDNN (engine/models/cpu_linear.py)
     cpu_onednn: bool = True
+    # CPU: freed tensors' memory stays in the heap (engine/cpu_heap.py), not unmapped and
+    # faulted in again by the next step
+    cpu_keep_freed_memory: bool = True
     # The model's name in the API, the registry and the block-hash root (default: `model`).
     served_model_name: str | None = None
     # True: plain torch (the reference). False: the step compiled piecewise

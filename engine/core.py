@@ -12,6 +12,7 @@ import torch
 
 from cluster.block_hash import root_hash
 from engine.config import EngineConfig
+from engine.cpu_heap import keep_freed_memory
 from engine.errors import ConfigError, InvalidRequestError
 from engine.grammar import GrammarCompiler, PendingGrammars
 from engine.kv_cache_manager import KVCacheManager
@@ -72,6 +73,8 @@ class EngineCore:
         self.kv_role = kv_role
         self.kv_store = kv_store
         torch.set_num_threads(config.threads)
+        if config.model.device.startswith("cpu") and config.model.cpu_keep_freed_memory:
+            keep_freed_memory()
         if arch is None:
             self.model_dir = resolve_model(config.model.model)
             arch = ModelArch.from_dir(self.model_dir)
