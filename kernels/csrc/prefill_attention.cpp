@@ -311,27 +311,28 @@ void attend_block(const T* q, int64_t qs_t, int64_t qs_h, const T* k, int64_t ks
   float* kt = buf.kt.data();
   uint16_t* kt2 = buf.kt2.data();
   float* vb = buf.v.data();
-  for (int64_t j = 0; j < keys; ++j) {
-    if (j < nkeys) {
-      const T* kj = k + (kvbase + j) * ks_t + g * ks_h;
-      const T* vj = v + (kvbase + j) * vs_t + g * vs_h;
-      if constexpr (bf16_dot) {
-        for (int64_t c2 = 0; c2 < d / 2; ++c2)
-          std::memcpy(kt2 + (c2 * keys + j) * 2, kj + 2 * c2, 2 * sizeof(uint16_t));
-      } else {
-        for (int64_t c = 0; c < d; ++c) kt[c * keys + j] = load(kj + c);
-      }
-      if (!pv_bf16)
-        for (int64_t c = 0; c < d; ++c) vb[j * d + c] = load(vj + c);
-    } else if constexpr (bf16_dot) {
-      for (int64_t c2 = 0; c2 < d / 2; ++c2) {
-        kt2[(c2 * keys + j) * 2] = 0;
-        kt2[(c2 * keys + j) * 2 + 1] = 0;
-      }
-    } else {
-      for (int64_t c = 0; c < d; ++c) kt[c * keys + j] = 0.0f;
+  // K^T (bf16: K in key-interleaved pairs of D) column by column: contiguous stores, the
+  // item's K rows (a few KB) re-read from L1; row by row, every store hit another line.
+  const T* kg = k + kvbase * ks_t + g * ks_h;
+  if constexpr (bf16_dot) {
+    for (int64_t c2 = 0; c2 < d / 2; ++c2) {
+      uint16_t* dst = kt2 + c2 * keys * 2;
+      for (int64_t j = 0; j < nkeys; ++j)
+        std::memcpy(dst + 2 * j, kg + j * ks_t + 2 * c2, 2 * sizeof(uint16_t));
+      std::memset(dst + 2 * nkeys, 0, (keys - nkeys) * 2 * sizeof(uint16_t));
+    }
+  } else {
+    for (int64_t c = 0; c < d; ++c) {
+      float* dst = kt + c * keys;
+      for (int64_t j = 0; j < nkeys; ++j) dst[j] = load(kg + j * ks_t + c);
+      for (int64_t j = nkeys; j < keys; ++j) dst[j] = 0.0f;
     }
   }
+  if (!pv_bf16)
+    for (int64_t j = 0; j < nkeys; ++j) {
+      const T* vj = v + (kvbase + j) * vs_t + g * vs_h;
+      for (int64_t c = 0; c < d; ++c) vb[j * d + c] = load(vj + c);
+    }
 #if defined(PDSERVE_PREFILL_DPBF16)
   uint16_t* v2 = buf.v2.data();
   uint16_t* p2 = buf.p2.data();
