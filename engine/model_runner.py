@@ -40,6 +40,16 @@ logger = logging.getLogger(__name__)
 _PROMPT_LOGITS_ROWS = 256  # prompt positions per lm_head call (bounds [rows, vocab] memory)
 
 
+_NO_PHASE = contextlib.nullcontext()
+
+
+def _phase(name: str):
+    """A profiler label for a phase of the step, only while a profiler runs: each
+    record_function is a torch op, and after a decode step's weights have streamed through
+    the caches the step's own Python runs cold (~35 us a label, docs/benchmarks.md)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else _NO_PHASE
+
+
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     return arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
@@ -195,12 +205,13 @@ class ModelRunner:
         if not rows:
             return {}, {}
         nd = sum(map(_is_decode, rows))
-        with record_function("step.prepare"):
+        with _phase("step.prepare"):
             input_ids, positions, meta, cu = self._prepare(rows, block_ids, nd)
         cpu_gemv.set_prompt_step(
-            any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in rows)
+            nd < len(rows)
+            and any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in rows)
         )
-        with record_function("step.forward"):
+        with _phase("step.forward"):
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if self._step_done is not None:
             self._step_done.record()
@@ -210,11 +221,13 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(rows) if s.samples]
         if not sampling:
             return {}, {}
-        with record_function("step.logits"):
-            last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=self.device)
-            logits = self.model.compute_logits(hidden[last_rows])
+        with _phase("step.logits"):
+            if len(sampling) < hidden.shape[0]:  # else every row is one token, and samples
+                last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=self.device)
+                hidden = hidden[last_rows]
+            logits = self.model.compute_logits(hidden)
         reqs = [rows[i].request for i in sampling]
-        with record_function("step.sample"):
+        with _phase("step.sample"):
             sampled, errors = sample(logits, reqs)
         return (
             {reqs[j].request_id: x for j, x in sampled.items()},
@@ -224,6 +237,8 @@ class ModelRunner:
     def _prepare(self, rows, block_ids: dict[str, list[int]], nd: int):
         """The step's flattened inputs: (input_ids, positions, metadata, cu_seqlens); the
         first `nd` rows are decode rows."""
+        if nd == len(rows):
+            return self._prepare_decode(rows, block_ids)
         bs = self.block_size
         q_lens = np.array([s.num_new_tokens for s in rows], dtype=np.int64)
         starts = np.array([s.request.num_computed_tokens for s in rows], dtype=np.int64)
@@ -261,6 +276,33 @@ class ModelRunner:
         )
         ids_t = torch.from_numpy(input_ids).to(dev)
         return ids_t, torch.from_numpy(positions).to(dev), meta, cu
+
+    def _prepare_decode(self, rows, block_ids: dict[str, list[int]]):
+        """`_prepare` for a step whose rows all decode (one new token each), in fewer numpy
+        and torch ops: this runs right after the previous step streamed the weights through
+        the caches, where every op costs ~10x its warm time (docs/benchmarks.md)."""
+        bs, n, dev = self.block_size, len(rows), self.device
+        reqs = [s.request for s in rows]
+        positions = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)
+        input_ids = np.fromiter((r.all_token_ids[r.num_computed_tokens] for r in reqs), np.int64, n)
+        tables = [block_ids[r.request_id] for r in reqs]
+        block_table = np.zeros((n, max(len(t) for t in tables)), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_table[i, : len(t)] = t
+        slots = block_table[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
+        as_t = torch.from_numpy if dev.type == "cpu" else lambda a: torch.from_numpy(a).to(dev)
+        bt = as_t(block_table)
+        seq_t = as_t((positions + 1).astype(np.int32))
+        meta = AttentionMetadata(
+            slot_mapping=as_t(slots),
+            num_decode_tokens=n,
+            decode_block_tables=bt,
+            decode_context_lens=seq_t,
+            prefill_block_tables=bt[n:],
+            prefill_query_start_loc=as_t(np.zeros(1, dtype=np.int32)),
+            prefill_seq_lens=seq_t[n:],
+        )
+        return as_t(input_ids), as_t(positions), meta, np.arange(n + 1, dtype=np.int64)
 
     def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, num_new: int) -> None:
         """Logprobs of the prompt tokens this chunk's positions predict, appended to the
