@@ -101,3 +101,29 @@ def test_packed_linear_compiled_equals_eager():
         for rows in (1, 5, 9):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(f(m, x), torch.relu(m(x)) * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_or_with_others(dtype, monkeypatch):
+    """A prompt's last token alone (the rest from the prefix cache) runs the packed GEMMs
+    with one row: it must get the bits it gets among the whole prompt's rows, or the same
+    request twice gives different logprobs. (oneDNN computes a lone row with its M = 1
+    kernel, another summation order: SmolLM2's down projection, K = 1536, differed.)"""
+    if not onednn_available(torch.device("cpu"), dtype):
+        pytest.skip("no native bf16 here")
+    from kernels import cpu_gemv
+
+    monkeypatch.setattr(cpu_gemv, "_prompt_step", True)  # a prompt step: no decode GEMV
+    torch.manual_seed(0)
+    for k, n in [(1536, 576), (2048, 2048), (576, 1536)]:
+        x = torch.randn(40, k).to(dtype)
+        lin = PackedLinear(k, n).to(dtype)
+        gate_up = PackedGateUp(k, 2 * n, bias=False).to(dtype)
+        with torch.no_grad():
+            lin.pack()
+            gate_up.pack()
+            for rows in (1, 2, 3):
+                assert torch.equal(lin(x[-rows:]), lin(x)[-rows:]), (k, n, rows)
+                assert torch.equal(gate_up(x[-rows:]), gate_up(x)[-rows:]), (k, n, rows)
+                got = gate_up.silu_mul(x[-rows:])
+                assert torch.equal(got, gate_up.silu_mul(x)[-rows:]), (k, n, rows)

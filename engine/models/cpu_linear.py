@@ -54,6 +54,18 @@ def _packed(weight: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Te
     return entry[1]
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """x contiguous for the packed GEMMs, a lone row [1, K] doubled (and whether it was).
+    oneDNN computes one row with its M = 1 kernel, in another summation order than the
+    same row among others (SmolLM2's down projection, K = 1536, differed): a prompt's last
+    token computed alone (the rest from the prefix cache) would not get the bits it gets
+    within the whole prompt, and the same request twice would give different logprobs. From
+    two rows on, a row's result does not depend on the row count (tests/test_cpu_linear.py)."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        return x.expand(2, -1).contiguous(), True
+    return x.contiguous(), False
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T (+ b): a few rows (decode) through the native GEMV, which streams the plain
     weight (kernels/cpu_gemv.py); more through the packed weight when there is one."""
@@ -64,11 +76,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     packed = _packed(weight)
     if packed is None:
         return F.linear(x, weight, bias)
-    x = x.contiguous()
+    x, lone = _rows(x)
     if isinstance(packed, tuple):  # gate_up packed as halves (bias-free): both, side by side
-        return torch.cat([torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                          for p in packed], dim=-1)  # fmt: skip
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        y = torch.cat([torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                       for p in packed], dim=-1)  # fmt: skip
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return y[:1] if lone else y
 
 
 @torch.library.custom_op("pdserve::packed_linear", mutates_args=())
@@ -113,9 +127,10 @@ class PackedGateUp(PackedLinear):
         if not isinstance(packed, tuple):
             return None
         gate_w, up_w = packed
-        x = x.contiguous()
+        x, lone = _rows(x)
         gate = torch.ops.mkldnn._linear_pointwise(x, gate_w, None, "swish", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, None, "mul")
+        y = torch.ops.mkldnn._linear_pointwise.binary(x, gate, up_w, None, "mul")
+        return y[:1] if lone else y
 
 
 def pack_weight(weight: torch.Tensor, halves: bool = False) -> None:
