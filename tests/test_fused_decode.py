@@ -173,3 +173,26 @@ def test_avx2_build(tiny_llama_dir, tmp_path):
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_plan_keeps_what_it_points_into(tiny_llama_dir):
+    """The native plan holds raw pointers: a RoPE table or weight replaced on the model
+    after the build must not be freed under it (the plan keeps their storage); a RoPE
+    table of another width (the native RoPE reads head_dim floats a position) is not taken."""
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    runner = llm.engine.runner
+    model = runner.model
+    fused = model.fused_decode
+    table, embed = model.cos_sin.data_ptr(), model.model.embed_tokens.weight.data_ptr()
+    model.init_rope(torch.device("cpu"))  # a new table: the model drops the old one
+    model.model.embed_tokens.weight = torch.nn.Parameter(model.model.embed_tokens.weight.clone())
+    kept = {t.data_ptr() for t in fused._bound}  # tensors sharing the plan's storages
+    assert fused._model.cos_sin == table and fused._model.embed == embed
+    assert table in kept and embed in kept
+    assert all(layer.qkv in kept and layer.down in kept for layer in fused._layers)
+    cache = _same_layout_cache(runner, seed=3)
+    ids, pos, meta = _decode_inputs(2, cache, seed=3)
+    ref, kv_ref, got, kv_fused = _per_op_and_fused(model, ids, pos, cache, meta)
+    assert torch.equal(got, ref) and torch.equal(kv_fused, kv_ref)  # same values, kept
+    model.cos_sin = model.cos_sin[:, : model.cos_sin.shape[1] // 2].contiguous()
+    assert FusedDecode.build(model) is None

@@ -19,8 +19,9 @@ path then raises or handles them as it always has; nothing was written).
 
 `build` returns None (per-op path always) off CPU, outside the native op set
 (kernels.cpu_ops), for dtypes other than fp32/bf16, head dims the attention kernel lacks,
-norms with different eps, or where a native library cannot be built. Results equal the
-per-op path's bit for bit: the same kernels run with the same arguments
+norms with different eps, a RoPE table that is not [max_pos, head_dim] fp32, or where a
+native library cannot be built. The plan keeps every tensor it points into alive. Results
+equal the per-op path's bit for bit: the same kernels run with the same arguments
 (tests/test_fused_decode.py).
 """
 
@@ -35,10 +36,6 @@ from engine.models.llama import mlp_tile_rows
 from kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _row_stride(w: torch.Tensor) -> int:
@@ -68,6 +65,17 @@ class FusedDecode:
         ]  # fmt: skip
         self._eps = model.model.norm.eps
         self._q_size = attn.q_size
+        # every tensor the plan points into, kept alive here: a weight, norm or RoPE table
+        # replaced on the model after the build (a Parameter swapped, `init_rope` again)
+        # must not leave the native chain reading freed memory
+        self._bound: list[torch.Tensor] = []
+
+        def _ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            self._bound.append(t.detach())  # shares the storage, whatever the module does
+            return t.data_ptr()
+
         self._layers = (cpu_decode.Layer * len(layers))()
         for i, layer in enumerate(layers):
             a, mlp = layer.self_attn, layer.mlp
@@ -114,7 +122,10 @@ class FusedDecode:
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
         if any(n.eps != norms[0].eps for n in norms):
             return None
-        if model.cos_sin.dtype != torch.float32 or not model.cos_sin.is_contiguous():
+        cos_sin = model.cos_sin  # the native RoPE reads rows of head_dim floats
+        if cos_sin.dtype != torch.float32 or not cos_sin.is_contiguous():
+            return None
+        if cos_sin.dim() != 2 or cos_sin.shape[1] != attn.head_dim:
             return None
         if any(p.dtype != embed.dtype or not p.is_cpu for p in model.parameters()):
             return None
