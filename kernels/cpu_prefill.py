@@ -109,6 +109,10 @@ def _native_cached(q, k_cache, v_cache, block_tables, out, idx, starts, lens, sc
     for i in idx:
         ks.append(_gather_kv(k_cache, block_tables[i], lens[i]))
         vs.append(_gather_kv(v_cache, block_tables[i], lens[i]))
+        if ks[-1].shape[0] != lens[i]:  # the kernel reads lens[i] keys: never past the gather
+            raise IndexError(
+                f"prefill attention: a block table covers {ks[-1].shape[0]} of {lens[i]} keys"
+            )
         kv_begins.append(at)
         offsets.append(lens[i] - (starts[i + 1] - starts[i]))
         at += lens[i]

@@ -185,3 +185,17 @@ def test_the_reference_stays_the_unfused_oracle():
     args, _ = make_step([(0, 16)] * 2, 4, 2, 32, 16, torch.float32)
     ops = _ops(lambda: ref.paged_prefill_attention(*args))
     assert "aten::_scaled_dot_product_attention_math" in ops and FLASH not in ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_table_short_of_its_context_is_refused(dtype, path):
+    """A sequence with a cached prefix whose block table holds fewer blocks than its
+    context length needs: the gathered context is short, and the native kernel (which
+    reads seq_len keys) must not read past it; both paths raise instead."""
+    args, new_kv = make_step([(0, 20), (40, 8)], 4, 2, 32, 16, dtype)
+    q, k_cache, v_cache, table, starts, seq_lens, scale = args
+    table = table[:, :2].contiguous()  # the second sequence needs 3 blocks for 48 keys
+    with pytest.raises((RuntimeError, IndexError, ValueError)):
+        cpu_prefill.paged_prefill_attention(
+            q, k_cache, v_cache, table, starts, seq_lens, scale, new_kv=new_kv
+        )
