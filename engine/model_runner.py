@@ -191,7 +191,10 @@ class ModelRunner:
         """Run one step. Returns ({request_id: sampled} for rows that sample,
         {request_id: error} for rows whose sampling failed)."""
         with self.device_guard():
-            return self._execute(out, block_ids)
+            try:
+                return self._execute(out, block_ids)
+            finally:  # the prompt-step mark is this step's: no GEMV call after it sees it
+                cpu_gemv.set_prompt_step(False)
 
     @torch.inference_mode()
     def _execute(

@@ -40,7 +40,8 @@ _prompt_step = False  # set by the model runner per step: prompt tokens in it ->
 
 
 def set_prompt_step(prompt: bool) -> None:
-    """Whether the step about to run has prompt tokens (then every call returns None)."""
+    """Whether the step about to run has prompt tokens (then every call returns None); the
+    runner clears the mark when the step ends (ModelRunner.execute)."""
     global _prompt_step
     _prompt_step = prompt
 

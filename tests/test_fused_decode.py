@@ -196,3 +196,18 @@ def test_the_plan_keeps_what_it_points_into(tiny_llama_dir):
     assert torch.equal(got, ref) and torch.equal(kv_fused, kv_ref)  # same values, kept
     model.cos_sin = model.cos_sin[:, : model.cos_sin.shape[1] // 2].contiguous()
     assert FusedDecode.build(model) is None
+
+
+def test_a_prompt_step_does_not_outlive_its_step(tiny_llama_dir):
+    """The runner marks a step with prompt tokens (no decode GEMV, no fused forward in it);
+    the mark ends with the step. A generate whose last step was a prompt step (one token
+    to generate) left it set: every later decode GEMV or fused call outside the runner's
+    steps (another engine's model, a test, a benchmark) silently took the per-op path."""
+    from kernels import cpu_gemv
+
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(random_prompts(1, [9], seed=3), params)
+    assert not cpu_gemv.prompt_step()
+    x, w = torch.randn(2, 64), torch.randn(32, 64)
+    assert cpu_gemv.linear(x, w, None) is not None
