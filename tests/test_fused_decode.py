@@ -3,6 +3,7 @@ step of <= 8 rows, equal bit for bit to the model's per-op path, and used by the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -211,3 +212,24 @@ def test_a_prompt_step_does_not_outlive_its_step(tiny_llama_dir):
     assert not cpu_gemv.prompt_step()
     x, w = torch.randn(2, 64), torch.randn(32, 64)
     assert cpu_gemv.linear(x, w, None) is not None
+
+
+def test_inputs_of_other_row_counts_are_not_taken(tiny_llama_dir):
+    """The native chain reads m positions, slots, context lengths and block-table rows:
+    metadata with fewer (or a 1-D table) is not taken, nothing read past it."""
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    runner = llm.engine.runner
+    fused = runner.model.fused_decode
+    cache = _same_layout_cache(runner, seed=0)
+    with torch.inference_mode():
+        for rows in (3, 12):
+            ids, pos, meta = _decode_inputs(rows, cache, seed=2)
+            short = [
+                dataclasses.replace(meta, decode_context_lens=meta.decode_context_lens[:-1]),
+                dataclasses.replace(meta, decode_block_tables=meta.decode_block_tables[:-1]),
+                dataclasses.replace(meta, decode_block_tables=meta.decode_block_tables[0]),
+                dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:-1]),
+            ]
+            for bad in short:
+                assert fused(ids, pos, cache, bad) is None
+            assert fused(ids, pos[:-1], cache, meta) is None

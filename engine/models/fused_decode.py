@@ -188,6 +188,11 @@ class FusedDecode:
             or not input_ids.is_cpu
         ):
             return None
+        # the native chain reads m of each: fewer (an inconsistent step) is not taken
+        if positions.shape != (m,) or slots.shape != (m,) or lens.shape != (m,):
+            return None
+        if tables.dim() != 2 or tables.shape[0] != m:
+            return None
         if m > cpu_gemv.MAX_ROWS:
             return self._by_layer(input_ids, positions, slots, tables, lens, m)
         out = torch.empty((m, self._model.hidden), dtype=self.dtype)
