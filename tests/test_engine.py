@@ -80,6 +80,22 @@ def test_same_request_twice_same_logprobs(tiny_llama_dir, length):
     assert again.logprobs == first.logprobs
 
 
+def test_same_request_twice_same_logprobs_wide_mlp(tmp_path):
+    """As above, one token after the cached blocks, with an MLP as wide as SmolLM2's
+    (K = 1536 into the down projection): oneDNN's one-row kernel sums in another order
+    there, so the lone row must not reach it alone (engine/models/cpu_linear.py)."""
+    from tests.conftest import make_tiny_llama
+
+    path = make_tiny_llama(str(tmp_path / "m"), seed=5, intermediate_size=1536)
+    llm = LLM(path, block_size=8, num_blocks=128)
+    prompt = random_prompts(1, [41], seed=7)[0]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=True)
+    (first,) = llm.generate([prompt], params)
+    (again,) = llm.generate([prompt], params)
+    assert again.num_cached_tokens == 40
+    assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
+
+
 def test_preemption_by_recompute(tiny_llama_dir, hf_model):
     # 12 blocks x 4 tokens cannot hold 4 sequences of ~30 tokens: preemption must happen.
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=12, enable_prefix_caching=False)
