@@ -101,12 +101,25 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "scalar"])
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "march", ["haswell", "x86-64", "skylake-avx512"], ids=["avx2", "scalar", "avx512-no-bf16"]
+)
 def test_native_kernel_other_vector_paths(march, tmp_path):
     """The CI box kind (AVX2, no AVX-512 nor avx512_bf16: fp32 arithmetic for bf16 too, the
-    generic softmax) and the plain C++ build equal the reference as well."""
+    generic softmax), the plain C++ build, and AVX-512 without avx512_bf16 (the AVX-512
+    softmax, fp32 dot products) equal the reference as well."""
     if not os.uname().machine.startswith("x86"):
         pytest.skip("x86 -march values")
+    if march == "skylake-avx512" and not _cpu_has("avx512bw"):
+        pytest.skip("this CPU cannot run an AVX-512 build")
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(root))
     env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
