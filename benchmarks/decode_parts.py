@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine.models.cpu_linear as cpu_linear  # noqa: E402
+import engine.models.fused_decode as fused_decode  # noqa: E402
 import engine.models.llama as llama  # noqa: E402
 from benchmarks.engine_throughput import make_prompts  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -45,6 +46,9 @@ from kernels import cpu_attention, cpu_elementwise, cpu_ops, native  # noqa: E40
 from kernels.cpu_argmax import argmax_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+# the fused per-layer decode loop (engine/models/fused_decode.py): SiLU * up inside the
+# gate_up GEMMs, and RoPE + KV store + attention as one native call per layer
+FUSED_PARTS = ("gate_up_silu_gemm", "rope_kv_attention")
 TIMED_OPS = (
     "paged_decode_attention",
     "store_kv",
@@ -183,6 +187,11 @@ def main() -> None:
         parts.wrap(cpu_ops, name, name)
     parts.wrap(llama, "linear", "lm_head")  # compute_logits' call; projections below
     parts.wrap(cpu_linear, "linear", "gemm")  # PackedLinear.forward's module-global call
+    fused = getattr(model, "fused_decode", None)
+    if fused is not None:  # > 8 rows: the fused per-layer loop's own calls (engine default)
+        parts.wrap(fused_decode, "linear", "gemm")
+        parts.wrap(cpu_linear.PackedGateUp, "silu_mul", "gate_up_silu_gemm")
+        parts.wrap(fused, "_attend", "rope_kv_attention")
     sets = kernel_sets(baseline)
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in sets}
     argmax: dict[str, torch.Tensor] = {}
@@ -206,7 +215,7 @@ def main() -> None:
     summary = {}
     for name, rs in rows.items():
         med = {k: round(statistics.median(r.get(k, 0.0) for r in rs) * 1e3, 2) for k in rs[0]}
-        named = sum(med.get(k, 0.0) for k in ("gemm", *TIMED_OPS))
+        named = sum(med.get(k, 0.0) for k in ("gemm", *FUSED_PARTS, *TIMED_OPS))
         med["forward_rest"] = round(med["forward"] - named, 2)
         summary[name] = med
     result = {
