@@ -169,8 +169,6 @@ class FusedDecode:
         m = input_ids.shape[0]
         if m == 0 or meta.num_decode_tokens != m or torch.compiler.is_compiling():
             return None
-        if cpu_gemv.prompt_step():  # a prompt's last token(s): the prepacked GEMMs, as a
-            return None  # prompt computed whole gets them (kernels/cpu_gemv.py)
         key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
         if key != self._cache_key:
             if not self._bind_cache(kv_cache):

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "exp_approx.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -53,28 +54,9 @@ constexpr int64_t kBlock = 128;  // query rows per work item (K^T built once for
 constexpr int64_t kR = 4;        // query rows per register tile
 constexpr int64_t kJ = 16;       // keys per register tile of S (4 x 16 measured best)
 
-// exp(x) for x <= 0: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, degree-7 Taylor
-// polynomial (relative error ~1e-7); below -87 it is 0 (as expf underflows).
+// exp(x) for x <= 0 (exp_approx.h); below -87 it is 0 (as expf underflows).
 #pragma omp declare simd notinbranch
-inline float exp_le0(float x) {
-  const float xc = x < -87.0f ? -87.0f : x;
-  const float magic = 12582912.0f;  // 1.5 * 2^23
-  const float n = (xc * 1.4426950408889634f + magic) - magic;
-  float r = xc - n * 0.693145751953125f;
-  r = r - n * 1.428606765330187e-06f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
-}
+inline float exp_le0(float x) { return x < -87.0f ? 0.0f : pdserve_cpu::exp_approx(x); }
 
 #if defined(__AVX512F__)
 // exp_le0 on 16 lanes (GCC leaves the scalar loops below unvectorized).
