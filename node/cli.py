@@ -278,6 +278,10 @@ def serve(args: argparse.Namespace) -> None:
     from api.drain import serve as serve_draining
     from node.api_server import build_app
 
+    if not args.body_timeout_s > 0:
+        raise ConfigError("--body-timeout-s", f"must be > 0, got {args.body_timeout_s}")
+    if not args.max_body_bytes >= 1:
+        raise ConfigError("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
     config = engine_config_from_args(args)
     cluster = cluster_options_from_args(args)
     tmpdir = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from urllib.parse import urlparse
 
@@ -150,3 +152,16 @@ def test_slow_body_within_the_deadline_is_served(node, router, case):
             assert json.loads(body)["usage"]["completion_tokens"] == 2
         finally:
             sock.close()
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_bad_body_timeout_is_a_config_error_naming_the_flag(tiny_llama_dir, command, value):
+    args = ["--model", tiny_llama_dir, "--body-timeout-s", value]
+    if command == "router":
+        args += ["--decode", "http://127.0.0.1:9"]
+    r = subprocess.run([sys.executable, "-m", "pdserve", command, *args],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode != 0
+    assert "body_timeout_s" in r.stderr or "--body-timeout-s" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
