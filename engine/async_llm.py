@@ -31,7 +31,7 @@ class RequestFailedError(RuntimeError):
     """The engine ended a request with an error (or died) after it was accepted."""
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestDelta:
     """What one request produced since its previous delta."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -24,12 +25,43 @@ from api.protocol import (
     UsageInfo,
 )
 from api.structured import DeltaToolCall
-from engine.async_llm import RequestFailedError
+from engine.async_llm import RequestDelta, RequestFailedError
 from engine.outputs import TokenLogprobs
 from node import structured_output as structured
 from node.openai_serving import Choice, Generation, OpenAIServing, Prepared
 
 logger = logging.getLogger(__name__)
+
+
+# A JSON string as pydantic's serializer writes it (non-ASCII raw, the same escapes): what
+# `json.dumps(s, ensure_ascii=False)` returns for a str, without its Python wrapper.
+_js = json.encoder.encode_basestring
+
+
+class TextChunk:
+    """The JSON of one choice's stream chunk that carries text only (no logprobs, no tool
+    calls): `CompletionResponse` / `ChatCompletionChunk` with one choice, as
+    `model_dump_json()` writes it, byte for byte (tests/test_sse_chunks.py), from parts
+    built once per choice. One such chunk goes out per token of every stream: building the
+    pydantic models and dumping them was the largest part of its cost in this process."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, index: int):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self.head = f'{{"id":{_js(request_id)},"object":"{obj}","created":'
+        choice = f'"choices":[{{"index":{index},'
+        if chat:
+            self.mid = f',"model":{_js(model)},{choice}"delta":{{"role":null,"content":'
+            self.tail = ',"tool_calls":null},"logprobs":null,"finish_reason":'
+        else:
+            self.mid = f',"model":{_js(model)},{choice}"text":'
+            self.tail = ',"logprobs":null,"finish_reason":'
+
+    def __call__(self, text: str, finish_reason: str | None) -> str:
+        finish = "null" if finish_reason is None else _js(finish_reason)
+        return (
+            f"{self.head}{int(time.time())}{self.mid}{_js(text)}{self.tail}{finish}"
+            '}],"usage":null}'
+        )
 
 
 def usage(p: Prepared, gens: list[Generation]) -> UsageInfo:
@@ -57,7 +89,12 @@ def _tops(ids: list[int], lps: list[float], top: list[TokenLogprobs] | None):
 
 
 def completion_piece(
-    s: OpenAIServing, p: Prepared, c: Choice, g: Generation, first: bool, offset: int
+    s: OpenAIServing,
+    p: Prepared,
+    c: Choice,
+    g: Generation | RequestDelta,
+    first: bool,
+    offset: int,
 ) -> tuple[str, CompletionLogprobs | None]:
     """Text and logprobs of a generation (or of one delta of it, as a Generation): the
     echoed prompt first when `first`, then the tokens unless `drop_output`."""
@@ -124,13 +161,16 @@ async def stream_completion(
 ) -> AsyncIterator[str]:
     offsets = [0] * len(p.choices)
     started = [False] * len(p.choices)
+    plain = [TextChunk(False, p.request_id, s.model_name, c.index) for c in p.choices]
 
-    def chunk(c: Choice, g: Generation) -> str | None:
+    def chunk(c: Choice, g: Generation | RequestDelta) -> str | None:
         text, lp = completion_piece(s, p, c, g, not started[c.index], offsets[c.index])
         started[c.index] = True
         offsets[c.index] += len(text)
         if not text and g.finish_reason is None and not (lp and lp.tokens):
             return None
+        if lp is None:
+            return plain[c.index](text, g.finish_reason)
         return CompletionResponse(
             id=p.request_id,
             model=s.model_name,
@@ -155,22 +195,28 @@ async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> Asy
     call streams no content (its JSON is the call)."""
     texts = [""] * len(p.choices)
     tooling = p.plan.tools_forced or p.plan.tools_auto
+    plain = [TextChunk(True, p.request_id, s.model_name, c.index) for c in p.choices]
 
-    def chunk(c: Choice, g: Generation) -> str | None:
-        texts[c.index] += g.text
+    def chunk(c: Choice, g: Generation | RequestDelta) -> str | None:
         text = "" if p.plan.tools_forced else g.text
-        delta = DeltaMessage(content=text)
         finish = g.finish_reason
-        if tooling and finish is not None:
-            calls = structured.tool_calls(p.plan, texts[c.index])
-            if calls:
-                delta.tool_calls = [
-                    DeltaToolCall(index=i, id=call.id, function=call.function)
-                    for i, call in enumerate(calls)
-                ]
-                finish = "tool_calls"
+        calls = None
+        if tooling:
+            texts[c.index] += g.text
+            if finish is not None:
+                calls = structured.tool_calls(p.plan, texts[c.index]) or None
+                if calls:
+                    finish = "tool_calls"
         if not text and finish is None and not g.logprobs:
             return None
+        if g.logprobs is None and calls is None:
+            return plain[c.index](text, finish)
+        delta = DeltaMessage(content=text)
+        if calls:
+            delta.tool_calls = [
+                DeltaToolCall(index=i, id=call.id, function=call.function)
+                for i, call in enumerate(calls)
+            ]
         lp = None
         if g.logprobs is not None:
             lp = s.fmt.chat(g.token_ids, g.logprobs, g.top_logprobs)
@@ -218,9 +264,7 @@ async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_
         async with aclosing(s.deltas(p)) as deltas:
             async for c, delta in deltas:
                 gens[c.index].add(delta)
-                piece = Generation()
-                piece.add(delta)
-                body = chunk(c, piece)
+                body = chunk(c, delta)  # reads the fields a Generation of it would have
                 if body is not None:
                     if delta.finish_reason is not None:
                         body = with_timings(body, s.server_timings(gens[c.index]))

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -263,7 +263,7 @@ class OpenAIServing:
         return tok.decode(ids) if tok is not None else ""
 
     # -- generation ---------------------------------------------------------------------
-    async def _deltas(self, p: Prepared, c: Choice) -> AsyncIterator[RequestDelta]:
+    async def _deltas(self, p: Prepared, c: Choice) -> AsyncIterator[tuple[Choice, RequestDelta]]:
         """One choice's deltas, with metrics observed along the way."""
         async with aclosing(
             self.llm.generate(
@@ -284,23 +284,23 @@ class OpenAIServing:
                         delta.finish_reason,
                         delta.num_output_tokens,
                     )
-                yield delta
+                yield c, delta
 
-    async def deltas(self, p: Prepared) -> AsyncIterator[tuple[Choice, RequestDelta]]:
+    def deltas(self, p: Prepared) -> AsyncGenerator[tuple[Choice, RequestDelta], None]:
         """Every choice's deltas, interleaved as they arrive. Leaving early (or one choice
-        failing) aborts every choice still running."""
+        failing) aborts every choice still running. One choice: its own generator, with
+        no layer between (a hop through an async generator per token costs)."""
         if len(p.choices) == 1:
-            c = p.choices[0]
-            async with aclosing(self._deltas(p, c)) as gen:
-                async for delta in gen:
-                    yield c, delta
-            return
+            return self._deltas(p, p.choices[0])
+        return self._interleaved(p)
+
+    async def _interleaved(self, p: Prepared) -> AsyncIterator[tuple[Choice, RequestDelta]]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
             try:
                 async with aclosing(self._deltas(p, c)) as gen:
-                    async for delta in gen:
+                    async for _, delta in gen:
                         queue.put_nowait((c, delta, None))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait((c, None, e))
