@@ -2,7 +2,7 @@
 
 Starts a node (`python -m pdserve serve`, the given flags), warms it up with a few
 requests, then runs `pdserve bench serve` (random dataset, streaming, rate inf) against it
-`--rounds` times. Around each run it reads user + system CPU seconds from /proc (Linux) of
+`--rounds` times, each with new prompts (none in the prefix cache). Around each run it reads user + system CPU seconds from /proc (Linux) of
 the node's API process, of its engine process (and of each engine thread: the main thread
 runs the step, the OpenMP workers only the forward, the I/O threads encode and send) and of
 the benchmark client (its whole process, start-up included). CPU seconds per output token
@@ -108,13 +108,14 @@ class Node:
         self.proc.wait(60)
 
 
-def bench_cmd(url: str, args, num_prompts: int, out: Path) -> list[str]:
+def bench_cmd(url: str, args, num_prompts: int, out: Path, seed: int) -> list[str]:
+    """`seed`: the random prompts' (a new one each round: no round hits the prefix cache)."""
     return [
         sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", url,
         "--tokenizer", args.tokenizer or args.model, "--dataset", "random",
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--num-prompts", str(num_prompts), "--request-rate", "inf", "--no-progress",
-        "--no-plots", "--out", str(out), "--log-level", "warning",
+        "--no-plots", "--out", str(out), "--log-level", "warning", "--seed", str(seed),
     ]  # fmt: skip
 
 
@@ -128,11 +129,11 @@ def run_bench(cmd: list[str]) -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def one_round(node: Node, args, out: Path) -> dict:
+def one_round(node: Node, args, out: Path, seed: int) -> dict:
     api, eng = node.pids
     api_us0, eng0, th0 = user_sys(Path(f"/proc/{api}/stat")), cpu_seconds(eng), thread_cpu(eng)
     t = time.perf_counter()
-    client = run_bench(bench_cmd(node.url, args, args.num_prompts, out))
+    client = run_bench(bench_cmd(node.url, args, args.num_prompts, out, seed))
     wall = time.perf_counter() - t
     api_us1, eng1, th1 = user_sys(Path(f"/proc/{api}/stat")), cpu_seconds(eng), thread_cpu(eng)
     run = json.loads(out.read_text())["runs"][0]["metrics"]
@@ -176,10 +177,10 @@ def main() -> None:
     try:
         for name, node in nodes.items():
             node.wait_ready()
-            run_bench(bench_cmd(node.url, args, 4, tmp / f"warmup_{name}.json"))
+            run_bench(bench_cmd(node.url, args, 4, tmp / f"warmup_{name}.json", seed=0))
         for i in range(args.rounds):
             for name, node in nodes.items():
-                r = one_round(node, args, tmp / f"bench_{name}_{i}.json")
+                r = one_round(node, args, tmp / f"bench_{name}_{i}.json", seed=i + 1)
                 rounds[name].append(r)
                 print(
                     f"round {i} {name}: {r['output_tok_s']:.1f} tok/s, CPU ms/token: API "
