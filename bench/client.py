@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from bench.datasets import BenchRequest, Tokenizer
 
@@ -122,8 +123,20 @@ def _error_message(event_or_body) -> str:
     return str(event_or_body)[:300]
 
 
+async def _lines(body: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The body's lines (without the newline) as the network delivers them; no limit on a
+    line's length (aiohttp's own line reader refuses one over 128 KiB)."""
+    rest = b""
+    async for data in body.iter_any():
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
+
+
 async def send_request(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     cfg: EndpointConfig,
     req: BenchRequest,
     index: int,
@@ -135,32 +148,36 @@ async def send_request(
     start = time.perf_counter()
     rec.start = start - t0
     text, usage, done = "", None, False
+    # Like httpx's Timeout(t, connect=...): t for each read, not for the whole stream.
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_read=cfg.timeout_s, sock_connect=min(cfg.timeout_s, 30.0)
+    )
     try:
-        async with client.stream(
-            "POST", cfg.base_url + cfg.endpoint, json=request_body(cfg, req),
-            timeout=httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0)),
-        ) as resp:  # fmt: skip
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
+        async with client.post(
+            cfg.base_url + cfg.endpoint, json=request_body(cfg, req), timeout=timeout
+        ) as resp:
+            if resp.status != 200:
+                body = (await resp.read()).decode(errors="replace")
                 try:
                     msg = _error_message(json.loads(body))
                 except ValueError:
                     msg = body[:300]
-                return _fail(rec, start, f"http_{resp.status_code}", msg)
+                return _fail(rec, start, f"http_{resp.status}", msg)
             router_wait = resp.headers.get(ROUTER_WAIT_HEADER)
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in _lines(resp.content):
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
+                data = raw[5:].strip()
                 now = time.perf_counter() - start
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     done = True
                     rec.e2e = now
                     break
                 try:
                     event = json.loads(data)
                 except ValueError:
-                    return _fail(rec, start, "other", f"unparseable event: {data[:200]}")
+                    shown = data[:200].decode(errors="replace")
+                    return _fail(rec, start, "other", f"unparseable event: {shown}")
                 if "error" in event and not event.get("choices"):
                     return _fail(rec, start, "server_error", _error_message(event))
                 piece, n_tokens = _chunk_content(event, cfg.is_chat)
@@ -175,11 +192,11 @@ async def send_request(
                     usage = event["usage"]
                 if event.get("pdserve_timings"):
                     rec.server_timings = event["pdserve_timings"]
-    except httpx.TimeoutException as e:
+    except TimeoutError as e:  # aiohttp's read and connect timeouts are TimeoutErrors
         return _fail(rec, start, "timeout", f"{type(e).__name__} after {cfg.timeout_s} s")
-    except httpx.ConnectError as e:
+    except aiohttp.ClientConnectorError as e:
         return _fail(rec, start, "connect", f"{type(e).__name__}: {e}")
-    except (httpx.HTTPError, OSError) as e:
+    except (aiohttp.ClientError, OSError) as e:
         kind = "incomplete" if rec.chunk_times else "other"
         return _fail(rec, start, kind, f"{type(e).__name__}: {e}")
     if not done:

@@ -8,7 +8,7 @@ as an error string, never fails the benchmark.
 
 from __future__ import annotations
 
-import httpx
+import aiohttp
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -35,15 +35,15 @@ def parse_counters(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape(client: httpx.AsyncClient, urls: list[str]) -> dict[str, dict]:
+async def scrape(client: aiohttp.ClientSession, urls: list[str]) -> dict[str, dict]:
     """url -> {counter: value} (or {"error": message})."""
     out: dict[str, dict] = {}
     for url in urls:
         try:
-            r = await client.get(url, timeout=10)
-            r.raise_for_status()
-            out[url] = parse_counters(r.text)
-        except (httpx.HTTPError, OSError) as e:
+            async with client.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                r.raise_for_status()
+                out[url] = parse_counters(await r.text())
+        except (aiohttp.ClientError, OSError) as e:  # TimeoutError is an OSError
             out[url] = {"error": f"{type(e).__name__}: {e}"}
     return out
 

@@ -117,7 +117,7 @@ def _server_info(base_url: str) -> dict:
 
 def _versions() -> dict:
     out = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for dist in ("pdserve", "httpx", "numpy", "tokenizers"):
+    for dist in ("pdserve", "aiohttp", "httpx", "numpy", "tokenizers"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
