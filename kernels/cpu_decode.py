@@ -32,6 +32,7 @@ class Layer(ctypes.Structure):
         ("input_norm", _p), ("qkv", _p), ("qkv_ws", _i64), ("qkv_bias", _p),
         ("o", _p), ("o_ws", _i64), ("post_norm", _p), ("gate_up", _p), ("gate_up_ws", _i64),
         ("down", _p), ("down_ws", _i64), ("k_cache", _p), ("v_cache", _p),
+        ("qkv_p", _p), ("o_p", _p), ("gate_up_p", _p), ("down_p", _p),
     ]  # fmt: skip
 
 
@@ -48,7 +49,7 @@ class Model(ctypes.Structure):
         ("cos_sin", _p), ("max_pos", _i64),
         ("block_size", _i64), ("block_stride", _i64), ("num_blocks", _i64),
         ("parallel_min_elements", _i64), ("items_per_thread", _i64), ("min_split_keys", _i64),
-        ("layers", ctypes.POINTER(Layer)),
+        ("layers", ctypes.POINTER(Layer)), ("gemm_packed_team", _p),
     ]  # fmt: skip
 
 
@@ -63,6 +64,7 @@ ERRORS = {
     3: "a KV slot outside the cache",
     4: "a context length outside the block table",
     5: "a kernel refused its arguments",
+    6: "no packed fp32 weights for the batched forward",
 }
 
 
@@ -72,7 +74,8 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
 
 def libraries() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, dict[str, int]] | None:
     """(the whole-forward entry point, the per-layer attention entry point, {kernel field:
-    address}), or None if any of the libraries cannot be built here."""
+    address}), or None if any of the libraries cannot be built here. The batched forward
+    (`batch_forward`) also needs kernels/cpu_packed.py's library."""
     names = ("decode_forward", "gemv", "elementwise", "paged_decode")
     libs = {n: load_library(n) for n in names}
     if any(lib is None for lib in libs.values()):
@@ -92,6 +95,18 @@ def libraries() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, dict[str, int]] | N
         "paged_decode": _address(libs["paged_decode"], "pdserve_paged_decode"),
     }
     return fn, attn, kernels
+
+
+def batch_forward() -> ctypes._CFuncPtr | None:
+    """`pdserve_decode_forward_batch` (same arguments as the whole-forward entry point), or
+    None if the library cannot be built here."""
+    lib = load_library("decode_forward")
+    if lib is None:
+        return None
+    fn = lib.pdserve_decode_forward_batch
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return fn
 
 
 def wrapper_constants() -> dict[str, int]:

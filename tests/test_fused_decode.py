@@ -1,5 +1,7 @@
 """The fused decode forward (engine/models/fused_decode.py): one native call for a decode
-step of <= 8 rows, equal bit for bit to the model's per-op path, and used by the engine."""
+step of <= 8 rows and the per-layer loop for bf16 or without packed weights, equal bit for
+bit to the model's per-op path; the batched fp32 forward on packed weights for more rows,
+close to it, independent of the other rows of its step; all used by the engine."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def _per_op_and_fused(model, ids, pos, cache, meta):
     """(per-op hidden, per-op cache, fused hidden, fused cache) from the same inputs."""
     fused = model.fused_decode
     kv_ref, kv_fused = cache.clone(), cache.clone()
-    steps = fused.steps + fused.layer_steps
+    steps = _steps(fused)
     with torch.inference_mode():
         model.fused_decode = None
         try:
@@ -35,8 +37,12 @@ def _per_op_and_fused(model, ids, pos, cache, meta):
         finally:
             model.fused_decode = fused
         got = model(ids, pos, kv_fused, meta)
-    assert fused.steps + fused.layer_steps == steps + 1, "the fused path did not run"
+    assert _steps(fused) == steps + 1, "the fused path did not run"
     return ref, kv_ref, got, kv_fused
+
+
+def _steps(fused) -> int:
+    return fused.steps + fused.layer_steps + fused.batch_steps
 
 
 def _same_layout_cache(runner, seed: int) -> torch.Tensor:
@@ -53,6 +59,7 @@ def test_fused_equals_per_op(tiny_llama_dir, dtype, layout):
     runner = llm.engine.runner
     model = runner.model
     assert isinstance(model.fused_decode, FusedDecode)
+    model.fused_decode = FusedDecode.build(model, batch=False)  # the batched forward: below
     # <= 8 rows: one call; more: one attention call a layer, the GEMMs oneDNN's
     for rows, threads in [(1, 1), (3, 2), (8, 2), (2, 1), (9, 1), (32, 2)]:
         torch.set_num_threads(threads)
@@ -99,7 +106,7 @@ def test_steps_it_does_not_take_run_per_op(tiny_llama_dir):
     runner = llm.engine.runner
     model, fused = runner.model, runner.model.fused_decode
     cache = _same_layout_cache(runner, seed=0)
-    steps = fused.steps, fused.layer_steps
+    steps = fused.steps, fused.layer_steps, fused.batch_steps
     with torch.inference_mode():
         for rows in (2, 12):
             ids, pos, meta = _decode_inputs(rows, cache, seed=2)
@@ -111,12 +118,13 @@ def test_steps_it_does_not_take_run_per_op(tiny_llama_dir):
             bad = pos.clone()
             bad[0] = 10**6  # outside the RoPE table: per-op path
             assert fused(ids, bad, cache, meta) is None
+        by_layer = FusedDecode.build(model, batch=False)
         model.model.layers[0].mlp.tile_rows = 8  # the per-op MLP would run in row tiles
         try:
-            assert fused(ids, pos, cache, meta) is None
+            assert by_layer(ids, pos, cache, meta) is None
         finally:
             model.model.layers[0].mlp.tile_rows = None
-    assert (fused.steps, fused.layer_steps) == steps
+    assert (fused.steps, fused.layer_steps, fused.batch_steps) == steps
 
 
 def test_engine_uses_fused_decode_and_equals_hf(tiny_llama_dir):
@@ -131,12 +139,98 @@ def test_engine_uses_fused_decode_and_equals_hf(tiny_llama_dir):
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
     assert fused.steps >= 11, fused.steps  # every decode step of the three rows
-    # more rows than MAX_ROWS: the per-layer path
+    # more rows than MAX_ROWS: the batched forward (fp32)
     prompts = random_prompts(10, [3, 9, 20], seed=12)
     outs = llm.generate(prompts, params)
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
+    assert fused.batch_steps >= 10, fused.batch_steps
+    # and the per-layer path (bf16, or no packed weights)
+    llm.engine.runner.model.fused_decode = fused = FusedDecode.build(
+        llm.engine.runner.model, batch=False
+    )
+    outs = llm.generate(prompts, params)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
     assert fused.layer_steps >= 10, fused.layer_steps
+
+
+def _batched_close_to_per_op(runner, cases) -> None:
+    """The batched fp32 forward (packed GEMMs) against the per-op path: hidden states and
+    the K/V it stores equal but for summation order."""
+    model = runner.model
+    fused = model.fused_decode
+    for rows, threads in cases:
+        torch.set_num_threads(threads)
+        cache = _same_layout_cache(runner, seed=rows)
+        ids, pos, meta = _decode_inputs(rows, cache, seed=rows)
+        batch_steps = fused.batch_steps
+        ref, kv_ref, got, kv_fused = _per_op_and_fused(model, ids, pos, cache, meta)
+        assert fused.batch_steps == batch_steps + 1, "the batched forward did not run"
+        assert got.shape == ref.shape and got.dtype == torch.float32
+        scale = ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= 1e-5 * scale, (rows, threads)
+        assert (kv_fused - kv_ref).abs().max().item() <= 1e-5 * kv_ref.abs().max().item()
+        assert not torch.equal(kv_fused, cache), "nothing was stored"
+    torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("layout", ["layer_major", "block_major"])
+def test_batched_forward_close_to_per_op(tiny_llama_dir, layout):
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512, kv_layout=layout)
+    _batched_close_to_per_op(llm.engine.runner, [(9, 1), (9, 2), (33, 2), (64, 2)])
+
+
+def test_batched_rows_do_not_depend_on_the_step(tiny_llama_dir):
+    """A row's hidden states and stored K/V are the same bits whatever other rows share its
+    step and however many threads run it (each GEMM output one FMA chain over k in order;
+    norms, RoPE and attention per row)."""
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512)
+    runner = llm.engine.runner
+    model, fused = runner.model, runner.model.fused_decode
+    cache = _same_layout_cache(runner, seed=5)
+    ids, pos, meta = _decode_inputs(40, cache, seed=6)
+    outs = []
+    with torch.inference_mode():
+        for rows, threads in [(40, 2), (9, 1), (17, 2), (40, 1)]:
+            torch.set_num_threads(threads)
+            sub = AttentionMetadata(
+                meta.slot_mapping[:rows], rows, meta.decode_block_tables[:rows].contiguous(),
+                meta.decode_context_lens[:rows], meta.prefill_block_tables,
+                meta.prefill_query_start_loc, meta.prefill_seq_lens,
+            )  # fmt: skip
+            kv = cache.clone()
+            before = fused.batch_steps
+            outs.append((model(ids[:rows], pos[:rows], kv, sub), kv))
+            assert fused.batch_steps == before + 1
+    torch.set_num_threads(1)
+    full, kv_full = outs[0]
+    for hidden, _kv in outs[1:]:
+        assert torch.equal(hidden, full[: hidden.shape[0]])
+    assert torch.equal(outs[3][0], full) and torch.equal(outs[3][1], kv_full)
+
+
+def test_batched_lm_head(tiny_llama_dir):
+    """A batched decode step's logits come from the packed lm_head (close to oneDNN's);
+    prompt steps and small steps keep the model's own GEMMs."""
+    from engine.models.cpu_linear import linear
+    from kernels import cpu_gemv
+
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    model = llm.engine.runner.model
+    fused = model.fused_decode
+    hidden = torch.randn(12, model.config.hidden_size)
+    ref = linear(hidden, model.lm_head_weight, None)
+    got = model.compute_logits(hidden)
+    assert fused.logits(hidden) is not None
+    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert fused.logits(hidden[:8]) is None
+    cpu_gemv.set_prompt_step(True)
+    try:
+        assert fused.logits(hidden) is None
+        assert torch.equal(model.compute_logits(hidden), ref)
+    finally:
+        cpu_gemv.set_prompt_step(False)
 
 
 def test_no_fused_decode_with_reference_kernels(tiny_llama_dir, monkeypatch):
@@ -151,9 +245,14 @@ from engine import LLM
 from tests.test_fused_decode import _decode_inputs, _per_op_and_fused, _same_layout_cache
 from kernels import cpu_gemv
 assert cpu_gemv.isa() == 256, cpu_gemv.isa()
+from tests.test_fused_decode import _batched_close_to_per_op
+from engine.models.fused_decode import FusedDecode
 for dtype in ("float32", "bfloat16"):
     llm = LLM({path!r}, dtype=dtype, block_size=4, num_blocks=256)
     runner = llm.engine.runner
+    if dtype == "float32":
+        _batched_close_to_per_op(runner, [(11, 2), (21, 1)])
+        runner.model.fused_decode = FusedDecode.build(runner.model, batch=False)
     for rows in (1, 4, 11):
         cache = _same_layout_cache(runner, seed=rows)
         ids, pos, meta = _decode_inputs(rows, cache, seed=rows)

@@ -7,7 +7,12 @@ own). `__call__(input_ids, positions, kv_cache, meta)` returns a decode-only ste
 states:
 
 - up to `cpu_gemv.MAX_ROWS` rows: the whole forward as one native call (`steps` counts them);
-- more rows (their GEMMs stay the prepacked oneDNN ones, which win there): a plain loop over
+- more rows, fp32, up to `BATCH_MAX_ROWS`: the whole forward as one native call and one
+  OpenMP parallel region on weights packed at build for kernels/csrc/gemm_packed.cpp
+  (`batch_steps`; `logits` runs the lm_head of such a step the same way). Not bit-equal
+  to the per-op path (other GEMMs: each output one FMA chain over k, the residual add in
+  the GEMM's store); the norms, RoPE, K/V store and attention are the same kernels;
+- otherwise (bf16, more rows, no packed weights): a plain loop over
   the layers calling the per-op path's own functions without its module calls and views,
   with each layer's RoPE + KV store + attention as one native call (`layer_steps`);
 
@@ -33,9 +38,11 @@ import torch
 
 from engine.models.cpu_linear import linear
 from engine.models.llama import mlp_tile_rows
-from kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops
+from kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops, cpu_packed
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# decode steps of MAX_ROWS < m <= this many rows take the batched forward (fp32)
+BATCH_MAX_ROWS = 256
 
 
 def _row_stride(w: torch.Tensor) -> int:
@@ -45,7 +52,9 @@ def _row_stride(w: torch.Tensor) -> int:
 
 
 class FusedDecode:
-    def __init__(self, model: torch.nn.Module, fn, attend, kernels: dict[str, int]) -> None:
+    def __init__(
+        self, model: torch.nn.Module, fn, attend, kernels: dict[str, int], batch: bool = True
+    ) -> None:
         cfg = model.config
         layers = model.model.layers
         attn = layers[0].self_attn
@@ -89,6 +98,24 @@ class FusedDecode:
                 gate_up_ws=_row_stride(mlp.gate_up_proj.weight),
                 down=_ptr(mlp.down_proj.weight), down_ws=_row_stride(mlp.down_proj.weight),
             )  # fmt: skip
+        # fp32 steps of more than MAX_ROWS rows: the batched forward on packed weights
+        self._batch_fn = cpu_decode.batch_forward() if batch else None
+        team = cpu_packed.team_address() if self._batch_fn is not None else None
+        self._packed: list[cpu_packed.Packed] = []  # kept alive: the layers point into them
+        self.lm_head: cpu_packed.Packed | None = None
+        if team is not None and self.dtype == torch.float32:
+            for i, layer in enumerate(layers):
+                a, mlp = layer.self_attn, layer.mlp
+                ps = [cpu_packed.Packed(a.qkv_proj.weight), cpu_packed.Packed(a.o_proj.weight),
+                      cpu_packed.Packed(mlp.gate_up_proj.weight, silu=True),
+                      cpu_packed.Packed(mlp.down_proj.weight)]  # fmt: skip
+                self._packed += ps
+                lay = self._layers[i]
+                lay.qkv_p, lay.o_p, lay.gate_up_p, lay.down_p = (q.ptr() for q in ps)
+            self.lm_head = cpu_packed.Packed(model.lm_head_weight)
+        else:
+            self._batch_fn = None
+            team = None
         embed = model.model.embed_tokens.weight
         self._model = cpu_decode.Model(
             **kernels,
@@ -99,17 +126,19 @@ class FusedDecode:
             embed=_ptr(embed), embed_stride=_row_stride(embed),
             final_norm=_ptr(model.model.norm.weight),
             cos_sin=_ptr(model.cos_sin), max_pos=model.cos_sin.shape[0],
-            layers=self._layers, **cpu_decode.wrapper_constants(),
+            layers=self._layers, gemm_packed_team=team, **cpu_decode.wrapper_constants(),
         )  # fmt: skip
         self._model_ref = ctypes.byref(self._model)
         self._cache_key: tuple | None = None
         self._cache: torch.Tensor | None = None  # kept alive: the plan points into it
         self.steps = 0  # steps run as one call
         self.layer_steps = 0  # larger steps run with one attention call a layer
+        self.batch_steps = 0  # larger fp32 steps run as one call on packed weights
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> FusedDecode | None:
-        """The fused decode for `model`, or None where it cannot run (see the module doc)."""
+    def build(cls, model: torch.nn.Module, batch: bool = True) -> FusedDecode | None:
+        """The fused decode for `model`, or None where it cannot run (see the module doc).
+        batch=False: no packed weights, larger steps always by layer."""
         layers = model.model.layers
         embed = model.model.embed_tokens.weight
         if not embed.is_cpu or embed.dtype not in _DTYPES or not len(layers):
@@ -133,7 +162,7 @@ class FusedDecode:
         if found is None:
             return None
         try:
-            return cls(model, *found)
+            return cls(model, *found, batch=batch)
         except ValueError:  # a weight whose rows are not contiguous
             return None
 
@@ -191,10 +220,13 @@ class FusedDecode:
             return None
         if tables.dim() != 2 or tables.shape[0] != m:
             return None
+        fn = self._fn
         if m > cpu_gemv.MAX_ROWS:
-            return self._by_layer(input_ids, positions, slots, tables, lens, m)
+            if self._batch_fn is None or m > BATCH_MAX_ROWS:
+                return self._by_layer(input_ids, positions, slots, tables, lens, m)
+            fn = self._batch_fn
         out = torch.empty((m, self._model.hidden), dtype=self.dtype)
-        rc = self._fn(
+        rc = fn(
             self._model_ref, input_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
             tables.data_ptr(), tables.shape[1], lens.data_ptr(), m, out.data_ptr(),
             torch.get_num_threads(),
@@ -203,8 +235,21 @@ class FusedDecode:
             raise RuntimeError(f"fused decode forward: {cpu_decode.ERRORS[rc]}")
         if rc != 0:  # bad inputs, nothing written: the per-op path handles them as it does
             return None
-        self.steps += 1
+        if fn is self._fn:
+            self.steps += 1
+        else:
+            self.batch_steps += 1
         return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The lm_head of a batched decode step's rows (fp32 [m, vocab]) on the packed
+        weight, or None (not such a step: the model's own lm_head GEMM then)."""
+        m = hidden.shape[0] if hidden.dim() == 2 else 0
+        if self.lm_head is None or not cpu_gemv.MAX_ROWS < m <= BATCH_MAX_ROWS:
+            return None
+        if cpu_gemv.prompt_step() or hidden.dtype != torch.float32 or not hidden.is_cpu:
+            return None
+        return self.lm_head.linear(hidden.contiguous())
 
     def _by_layer(self, input_ids, positions, slots, tables, lens, m) -> torch.Tensor | None:
         """A decode step of more than MAX_ROWS rows: the per-op path's own calls (the

@@ -231,6 +231,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] fp32 logits, only for the rows that sample."""
+        fused = self.fused_decode
+        if fused is not None and not torch.compiler.is_compiling():
+            logits = fused.logits(hidden)  # a batched fp32 decode step: the packed lm_head
+            if logits is not None:
+                return logits
         return linear(hidden, self.lm_head_weight, None).float()
 
     def prepack(self) -> int:
