@@ -95,10 +95,12 @@ void pack_panels(const float* w, int64_t ws, int64_t n, int64_t k, bool silu, fl
 
 // R rows of x (rows xs apart) times one panel: acc [R][NR] vectors, then the epilogue into
 // the panel's output columns [j0, j0 + cols) of y.
+// pf: where this chunk's share of the next panel starts (null: none), pf_step bytes of it a
+// k step (prefetched into L2 while this panel computes from L1/L2).
 template <int R>
 inline void micro(const float* x, int64_t xs, const float* wp, int64_t k, bool silu,
                   const float* bias, const float* res, int64_t rs, float* y, int64_t ys,
-                  int64_t j0, int64_t cols, bool prefetch) {
+                  int64_t j0, int64_t cols, bool prefetch, const char* pf, int64_t pf_step) {
   vf acc[R][NR];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NR; ++v) acc[r][v] = vzero();
@@ -107,6 +109,11 @@ inline void micro(const float* x, int64_t xs, const float* wp, int64_t k, bool s
     vf w[NR];
     for (int v = 0; v < NR; ++v) w[v] = vload(wr + v * V);
     if (prefetch) __builtin_prefetch(wr + PF * P, 0, 3);
+    if (pf != nullptr) {
+      const char* a = pf + kk * pf_step;
+      __builtin_prefetch(a, 0, 2);
+      if (pf_step > 64) __builtin_prefetch(a + 64, 0, 2);
+    }
     for (int r = 0; r < R; ++r) {
       const vf b = vbcast(x + r * xs + kk);
       for (int v = 0; v < NR; ++v) acc[r][v] = vfma(b, w[v], acc[r][v]);
@@ -137,13 +144,14 @@ inline void micro(const float* x, int64_t xs, const float* wp, int64_t k, bool s
 template <int R>
 inline void rows_chunk(const float* x, int64_t xs, const float* wp, int64_t k, bool silu,
                        const float* bias, const float* res, int64_t rs, float* y, int64_t ys,
-                       int64_t j0, int64_t cols, int64_t rows, bool prefetch) {
+                       int64_t j0, int64_t cols, int64_t rows, bool prefetch, const char* pf,
+                       int64_t pf_step) {
   if constexpr (R > 1) {
     if (rows < R)
       return rows_chunk<R - 1>(x, xs, wp, k, silu, bias, res, rs, y, ys, j0, cols, rows,
-                               prefetch);
+                               prefetch, pf, pf_step);
   }
-  micro<R>(x, xs, wp, k, silu, bias, res, rs, y, ys, j0, cols, prefetch);
+  micro<R>(x, xs, wp, k, silu, bias, res, rs, y, ys, j0, cols, prefetch, pf, pf_step);
 }
 
 // Panels [p0, p1) for all m rows.
@@ -151,12 +159,22 @@ void gemm_panels(const float* x, int64_t xs, const float* wp, int64_t n, int64_t
                  const float* bias, const float* res, int64_t rs, float* y, int64_t ys,
                  int64_t m, int64_t p0, int64_t p1) {
   const int64_t cp = cols_per_panel(silu);
+  // The next panel streams from DRAM while this one computes: chunk c of n prefetches the
+  // c-th n-th of it, so the read is spread over the whole panel's time, not bunched into
+  // its first chunk (which then ran memory-bound). The thread's first panel prefetches
+  // itself PF rows ahead in its first chunk.
+  const int64_t chunks = (m + MR - 1) / MR;
+  const int64_t panel_bytes = k * P * static_cast<int64_t>(sizeof(float));
+  const int64_t pf_step = std::max<int64_t>(1, P * static_cast<int64_t>(sizeof(float)) / chunks);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t j0 = p * cp, cols = std::min(cp, n - j0);
     const float* wpp = wp + p * k * P;
-    for (int64_t m0 = 0; m0 < m; m0 += MR)
+    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(wpp + k * P) : nullptr;
+    for (int64_t c = 0, m0 = 0; m0 < m; ++c, m0 += MR)
       rows_chunk<MR>(x + m0 * xs, xs, wpp, k, silu, bias, res == nullptr ? nullptr : res + m0 * rs,
-                     rs, y + m0 * ys, ys, j0, cols, std::min<int64_t>(MR, m - m0), m0 == 0);
+                     rs, y + m0 * ys, ys, j0, cols, std::min<int64_t>(MR, m - m0),
+                     p == p0 && m0 == 0, next == nullptr ? nullptr : next + c * panel_bytes / chunks,
+                     pf_step);
   }
 }
 
