@@ -21,8 +21,18 @@ from __future__ import annotations
 
 import torch
 
+from kernels import hugepages
+
 LAYER_MAJOR = "layer_major"
 BLOCK_MAJOR = "block_major"
+
+
+def _zeros(shape, dtype=None, device=None) -> torch.Tensor:
+    """torch.zeros; on CPU on huge pages where the kernel offers them (kernels/hugepages.py):
+    attention reads blocks scattered over the whole cache."""
+    if device is None or torch.device(device).type == "cpu":
+        return hugepages.empty(shape, dtype or torch.get_default_dtype()).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def allocate_kv_cache(
@@ -37,10 +47,10 @@ def allocate_kv_cache(
     """A zeroed `[L, 2, N, bs, Hkv, D]` KV cache stored in `layout` order."""
     if layout == LAYER_MAJOR:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        return torch.zeros(shape, **tensor_kw)
+        return _zeros(shape, **tensor_kw)
     if layout == BLOCK_MAJOR:
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-        return torch.zeros(shape, **tensor_kw).permute(1, 2, 0, 3, 4, 5)
+        return _zeros(shape, **tensor_kw).permute(1, 2, 0, 3, 4, 5)
     raise ValueError(f"unknown KV cache layout {layout!r}; expected {LAYER_MAJOR} or {BLOCK_MAJOR}")
 
 

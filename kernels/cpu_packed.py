@@ -16,6 +16,7 @@ import ctypes
 
 import torch
 
+from kernels import hugepages
 from kernels.native import load_library
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -62,7 +63,10 @@ class Packed:
         rows, self.k = weight.shape
         self.n = rows // 2 if silu else rows
         self.silu = silu
-        self.data = torch.empty(lib.pdserve_packed_floats(self.n, self.k, int(silu)))
+        # huge pages where offered: the decode step streams every panel from DRAM
+        self.data = hugepages.empty(
+            (lib.pdserve_packed_floats(self.n, self.k, int(silu)),), torch.float32
+        )
         w = weight.detach()
         rc = lib.pdserve_pack(
             w.data_ptr(), w.stride(0), self.n, self.k, int(silu), self.data.data_ptr(),
