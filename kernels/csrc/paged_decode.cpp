@@ -27,6 +27,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -116,6 +117,49 @@ struct Args {
   int64_t split_keys;                   // keys per split
   int64_t num_splits;                   // splits per sequence
   float scale;
+};
+
+// The item a thread computes next (one thread running the items in order: the batched
+// decode forward's threads each run their own rows so): while this item computes, its K
+// (during the scores) and V (during the first output pass) stream into L2, spread over the
+// item's work, so the DRAM reads overlap compute instead of stalling each key group (a
+// split reads ~286 KB for 191 keys of SmolLM2, mostly too few keys ahead for the
+// per-key prefetches below to hide).
+struct Next {
+  const int32_t* table = nullptr;  // null: none
+  int64_t blk0 = 0, blocks = 0;    // its blocks table[blk0 .. blk0 + blocks)
+  int64_t lines = 0;               // 64-byte lines a block's keys hold (K or V)
+  int64_t block_bytes = 0;         // bytes from one block to the next (block_stride)
+  int64_t total() const { return blocks * lines; }
+};
+
+// Prefetches one of the next item's planes (K or V) into L2 at a steady rate: `tick()`
+// once per unit of the current work issues on average total / ticks lines, in order. A
+// burst of prefetches overflows the miss queues and most are dropped: measured, the same
+// lines issued a head's share at a time gained nothing.
+struct Stream {
+  const char* base = nullptr;
+  const Next* nx = nullptr;
+  const char* at = nullptr;
+  int64_t blk = 0, ln = 0, num = 0, den = 1, acc = 0;
+  Stream(const void* plane, const Next& next, int64_t ticks) {
+    if (next.table == nullptr || ticks <= 0) return;
+    base = static_cast<const char*>(plane);
+    nx = &next;
+    at = base + next.table[next.blk0] * next.block_bytes;
+    num = next.total();
+    den = ticks;
+  }
+  inline void tick() {
+    for (acc += num; acc >= den; acc -= den) {
+      if (blk >= nx->blocks) return;
+      __builtin_prefetch(at + ln * 64, 0, 2);
+      if (++ln == nx->lines) {
+        ln = 0;
+        if (++blk < nx->blocks) at = base + nx->table[nx->blk0 + blk] * nx->block_bytes;
+      }
+    }
+  }
 };
 
 // W vectors of partial sums (one per key) -> one vector of the W sums, in key order: levels
@@ -208,17 +252,19 @@ inline vf dot_partial(const vf* qf, const uint16_t* qr, const uint16_t* k) {
 // rows[t - t0]: the key's row offset in the cache (block * block_stride + slot * row).
 template <typename T, int NV, int GC>
 void pv_chunk(const Args& a, const int64_t* rows, int64_t kvh, int64_t h0, int64_t n,
-              const float* s, float* acc_out) {
+              const float* s, float* acc_out, const Next& nx) {
   const T* vc = static_cast<const T*>(a.v) + kvh * NV * W;
   vf acc[GC][NV] = {};
   // The first pass over V (kv head 0's first chunk) fetches whole rows ahead for all the
   // passes: measured 6-10 % less attention time in a real B step, fp32 and bf16.
   const bool fetch = kvh == 0 && h0 == 0;
   const int64_t row_lines = (a.num_kv_heads * NV * W * sizeof(T) + 63) / 64;
+  Stream next(a.v, fetch ? nx : Next{}, n);  // the next item's V over this first pass
   for (int64_t i = 0; i < n; ++i) {
     if (fetch && i + kPrefetchKeys < n)
       for (int64_t l = 0; l < row_lines; ++l)
         __builtin_prefetch(static_cast<const T*>(a.v) + rows[i + kPrefetchKeys] + l * 64 / sizeof(T));
+    if (next.nx != nullptr) next.tick();
     const T* vr = vc + rows[i];
     vf x[NV];
     for (int v = 0; v < NV; ++v) x[v] = loadv(vr + v * W);
@@ -232,12 +278,12 @@ void pv_chunk(const Args& a, const int64_t* rows, int64_t kvh, int64_t h0, int64
 
 template <typename T, int NV>
 void pv_heads(const Args& a, const int64_t* rows, int64_t kvh, int64_t h0, int64_t count,
-              int64_t n, const float* s, float* acc) {
+              int64_t n, const float* s, float* acc, const Next& nx) {
   constexpr int kMax = kAccVectors / NV >= 4 ? 4 : (kAccVectors / NV >= 2 ? 2 : 1);
   for (; count >= kMax; count -= kMax, h0 += kMax)
-    pv_chunk<T, NV, kMax>(a, rows, kvh, h0, n, s, acc);
-  for (; count >= 2; count -= 2, h0 += 2) pv_chunk<T, NV, 2>(a, rows, kvh, h0, n, s, acc);
-  if (count == 1) pv_chunk<T, NV, 1>(a, rows, kvh, h0, n, s, acc);
+    pv_chunk<T, NV, kMax>(a, rows, kvh, h0, n, s, acc, nx);
+  for (; count >= 2; count -= 2, h0 += 2) pv_chunk<T, NV, 2>(a, rows, kvh, h0, n, s, acc, nx);
+  if (count == 1) pv_chunk<T, NV, 1>(a, rows, kvh, h0, n, s, acc, nx);
 }
 
 // bf16 K without the bf16 pairs instruction: a group's rows are converted to fp32 once.
@@ -261,7 +307,7 @@ struct Scratch {
 // un-normalized acc[h * D ...].
 template <typename T, int NV>
 void run_split(const Args& a, int64_t b, int64_t t0, int64_t t1, float* m, float* l,
-               float* acc, Scratch& w) {
+               float* acc, Scratch& w, const Next& nx) {
   constexpr int64_t D = NV * W;
   const int64_t H = a.num_heads, Hkv = a.num_kv_heads, G = H / Hkv, n = t1 - t0;
   const int64_t bs = a.block_size, row = Hkv * D;
@@ -285,6 +331,7 @@ void run_split(const Args& a, int64_t b, int64_t t0, int64_t t1, float* m, float
   float* sp = w.s.data();
   // Scores, W keys at a time: each K row read once (all kv heads), one reduction per
   // (head, W keys).
+  Stream next(kc, nx, (n + W - 1) / W * H);  // the next item's K over the scores: a tick a head
   for (int64_t i0 = 0; i0 < n; i0 += W) {
     for (int64_t i = i0 + kPrefetchKeys; i < i0 + kPrefetchKeys + W && i < n; ++i)
       for (int64_t ln = 0; ln < row_lines; ++ln)
@@ -297,6 +344,7 @@ void run_split(const Args& a, int64_t b, int64_t t0, int64_t t1, float* m, float
     }
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+        if (next.nx != nullptr) next.tick();
         const vf* qfh = w.qf.data() + h * NV;
         const T* qr = q + h * a.q_stride_head;
         vf part[W];
@@ -325,7 +373,8 @@ void run_split(const Args& a, int64_t b, int64_t t0, int64_t t1, float* m, float
     m[h] = mx;
     l[h] = sum;
   }
-  for (int64_t kvh = 0; kvh < Hkv; ++kvh) pv_heads<T, NV>(a, rows, kvh, kvh * G, G, n, sp, acc);
+  for (int64_t kvh = 0; kvh < Hkv; ++kvh)
+    pv_heads<T, NV>(a, rows, kvh, kvh * G, G, n, sp, acc, nx);
 }
 
 // Merges the S splits of every sequence into the output. Called inside the parallel
@@ -367,15 +416,34 @@ void decode(const Args& a, int num_threads) {
   // Per split: m[H], l[H], acc[H * D]. With one split per sequence the output is written at
   // once (one barrier per call: a busy 2-core box deschedules threads, every barrier costs).
   std::vector<float> part(static_cast<size_t>(B * S * item));
+  // the item after each one, by its keys [t0, t1) (see Next)
+  auto keys_of = [&](int64_t it, int64_t* t0, int64_t* t1) {
+    const int64_t len = a.context_lens[it / S];
+    *t0 = (it % S) * a.split_keys;
+    *t1 = *t0 + a.split_keys < len ? *t0 + a.split_keys : len;
+  };
+  const int64_t lines = (a.block_size * a.num_kv_heads * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
 #pragma omp parallel num_threads(num_threads)
   {
     Scratch scratch;
+    const bool alone = omp_get_num_threads() == 1;  // items in order: the next one is known
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t it = 0; it < B * S; ++it) {
       const int64_t b = it / S, sp = it % S;
-      const int64_t len = a.context_lens[b];
-      const int64_t t0 = sp * a.split_keys;
-      const int64_t t1 = t0 + a.split_keys < len ? t0 + a.split_keys : len;
+      int64_t t0, t1;
+      keys_of(it, &t0, &t1);
+      Next nx;
+      if (alone && it + 1 < B * S) {
+        int64_t n0, n1;
+        keys_of(it + 1, &n0, &n1);
+        if (n0 < n1) {
+          nx.table = a.block_tables + (it + 1) / S * a.max_blocks;
+          nx.blk0 = n0 / a.block_size;
+          nx.blocks = (n1 - 1) / a.block_size + 1 - nx.blk0;
+          nx.lines = lines;
+          nx.block_bytes = a.block_stride * static_cast<int64_t>(sizeof(T));
+        }
+      }
       float* m = part.data() + it * item;
       float* l = m + H;
       float* acc = l + H;
@@ -385,7 +453,7 @@ void decode(const Args& a, int num_threads) {
           for (int64_t x = 0; x < H * D; ++x) store(out + b * H * D + x, 0.0f);
         continue;
       }
-      run_split<T, NV>(a, b, t0, t1, m, l, acc, scratch);
+      run_split<T, NV>(a, b, t0, t1, m, l, acc, scratch, nx);
       if (S == 1) {  // the only split: normalize and write the output now
         for (int64_t h = 0; h < H; ++h) {
           const float inv = 1.0f / l[h];
