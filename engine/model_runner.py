@@ -32,7 +32,7 @@ from engine.sampler import Sampled, prompt_logprobs, sample
 from engine.scheduler import SchedulerOutput
 from engine.warmup import warm_up_kernels
 from engine.weights import load_model_weights
-from kernels import cpu_gemv
+from kernels import cpu_gemv, hugepages
 from kernels.ops import default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ class ModelRunner:
         torch.manual_seed(mc.seed)
         model = build_model(arch, ops, self.device, self.dtype)
         load_model_weights(model, model_dir)
+        if self.device.type == "cpu":  # before prepack and the native plans take addresses
+            hugepages.move_parameters(model)
         model.init_rope(self.device)  # fp32
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())

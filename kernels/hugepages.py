@@ -57,3 +57,20 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if madvise(raw.data_ptr() + start, span, _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
     return raw[start : start + nbytes].view(dtype).view(shape)
+
+
+def move_parameters(module: torch.nn.Module) -> int:
+    """Put every CPU parameter of at least 2 MiB on huge pages (a copy, then the copy
+    becomes the parameter's data); returns how many moved. Call before anything keeps a
+    parameter's address (prepacking, native plans): the old storage is freed."""
+    if _madvise() is None:
+        return 0
+    moved = 0
+    for p in module.parameters():
+        if not p.is_cpu or p.numel() * p.element_size() < HUGE or not p.is_contiguous():
+            continue
+        data = empty(tuple(p.shape), p.dtype)
+        data.copy_(p.detach())
+        p.data = data
+        moved += 1
+    return moved

@@ -36,3 +36,18 @@ def test_kv_cache_is_zeroed_on_huge_pages():
     for layout in ("layer_major", "block_major"):
         kv = allocate_kv_cache(layout, 2, 64, 16, 2, 64, dtype=torch.float32, device="cpu")
         assert kv.shape == (2, 2, 64, 16, 2, 64) and not kv.any()
+
+
+def test_model_weights_moved_keep_their_values(tiny_llama_dir):
+    from engine import LLM
+
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    model = llm.engine.runner.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    big = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB: moved
+    w = big.weight.detach().clone()
+    moved = hugepages.move_parameters(big)
+    assert torch.equal(big.weight, w)
+    if hugepages._madvise() is not None:
+        assert moved == 1 and big.weight.data_ptr() % hugepages.HUGE == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
