@@ -3,7 +3,8 @@
 # then `pdserve bench compare`. Optional, never run by CI; needs scripts/setup_vllm_peer.sh.
 #   bash scripts/bench_serve_vs_vllm.sh [VENV] [OUT_DIR]    (defaults /work/vllm-venv, results)
 # Env: THREADS (default: all CPUs), CPUS (default 0..THREADS-1), RATES (default "inf 0.5"),
-# NUM_PROMPTS (64), INPUT_LEN / OUTPUT_LEN (128 / 128), NICE (default 0), PDSERVE_PYTHON.
+# NUM_PROMPTS (64), INPUT_LEN / OUTPUT_LEN (128 / 128), NICE (default 0), PDSERVE_PYTHON,
+# DTYPE (float32; bfloat16 on a CPU with native bf16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-/work/vllm-venv}
@@ -12,6 +13,7 @@ PY=${PDSERVE_PYTHON:-.venv/bin/python}
 THREADS=${THREADS:-$(nproc)}
 RATES=${RATES:-inf 0.5}
 NICE=${NICE:-0}
+DTYPE=${DTYPE:-float32}
 CPUS=${CPUS:-$(seq -s, 0 $((THREADS - 1)))}  # both servers are pinned to these
 VPORT=${VLLM_PORT:-18000}
 PPORT=${PDSERVE_PORT:-18100}
@@ -46,7 +48,7 @@ echo "== vllm serve ($THREADS threads on CPUs $CPUS)"
 taskset -c "$CPUS" env -u PYTHONPATH VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND="$CPUS" \
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 \
     nice -n "$NICE" "$VENV/bin/vllm" serve "$MODEL_DIR" --served-model-name smollm2-135m-instruct \
-    --dtype float32 --host 127.0.0.1 --port "$VPORT" --max-model-len 2048 \
+    --dtype "$DTYPE" --host 127.0.0.1 --port "$VPORT" --max-model-len 2048 \
     >"$OUT/vllm_serve.log" 2>&1 &
 VPID=$!
 trap 'stop $VPID' EXIT
@@ -55,7 +57,7 @@ bench "http://127.0.0.1:$VPORT" vllm
 stop "$VPID"
 
 echo "== pdserve serve ($THREADS threads)"
-taskset -c "$CPUS" nice -n "$NICE" "$PY" -m pdserve serve --model smollm2-135m-instruct --dtype float32 \
+taskset -c "$CPUS" nice -n "$NICE" "$PY" -m pdserve serve --model smollm2-135m-instruct --dtype "$DTYPE" \
     --port "$PPORT" --num-threads "$THREADS" >"$OUT/pdserve_serve.log" 2>&1 &
 PPID_=$!
 trap 'stop $PPID_' EXIT
