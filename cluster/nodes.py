@@ -97,6 +97,7 @@ def node_settings(
         "kv_layout": m.kv_layout,
         "max_model_len": m.max_model_len,
         "enforce_eager": m.enforce_eager,
+        "batched_decode": m.batched_decode,
         "host": node.host,
         "port": node.port,
         "device": node.device,

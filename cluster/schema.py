@@ -48,6 +48,12 @@ class ModelSection(Section):
         "`scheduler.max_num_seqs` (CPU; compiled code cached on disk under the pdserve "
         "cache dir); null: eager (measured as fast or faster, docs/benchmarks.md)",
     )
+    batched_decode: bool = Field(
+        True,
+        description="CPU fp32: decode steps of 9-256 rows as one native call on a copy of "
+        "the projection and lm_head weights packed for it (~2x the weights' memory; false: "
+        "oneDNN's GEMMs, op by op)",
+    )
     max_model_len: int | None = Field(
         None, ge=2, description="longest sequence, prompt + output (default: the model's)"
     )

@@ -51,6 +51,7 @@ class LLM:
         enforce_eager: bool | None = None,  # None: eager; False: compiled step (CPU)
         compile_cache_dir: str | None = None,  # None: <pdserve cache dir>/compile
         kv_layout: str = "layer_major",  # or "block_major" (engine/kv_tensor.py)
+        batched_decode: bool = True,  # CPU fp32: engine/models/fused_decode.py
     ):
         config = EngineConfig(
             model=ModelConfig(
@@ -62,6 +63,7 @@ class LLM:
                 seed,
                 enforce_eager=enforce_eager,
                 compile_cache_dir=compile_cache_dir,
+                cpu_batched_decode=batched_decode,
             ),
             cache=CacheConfig(
                 block_size, kv_cache_bytes, num_blocks, enable_prefix_caching, layout=kv_layout

@@ -49,6 +49,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="--no-enforce-eager: compile the model step piecewise (CPU); default: eager, "
         "measured as fast or faster (docs/benchmarks.md)",
     )
+    p.add_argument(
+        "--batched-decode",
+        action=argparse.BooleanOptionalAction,
+        default=model.cpu_batched_decode,
+        help="CPU fp32: decode steps of 9-256 rows as one native call on packed weights "
+        "(--no-batched-decode: oneDNN's GEMMs; saves a copy of the weights)",
+    )
     p.add_argument("--block-size", type=int, default=cache.block_size)
     p.add_argument(
         "--kv-layout",
@@ -215,6 +222,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             device=args.device,
             max_model_len=args.max_model_len,
             enforce_eager=args.enforce_eager,
+            cpu_batched_decode=args.batched_decode,
         ),
         cache=CacheConfig(
             block_size=args.block_size,

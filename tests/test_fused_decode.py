@@ -332,3 +332,27 @@ def test_inputs_of_other_row_counts_are_not_taken(tiny_llama_dir):
             for bad in short:
                 assert fused(ids, pos, cache, bad) is None
             assert fused(ids, pos[:-1], cache, meta) is None
+
+
+def test_batched_decode_switched_off(tiny_llama_dir, tmp_path):
+    """`batched_decode=False` (`--no-batched-decode`, YAML `model.batched_decode: false`):
+    no packed copies, larger steps by layer."""
+    from node.cli import engine_config_from_args, resolve_settings
+    from tests.test_cluster_config import GOOD, serve_parser, write
+
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512, batched_decode=False)
+    fused = llm.engine.runner.model.fused_decode
+    assert fused._batch_fn is None and fused.lm_head is None and not fused._packed
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(random_prompts(10, [3, 9, 20], seed=12), params)
+    assert fused.layer_steps >= 3 and fused.batch_steps == 0
+
+    def batched(argv: list[str]) -> bool:
+        args = resolve_settings(serve_parser().parse_args(argv))
+        return engine_config_from_args(args).model.cpu_batched_decode
+
+    assert batched([]) is True and batched(["--no-batched-decode"]) is False
+    path = write(tmp_path, GOOD)
+    assert batched(["--config", str(path), "--node", "decode-0"]) is True
+    argv = ["--config", str(path), "--node", "decode-0", "--set", "model.batched_decode=false"]
+    assert batched(argv) is False
