@@ -111,7 +111,9 @@ class ModelRunner:
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         if self.device.type == "cpu":
-            model.fused_decode = FusedDecode.build(model, batch=mc.cpu_batched_decode)
+            # the batched forward's packed weights only where a step can have > 8 rows
+            batch = mc.cpu_batched_decode and config.scheduler.max_num_seqs > cpu_gemv.MAX_ROWS
+            model.fused_decode = FusedDecode.build(model, batch=batch)
             fused = "one native call" if model.fused_decode is not None else "op by op"
             logger.info("decode steps of <= %d rows: %s", cpu_gemv.MAX_ROWS, fused)
         attn = model.model.layers[0].self_attn

@@ -211,26 +211,77 @@ def test_batched_rows_do_not_depend_on_the_step(tiny_llama_dir):
 
 
 def test_batched_lm_head(tiny_llama_dir):
-    """A batched decode step's logits come from the packed lm_head (close to oneDNN's);
-    prompt steps and small steps keep the model's own GEMMs."""
+    """The logits of the batched step just run come from the packed lm_head (close to
+    oneDNN's); any other call (a second one, prompt steps, other row counts) keeps the
+    model's own GEMMs."""
     from engine.models.cpu_linear import linear
     from kernels import cpu_gemv
 
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
-    model = llm.engine.runner.model
-    fused = model.fused_decode
-    hidden = torch.randn(12, model.config.hidden_size)
-    ref = linear(hidden, model.lm_head_weight, None)
-    got = model.compute_logits(hidden)
-    assert fused.logits(hidden) is not None
-    assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    assert fused.logits(hidden[:8]) is None
-    cpu_gemv.set_prompt_step(True)
-    try:
-        assert fused.logits(hidden) is None
-        assert torch.equal(model.compute_logits(hidden), ref)
-    finally:
-        cpu_gemv.set_prompt_step(False)
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512)
+    runner = llm.engine.runner
+    model, fused = runner.model, runner.model.fused_decode
+    cache = _same_layout_cache(runner, seed=8)
+    ids, pos, meta = _decode_inputs(12, cache, seed=8)
+    with torch.inference_mode():
+        hidden = model(ids, pos, cache, meta)
+        assert fused._batched_rows == 12
+        ref = linear(hidden, model.lm_head_weight, None)
+        calls = []
+        packed_linear = fused.lm_head.linear
+        fused.lm_head.linear = lambda x: calls.append(x.shape) or packed_linear(x)
+        got = model.compute_logits(hidden)  # the packed lm_head
+        assert calls == [(12, model.config.hidden_size)]
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        assert torch.equal(model.compute_logits(hidden), ref)  # a second call: oneDNN's
+        assert len(calls) == 1
+        model(ids, pos, cache, meta)
+        assert fused.logits(hidden[:8]) is None  # not the step's rows
+        model(ids, pos, cache, meta)
+        cpu_gemv.set_prompt_step(True)
+        try:
+            assert fused.logits(hidden) is None
+        finally:
+            cpu_gemv.set_prompt_step(False)
+
+
+def test_batched_rows_do_not_depend_on_the_step_long_contexts(tmp_path):
+    """Long contexts and more threads than a few rows each: attention stays one key split
+    per row in the batched forward (the per-op path splits keys to keep threads busy), so a
+    row's bits still do not depend on the thread count or the other rows."""
+    path = make_tiny_llama(str(tmp_path / "m"), seed=5)
+    llm = LLM(path, block_size=16, num_blocks=512)
+    runner = llm.engine.runner
+    model, fused = runner.model, runner.model.fused_decode
+    cache = _same_layout_cache(runner, seed=9)
+    g = torch.Generator().manual_seed(2)
+    rows, width = 11, 30
+    tables = torch.randperm(512, generator=g)[: rows * width].to(torch.int32).reshape(rows, width)
+    lens = torch.randint(256, 470, (rows,), generator=g, dtype=torch.int32)
+    lens[3] = 20  # a short one among the long
+    pos = (lens - 1).long()
+    slots = tables[torch.arange(rows), pos // 16].long() * 16 + pos % 16
+    ids = torch.randint(0, 1000, (rows,), generator=g)
+    outs = []
+    with torch.inference_mode():
+        for n, threads in [(11, 1), (11, 4), (9, 3), (10, 2)]:
+            torch.set_num_threads(threads)
+            meta = AttentionMetadata(
+                slots[:n], n, tables[:n].contiguous(), lens[:n], tables[:0],
+                torch.zeros(1, dtype=torch.int32), lens[:0],
+            )  # fmt: skip
+            before = fused.batch_steps
+            outs.append(model(ids[:n], pos[:n], cache.clone(), meta))
+            assert fused.batch_steps == before + 1
+    torch.set_num_threads(1)
+    for hidden in outs[1:]:
+        assert torch.equal(hidden, outs[0][: hidden.shape[0]])
+
+
+def test_packing_skipped_where_no_step_can_take_it(tiny_llama_dir):
+    """A scheduler of at most MAX_ROWS sequences never runs a batched step: no packed copy."""
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64, max_num_seqs=8)
+    fused = llm.engine.runner.model.fused_decode
+    assert fused._batch_fn is None and fused.lm_head is None and not fused._packed
 
 
 def test_no_fused_decode_with_reference_kernels(tiny_llama_dir, monkeypatch):

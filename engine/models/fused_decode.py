@@ -33,12 +33,15 @@ equal the per-op path's bit for bit: the same kernels run with the same argument
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 
 from engine.models.cpu_linear import linear
 from engine.models.llama import mlp_tile_rows
 from kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops, cpu_packed
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # decode steps of MAX_ROWS < m <= this many rows take the batched forward (fp32)
@@ -104,18 +107,29 @@ class FusedDecode:
         self._packed: list[cpu_packed.Packed] = []  # kept alive: the layers point into them
         self.lm_head: cpu_packed.Packed | None = None
         if team is not None and self.dtype == torch.float32:
-            for i, layer in enumerate(layers):
-                a, mlp = layer.self_attn, layer.mlp
-                ps = [cpu_packed.Packed(a.qkv_proj.weight), cpu_packed.Packed(a.o_proj.weight),
-                      cpu_packed.Packed(mlp.gate_up_proj.weight, silu=True),
-                      cpu_packed.Packed(mlp.down_proj.weight)]  # fmt: skip
-                self._packed += ps
-                lay = self._layers[i]
-                lay.qkv_p, lay.o_p, lay.gate_up_p, lay.down_p = (q.ptr() for q in ps)
-            self.lm_head = cpu_packed.Packed(model.lm_head_weight)
-        else:
+            try:
+                for i, layer in enumerate(layers):
+                    a, mlp = layer.self_attn, layer.mlp
+                    ps = [cpu_packed.Packed(a.qkv_proj.weight),
+                          cpu_packed.Packed(a.o_proj.weight),
+                          cpu_packed.Packed(mlp.gate_up_proj.weight, silu=True),
+                          cpu_packed.Packed(mlp.down_proj.weight)]  # fmt: skip
+                    self._packed += ps
+                    lay = self._layers[i]
+                    lay.qkv_p, lay.o_p, lay.gate_up_p, lay.down_p = (q.ptr() for q in ps)
+                self.lm_head = cpu_packed.Packed(model.lm_head_weight)
+            except ValueError as e:  # a weight the packing does not take: by layer
+                logger.info("batched decode off: %s", e)
+                for i in range(len(layers)):
+                    lay = self._layers[i]
+                    lay.qkv_p = lay.o_p = lay.gate_up_p = lay.down_p = None
+                self._packed, self.lm_head, team = [], None, None
+        if team is None or self.lm_head is None:
             self._batch_fn = None
             team = None
+        else:
+            packed = sum(p.data.numel() for p in [*self._packed, self.lm_head]) * 4
+            logger.info("batched decode: %.0f MiB of packed weights", packed / 2**20)
         embed = model.model.embed_tokens.weight
         self._model = cpu_decode.Model(
             **kernels,
@@ -134,6 +148,7 @@ class FusedDecode:
         self.steps = 0  # steps run as one call
         self.layer_steps = 0  # larger steps run with one attention call a layer
         self.batch_steps = 0  # larger fp32 steps run as one call on packed weights
+        self._batched_rows = 0  # rows of the last call if it was a batched step (logits)
 
     @classmethod
     def build(cls, model: torch.nn.Module, batch: bool = True) -> FusedDecode | None:
@@ -196,6 +211,7 @@ class FusedDecode:
         meta,  # engine.attention.AttentionMetadata
     ) -> torch.Tensor | None:  # [T, hidden]
         m = input_ids.shape[0]
+        self._batched_rows = 0
         if m == 0 or meta.num_decode_tokens != m or torch.compiler.is_compiling():
             return None
         key = (kv_cache.data_ptr(), kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
@@ -239,13 +255,16 @@ class FusedDecode:
             self.steps += 1
         else:
             self.batch_steps += 1
+            self._batched_rows = m
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The lm_head of a batched decode step's rows (fp32 [m, vocab]) on the packed
-        weight, or None (not such a step: the model's own lm_head GEMM then)."""
+        """The lm_head of the batched decode step just run (its rows, fp32 [m, vocab]) on
+        the packed weight, or None (another step, or called twice: the model's own lm_head
+        GEMM then)."""
         m = hidden.shape[0] if hidden.dim() == 2 else 0
-        if self.lm_head is None or not cpu_gemv.MAX_ROWS < m <= BATCH_MAX_ROWS:
+        rows, self._batched_rows = self._batched_rows, 0
+        if self.lm_head is None or m != rows or not cpu_gemv.MAX_ROWS < m <= BATCH_MAX_ROWS:
             return None
         if cpu_gemv.prompt_step() or hidden.dtype != torch.float32 or not hidden.is_cpu:
             return None

@@ -124,16 +124,18 @@ int check_rows(const PdserveModel& md, const int64_t* ids, const int64_t* positi
 // Layer L's attention on this step's qkv rows [m, qkv_n] (q | k | v, contiguous rows):
 // RoPE on q and k in place, k and v stored at their slots, paged decode attention into
 // out [m, q_size]; as kernels/cpu_elementwise.py and cpu_attention.py call them.
+// one_split: every sequence in one key split, whatever the thread count and the other rows
+// (the batched forward: a row's bits must not depend on its step).
 int attend(const PdserveModel& md, const PdserveLayer& L, char* qkv, const int64_t* positions,
            const int64_t* slots, const int32_t* tables, int64_t width, const int32_t* lens,
-           int64_t m, int64_t max_len, void* out, int threads) {
+           int64_t m, int64_t max_len, void* out, int threads, bool one_split = false) {
   const int64_t D = md.head_dim, q_size = md.num_heads * D, kv_size = md.num_kv_heads * D;
   const int64_t qkv_n = q_size + 2 * kv_size, elem = md.dtype == 0 ? 4 : 2;
   auto small = [&](int64_t elements) { return elements >= md.parallel_min_elements ? threads : 1; };
   // cpu_attention.num_splits: one split per sequence unless too few to keep threads busy
   const int64_t want = md.items_per_thread * threads;
   int64_t splits = 1;
-  if (m < want)
+  if (m < want && !one_split)
     splits = std::max<int64_t>(1, std::min((want + m - 1) / m, max_len / md.min_split_keys));
   const int64_t split_keys = std::max<int64_t>(1, (max_len + splits - 1) / splits);
   char* k = qkv + q_size * elem;
@@ -310,7 +312,7 @@ int pdserve_decode_forward_batch(const PdserveModel* p, const int64_t* ids,
       if (rows > 0)
         rc |= attend(md, L, reinterpret_cast<char*>(qkv + r0 * qkv_n), positions + r0,
                      slots + r0, tables + r0 * width, width, lens + r0, rows, max_len,
-                     attn + r0 * q_size, 1);
+                     attn + r0 * q_size, 1, true);
 #pragma omp barrier
       rc |= gemm(attn, q_size, L.o_p, hid, q_size, 0, nullptr, res, hid, res2, hid, m);
 #pragma omp barrier

@@ -139,24 +139,25 @@ struct Next {
 // lines issued a head's share at a time gained nothing.
 struct Stream {
   const char* base = nullptr;
-  const Next* nx = nullptr;
+  Next nx;  // a copy: the caller's may be a temporary
   const char* at = nullptr;
+  bool on = false;
   int64_t blk = 0, ln = 0, num = 0, den = 1, acc = 0;
-  Stream(const void* plane, const Next& next, int64_t ticks) {
+  Stream(const void* plane, const Next& next, int64_t ticks) : nx(next) {
     if (next.table == nullptr || ticks <= 0) return;
+    on = true;
     base = static_cast<const char*>(plane);
-    nx = &next;
-    at = base + next.table[next.blk0] * next.block_bytes;
-    num = next.total();
+    at = base + nx.table[nx.blk0] * nx.block_bytes;
+    num = nx.total();
     den = ticks;
   }
   inline void tick() {
     for (acc += num; acc >= den; acc -= den) {
-      if (blk >= nx->blocks) return;
+      if (blk >= nx.blocks) return;
       __builtin_prefetch(at + ln * 64, 0, 2);
-      if (++ln == nx->lines) {
+      if (++ln == nx.lines) {
         ln = 0;
-        if (++blk < nx->blocks) at = base + nx->table[nx->blk0 + blk] * nx->block_bytes;
+        if (++blk < nx.blocks) at = base + nx.table[nx.blk0 + blk] * nx.block_bytes;
       }
     }
   }
@@ -264,7 +265,7 @@ void pv_chunk(const Args& a, const int64_t* rows, int64_t kvh, int64_t h0, int64
     if (fetch && i + kPrefetchKeys < n)
       for (int64_t l = 0; l < row_lines; ++l)
         __builtin_prefetch(static_cast<const T*>(a.v) + rows[i + kPrefetchKeys] + l * 64 / sizeof(T));
-    if (next.nx != nullptr) next.tick();
+    if (next.on) next.tick();
     const T* vr = vc + rows[i];
     vf x[NV];
     for (int v = 0; v < NV; ++v) x[v] = loadv(vr + v * W);
@@ -344,7 +345,7 @@ void run_split(const Args& a, int64_t b, int64_t t0, int64_t t1, float* m, float
     }
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
-        if (next.nx != nullptr) next.tick();
+        if (next.on) next.tick();
         const vf* qfh = w.qf.data() + h * NV;
         const T* qr = q + h * a.q_stride_head;
         vf part[W];
