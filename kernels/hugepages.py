@@ -12,10 +12,9 @@ Where THP is `never`, off Linux, or with `PDSERVE_HUGEPAGES=0`, it is a plain `t
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import logging
+import mmap
 import os
 
 import torch
@@ -23,39 +22,42 @@ import torch
 logger = logging.getLogger(__name__)
 
 HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 
 @functools.cache
-def _madvise():
-    if os.environ.get("PDSERVE_HUGEPAGES", "1") == "0" or not os.uname().sysname == "Linux":
-        return None
+def available() -> bool:
+    """Whether huge pages can be asked for here (Linux, THP not `never`, not switched off)."""
+    if os.environ.get("PDSERVE_HUGEPAGES", "1") == "0" or os.uname().sysname != "Linux":
+        return False
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            if "[never]" in f.read():
-                return None
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            return "[never]" not in f.read()
     except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
+        return False
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """`torch.empty(shape, dtype=dtype)` on CPU, on huge pages where possible (see above)."""
+    """`torch.empty(shape, dtype=dtype)` on CPU, on huge pages where possible (see above).
+
+    The memory is a fresh anonymous mapping of its own (never pages the heap already
+    touched, which madvise could no longer turn into huge pages), unmapped when the last
+    tensor using it goes."""
     numel = 1
     for s in shape:
         numel *= s
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    madvise = _madvise()
-    if madvise is None or nbytes < HUGE:
+    if not available() or nbytes < HUGE:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)
+    # private: a shared anonymous mapping is shmem, whose huge pages are another setting
+    buf = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive
     start = (-raw.data_ptr()) % HUGE  # first 2 MiB boundary
-    span = (nbytes // HUGE) * HUGE
-    if madvise(raw.data_ptr() + start, span, _MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, start, (nbytes // HUGE) * HUGE)
+    except OSError as e:
+        logger.debug("madvise(MADV_HUGEPAGE) failed: %s", e)
     return raw[start : start + nbytes].view(dtype).view(shape)
 
 
@@ -63,7 +65,7 @@ def move_parameters(module: torch.nn.Module) -> int:
     """Put every CPU parameter of at least 2 MiB on huge pages (a copy, then the copy
     becomes the parameter's data); returns how many moved. Call before anything keeps a
     parameter's address (prepacking, native plans): the old storage is freed."""
-    if _madvise() is None:
+    if not available():
         return 0
     moved = 0
     for p in module.parameters():

@@ -12,7 +12,7 @@ def test_empty_is_a_usable_tensor(monkeypatch):
     assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()
     t.fill_(2.0)
     assert float(t.sum()) == 2.0 * 3 * (1 << 20)
-    if hugepages._madvise() is not None:  # the span starts on a 2 MiB boundary
+    if hugepages.available():  # the span starts on a 2 MiB boundary
         assert t.data_ptr() % hugepages.HUGE == 0
     small = hugepages.empty((5,), torch.bfloat16)  # under 2 MiB: a plain tensor
     assert small.shape == (5,) and small.dtype == torch.bfloat16
@@ -20,14 +20,14 @@ def test_empty_is_a_usable_tensor(monkeypatch):
 
 def test_switched_off(monkeypatch):
     monkeypatch.setenv("PDSERVE_HUGEPAGES", "0")
-    hugepages._madvise.cache_clear()
+    hugepages.available.cache_clear()
     try:
-        assert hugepages._madvise() is None
+        assert not hugepages.available()
         t = hugepages.empty((1 << 21,), torch.float32)
         assert t.numel() == 1 << 21 and t.untyped_storage().nbytes() == 4 << 21
     finally:
         monkeypatch.delenv("PDSERVE_HUGEPAGES")
-        hugepages._madvise.cache_clear()
+        hugepages.available.cache_clear()
 
 
 def test_kv_cache_is_zeroed_on_huge_pages():
@@ -48,6 +48,19 @@ def test_model_weights_moved_keep_their_values(tiny_llama_dir):
     w = big.weight.detach().clone()
     moved = hugepages.move_parameters(big)
     assert torch.equal(big.weight, w)
-    if hugepages._madvise() is not None:
+    if hugepages.available():
         assert moved == 1 and big.weight.data_ptr() % hugepages.HUGE == 0
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_memory_outlives_the_mapping_object_and_is_huge():
+    import gc
+
+    t = hugepages.empty((64 << 20,), torch.uint8)
+    gc.collect()  # only the tensor refers to the mapping now
+    t.fill_(7)
+    assert int(t[::4096].sum()) == 7 * (t.numel() // 4096)
+    if hugepages.available():
+        with open("/proc/self/smaps_rollup") as f:
+            huge_kb = next(int(x.split()[1]) for x in f if x.startswith("AnonHugePages"))
+        assert huge_kb > 0  # the kernel may refuse some (fragmentation), not every one
