@@ -31,7 +31,7 @@ def _zeros(shape, dtype=None, device=None) -> torch.Tensor:
     """torch.zeros; on CPU on huge pages where the kernel offers them (kernels/hugepages.py):
     attention reads blocks scattered over the whole cache."""
     if device is None or torch.device(device).type == "cpu":
-        return hugepages.empty(shape, dtype or torch.get_default_dtype()).zero_()
+        return hugepages.zeros(shape, dtype or torch.get_default_dtype())
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

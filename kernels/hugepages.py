@@ -38,18 +38,14 @@ def available() -> bool:
         return False
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """`torch.empty(shape, dtype=dtype)` on CPU, on huge pages where possible (see above).
-
-    The memory is a fresh anonymous mapping of its own (never pages the heap already
-    touched, which madvise could no longer turn into huge pages), unmapped when the last
-    tensor using it goes."""
+def _allocate(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """(uninitialised tensor, whether it is a fresh mapping: zeros until written)."""
     numel = 1
     for s in shape:
         numel *= s
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if not available() or nbytes < HUGE:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype), False
     # private: a shared anonymous mapping is shmem, whose huge pages are another setting
     buf = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive
@@ -58,7 +54,24 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf.madvise(mmap.MADV_HUGEPAGE, start, (nbytes // HUGE) * HUGE)
     except OSError as e:
         logger.debug("madvise(MADV_HUGEPAGE) failed: %s", e)
-    return raw[start : start + nbytes].view(dtype).view(shape)
+    return raw[start : start + nbytes].view(dtype).view(shape), True
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.empty(shape, dtype=dtype)` on CPU, on huge pages where possible (see above).
+
+    The memory is a fresh anonymous mapping of its own (never pages the heap already
+    touched, which madvise could no longer turn into huge pages), unmapped when the last
+    tensor using it goes."""
+    return _allocate(shape, dtype)[0]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`torch.zeros` on CPU, on huge pages where possible. A fresh mapping reads as zeros
+    already: nothing is written (its pages fault in, huge, at their first use, as calloc'd
+    memory would), so a GiB-sized KV cache costs nothing at start."""
+    t, fresh = _allocate(shape, dtype)
+    return t if fresh else t.zero_()
 
 
 def move_parameters(module: torch.nn.Module) -> int:

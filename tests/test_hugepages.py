@@ -10,6 +10,7 @@ from kernels import hugepages
 def test_empty_is_a_usable_tensor(monkeypatch):
     t = hugepages.empty((3, 1 << 20), torch.float32)
     assert t.shape == (3, 1 << 20) and t.dtype == torch.float32 and t.is_contiguous()
+    assert not hugepages.zeros((3, 1 << 20), torch.float32).any()  # a fresh mapping
     t.fill_(2.0)
     assert float(t.sum()) == 2.0 * 3 * (1 << 20)
     if hugepages.available():  # the span starts on a 2 MiB boundary
@@ -25,6 +26,7 @@ def test_switched_off(monkeypatch):
         assert not hugepages.available()
         t = hugepages.empty((1 << 21,), torch.float32)
         assert t.numel() == 1 << 21 and t.untyped_storage().nbytes() == 4 << 21
+        assert not hugepages.zeros((3, 1 << 20), torch.float32).any()
     finally:
         monkeypatch.delenv("PDSERVE_HUGEPAGES")
         hugepages.available.cache_clear()
