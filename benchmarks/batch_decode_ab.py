@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.engine_throughput import make_prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from benchmarks.decode_parts import capture_decode_step  # noqa: E402
+from engine import LLM  # noqa: E402
 from engine.models.fused_decode import FusedDecode  # noqa: E402
 
 
@@ -49,19 +49,7 @@ def main() -> None:
     )
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     model = llm.engine.runner.model
-    captured = []
-    forward = model.forward
-
-    def capture(input_ids, positions, kv_cache, meta):
-        if meta.num_prefills == 0 and input_ids.shape[0] == args.rows:
-            captured[:] = [(input_ids.clone(), positions.clone(), kv_cache, meta)]
-        return forward(input_ids, positions, kv_cache, meta)
-
-    model.forward = capture
-    prompts = make_prompts(args.rows, 128, llm.engine.vocab_size, seed=ord("B"))
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.context, ignore_eos=True))
-    model.forward = forward
-    ids, pos, kv, meta = captured[0]
+    ids, pos, kv, meta = capture_decode_step(llm, args.rows, args.context)
     variants = {"batched": model.fused_decode, "by_layer": FusedDecode.build(model, batch=False)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     tokens: dict[str, torch.Tensor] = {}

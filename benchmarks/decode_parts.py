@@ -139,6 +139,27 @@ def install(kernels: tuple) -> None:
     cpu_elementwise._fns = fns
 
 
+def capture_decode_step(llm: LLM, rows: int, context: int) -> tuple:
+    """(input_ids, positions, kv_cache, meta) of the last `rows`-row decode step of workload
+    B's prompts (`rows` of them, 128 tokens) run for `context` new tokens."""
+    model = llm.engine.runner.model
+    captured = []
+    forward = model.forward
+
+    def capture(input_ids, positions, kv_cache, meta):
+        if meta.num_prefills == 0 and input_ids.shape[0] == rows:
+            captured[:] = [(input_ids.clone(), positions.clone(), kv_cache, meta)]
+        return forward(input_ids, positions, kv_cache, meta)
+
+    model.forward = capture
+    try:
+        prompts = make_prompts(rows, 128, llm.engine.vocab_size, seed=ord("B"))
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=context, ignore_eos=True))
+    finally:
+        model.forward = forward
+    return captured[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -167,19 +188,7 @@ def main() -> None:
     )
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     model = llm.engine.runner.model
-    captured = []
-    forward = model.forward
-
-    def capture(input_ids, positions, kv_cache, meta):
-        if meta.num_prefills == 0 and input_ids.shape[0] == 32:
-            captured[:] = [(input_ids.clone(), positions.clone(), kv_cache, meta)]
-        return forward(input_ids, positions, kv_cache, meta)
-
-    model.forward = capture
-    prompts = make_prompts(32, 128, llm.engine.vocab_size, seed=ord("B"))
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.context, ignore_eos=True))
-    model.forward = forward
-    step = captured[0]
+    step = capture_decode_step(llm, 32, args.context)
     context = int(step[3].decode_context_lens.max())
 
     parts = Parts(clock)
