@@ -103,9 +103,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         torch.manual_seed(mc.seed)
         model = build_model(arch, ops, self.device, self.dtype)
+        if self.device.type == "cpu":  # empty storage on huge pages, the weights load into it
+            hugepages.move_parameters(model, keep_values=False)
         load_model_weights(model, model_dir)
-        if self.device.type == "cpu":  # before prepack and the native plans take addresses
-            hugepages.move_parameters(model)
         model.init_rope(self.device)  # fp32
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())

@@ -74,10 +74,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return t if fresh else t.zero_()
 
 
-def move_parameters(module: torch.nn.Module) -> int:
-    """Put every CPU parameter of at least 2 MiB on huge pages (a copy, then the copy
-    becomes the parameter's data); returns how many moved. Call before anything keeps a
-    parameter's address (prepacking, native plans): the old storage is freed."""
+def move_parameters(module: torch.nn.Module, keep_values: bool = True) -> int:
+    """Put every CPU parameter of at least 2 MiB on huge pages (new storage becomes the
+    parameter's data, the values copied unless keep_values is False: parameters about to
+    be loaded); returns how many moved. Call before anything keeps a parameter's address
+    (prepacking, native plans): the old storage is freed."""
     if not available():
         return 0
     moved = 0
@@ -85,7 +86,8 @@ def move_parameters(module: torch.nn.Module) -> int:
         if not p.is_cpu or p.numel() * p.element_size() < HUGE or not p.is_contiguous():
             continue
         data = empty(tuple(p.shape), p.dtype)
-        data.copy_(p.detach())
+        if keep_values:
+            data.copy_(p.detach())
         p.data = data
         moved += 1
     return moved
