@@ -69,6 +69,22 @@ def engine_pid(node_pid: int) -> int:
     raise RuntimeError(f"no engine process under {node_pid}")
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> None:
+    """Until the node at `url` answers /health; raises if it exits or takes `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server at {url} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server at {url} not healthy after {timeout_s:.0f} s")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+
+
 def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -148,15 +164,7 @@ def bench_http(args, prompts: list[list[int]]) -> dict:
     proc = subprocess.Popen(cmd, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(url, proc)
         pids = [proc.pid, engine_pid(proc.pid)]
         return asyncio.run(run_http(url, args.model, prompts, args.output_len, pids))
     finally:

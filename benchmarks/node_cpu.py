@@ -26,35 +26,25 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.http_vs_offline import cpu_seconds, engine_pid, free_port, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
 KEYS = ("api_ms_per_token", "engine_ms_per_token", "client_ms_per_token")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def user_sys(path: Path) -> tuple[float, float]:
     """User and system CPU seconds from a /proc stat file."""
     fields = path.read_text().rpartition(")")[2].split()
     return int(fields[11]) / TICK, int(fields[12]) / TICK
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads."""
-    return sum(user_sys(Path(f"/proc/{pid}/stat")))
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
@@ -67,14 +57,6 @@ def thread_cpu(pid: int) -> dict[str, float]:
         except OSError:
             pass  # the thread ended
     return out
-
-
-def engine_pid(node_pid: int) -> int:
-    for task in Path(f"/proc/{node_pid}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return int(pid)
-    raise RuntimeError(f"no engine process under {node_pid}")
 
 
 class Node:
@@ -92,15 +74,7 @@ class Node:
         self.pids: tuple[int, int] | None = None
 
     def wait_ready(self) -> None:
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server in {self.tree} exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(self.url, self.proc)
         self.pids = (self.proc.pid, engine_pid(self.proc.pid))
 
     def stop(self) -> None:
