@@ -4,7 +4,8 @@ vs the per-layer loop (oneDNN GEMMs, a parallel region per kernel), side by side
     python benchmarks/batch_decode_ab.py --rows 32 --threads 1 --out results/batch_decode_ab.json
     python benchmarks/batch_decode_ab.py --rows 64 --threads 2     # quiet box only
 
-Runs `--rows` prompts of 128 tokens for `--context` decode steps (fp32, SmolLM2-135M), captures
+Runs `--rows` prompts of 128 tokens for `--context` decode steps (`--dtype`, default fp32,
+SmolLM2-135M), captures
 the last decode step's inputs, and replays that step's forward + lm_head `--rounds` times,
 the two variants alternating round by round (same weights, cache, inputs): thread CPU time
 with one thread (a busy box's waiting for a core left out), wall time with more (meaningful on
@@ -38,11 +39,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="decode steps before the capture")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm = LLM(
         args.model,
-        dtype="float32",
+        dtype=args.dtype,
         num_threads=args.threads,
         max_num_seqs=max(64, args.rows),
         max_num_batched_tokens=4096,
@@ -68,6 +70,7 @@ def main() -> None:
         "rows": args.rows,
         "context": int(meta.decode_context_lens.max()),
         "threads": args.threads,
+        "dtype": args.dtype,
         "clock": "thread_time" if args.threads == 1 else "wall",
         "ms": {k: round(v, 2) for k, v in med.items()},
         "by_layer_over_batched": round(med["by_layer"] / med["batched"], 3),

@@ -1,7 +1,8 @@
-"""The packed-panel fp32 GEMM (kernels/csrc/gemm_packed.cpp) vs oneDNN's prepacked matmul
-at SmolLM2-135M's decode shapes, side by side in one process.
+"""The packed-panel GEMM (kernels/csrc/gemm_packed.cpp) vs oneDNN's prepacked matmul at
+SmolLM2-135M's decode shapes, side by side in one process, fp32 or bf16.
 
-    python benchmarks/packed_gemm.py --rows 32 --threads 1 --out results/packed_gemm.json
+    python benchmarks/packed_gemm.py --rows 32 --threads 1 [--dtype bfloat16] \
+        --out results/packed_gemm.json
 
 For each projection (qkv, o, gate_up with SiLU * up, down, lm_head) `--layers` copies of
 the weight (so each call streams its weight from DRAM, as a real step does), both
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -60,14 +62,15 @@ def main() -> None:
     results = []
     for name, (n, k, silu) in SHAPES.items():
         copies = 2 if name == "lm_head" else args.layers
-        weights = [torch.randn(2 * n if silu else n, k) * 0.05 for _ in range(copies)]
+        dtype = getattr(torch, args.dtype)
+        weights = [(torch.randn(2 * n if silu else n, k) * 0.05).to(dtype) for _ in range(copies)]
         if silu:
             dnn = [(reorder(w[:n].contiguous(), None), reorder(w[n:].contiguous(), None))
                    for w in weights]  # fmt: skip
         else:
             dnn = [reorder(w, None) for w in weights]
         ours = [cpu_packed.Packed(w, silu=silu) for w in weights]
-        x = torch.randn(args.rows, k)
+        x = torch.randn(args.rows, k).to(dtype)
 
         times: dict[str, list[float]] = {"onednn": [], "packed": []}
         for _ in range(args.rounds):
@@ -82,6 +85,7 @@ def main() -> None:
             "op": name,
             "rows": args.rows,
             "threads": args.threads,
+            "dtype": args.dtype,
             "us": {impl: round(t * 1e6, 1) for impl, t in med.items()},
             "gflops": {impl: round(flop / t / 1e9, 1) for impl, t in med.items()},
             "onednn_over_packed": round(med["onednn"] / med["packed"], 3),

@@ -50,7 +50,7 @@ class ModelSection(Section):
     )
     batched_decode: bool = Field(
         True,
-        description="CPU fp32: decode steps of 9-256 rows as one native call on a copy of "
+        description="CPU fp32/bf16: decode steps of 9-256 rows as one native call on a copy of "
         "the projection and lm_head weights packed for it (~2x the weights' memory; false: "
         "oneDNN's GEMMs, op by op)",
     )

@@ -28,8 +28,8 @@ class ModelConfig:
     # CPU: freed tensors' memory stays in the heap (engine/cpu_heap.py), not unmapped and
     # faulted in again by the next step
     cpu_keep_freed_memory: bool = True
-    # CPU fp32: decode steps of 9-256 rows as one native call on weights packed for it
-    # (engine/models/fused_decode.py; one more fp32 copy of the projections and lm_head)
+    # CPU fp32/bf16: decode steps of 9-256 rows as one native call on weights packed for it
+    # (engine/models/fused_decode.py; one more copy of the projections and lm_head)
     cpu_batched_decode: bool = True
     # The model's name in the API, the registry and the block-hash root (default: `model`).
     served_model_name: str | None = None

@@ -51,7 +51,7 @@ class LLM:
         enforce_eager: bool | None = None,  # None: eager; False: compiled step (CPU)
         compile_cache_dir: str | None = None,  # None: <pdserve cache dir>/compile
         kv_layout: str = "layer_major",  # or "block_major" (engine/kv_tensor.py)
-        batched_decode: bool = True,  # CPU fp32: engine/models/fused_decode.py
+        batched_decode: bool = True,  # CPU fp32/bf16: engine/models/fused_decode.py
     ):
         config = EngineConfig(
             model=ModelConfig(

@@ -64,7 +64,7 @@ ERRORS = {
     3: "a KV slot outside the cache",
     4: "a context length outside the block table",
     5: "a kernel refused its arguments",
-    6: "no packed fp32 weights for the batched forward",
+    6: "no packed weights for the batched forward",
 }
 
 

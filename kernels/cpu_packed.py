@@ -1,11 +1,14 @@
-"""fp32 GEMMs on weights packed once into column panels (kernels/csrc/gemm_packed.cpp).
+"""GEMMs on weights packed once into column panels (kernels/csrc/gemm_packed.cpp), fp32 or
+bf16.
 
 Decode steps of more than `cpu_gemv.MAX_ROWS` rows run their whole forward as one native
 call (kernels/csrc/decode_forward.cpp `pdserve_decode_forward_batch`) on packed copies of
-the projection weights, made at load by `pack`; the lm_head of such a step runs through
-`linear`. The packed layout belongs to the library's vector width: pack and multiply with
-the same build. Each output is one fp32 FMA chain over k in order, so a row's result does
-not depend on the number of rows in the step.
+the projection weights, made at load by `Packed`; the lm_head of such a step runs through
+`Packed.linear`. The packed layout belongs to the library's vector width: pack and
+multiply with the same build. Accumulation is fp32, each output one chain over k in order
+(bf16: pairs of k, on the CPU's bf16 dot products where it has them), so a row's result
+does not depend on the number of rows in the step; bf16 results are rounded where the
+per-op path's bf16 tensors round.
 
 `available()` is False where the library cannot be built; callers then keep oneDNN.
 """
@@ -21,17 +24,22 @@ from kernels.native import load_library
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _GEMM_ARGTYPES = [_p, _i64, _p, _i64, _i64, _int, _p, _p, _i64, _p, _i64, _i64, _int]
+# bf16: the same with y_f32 before threads
+_GEMM_BF16_ARGTYPES = [*_GEMM_ARGTYPES[:-1], _int, _int]
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _lib() -> ctypes.CDLL | None:
     lib = load_library("gemm_packed")
     if lib is not None and lib.pdserve_gemm_packed.argtypes is None:
-        lib.pdserve_packed_floats.argtypes, lib.pdserve_packed_floats.restype = (
-            [_i64, _i64, _int],
-            _i64,
-        )
-        lib.pdserve_pack.argtypes = [_p, _i64, _i64, _i64, _int, _p, _int]
-        lib.pdserve_pack.restype = _int
+        for name in ("pdserve_packed_floats", "pdserve_packed_bf16_elems"):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [_i64, _i64, _int], _i64
+        for name in ("pdserve_pack", "pdserve_pack_bf16"):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [_p, _i64, _i64, _i64, _int, _p, _int], _int
+        lib.pdserve_gemm_packed_bf16.argtypes = _GEMM_BF16_ARGTYPES
+        lib.pdserve_gemm_packed_bf16.restype = _int
         lib.pdserve_gemm_packed.argtypes = _GEMM_ARGTYPES
         lib.pdserve_gemm_packed.restype = _int
     return lib
@@ -41,34 +49,49 @@ def available() -> bool:
     return _lib() is not None
 
 
-def team_address() -> int | None:
-    """Address of `pdserve_gemm_packed_team` (for decode_forward.cpp), or None."""
+def bf16_native() -> bool:
+    """True where the bf16 GEMM runs on the CPU's bf16 dot products (avx512_bf16)."""
     lib = _lib()
-    if lib is None:
+    return lib is not None and bool(lib.pdserve_gemm_packed_bf16_native())
+
+
+def team_address(dtype: torch.dtype = torch.float32) -> int | None:
+    """Address of `pdserve_gemm_packed[_bf16]_team` (for decode_forward.cpp), or None."""
+    lib = _lib()
+    if lib is None or dtype not in DTYPES:
         return None
-    return ctypes.cast(lib.pdserve_gemm_packed_team, ctypes.c_void_p).value
+    fn = (
+        lib.pdserve_gemm_packed_team
+        if dtype == torch.float32
+        else lib.pdserve_gemm_packed_bf16_team
+    )
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
 
 class Packed:
-    """A weight [n, k] (silu: a gate_up weight [2 n, k], gate rows then up rows) packed."""
+    """A weight [n, k] (silu: a gate_up weight [2 n, k], gate rows then up rows) packed,
+    fp32 or bf16 (the weight's dtype)."""
 
     def __init__(self, weight: torch.Tensor, silu: bool = False) -> None:
         lib = _lib()
         if lib is None:
             raise RuntimeError("gemm_packed library unavailable")
-        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.stride(1) != 1:
-            raise ValueError("packing takes an fp32 [n, k] weight with contiguous rows")
+        if weight.dtype not in DTYPES or weight.dim() != 2 or weight.stride(1) != 1:
+            raise ValueError("packing takes an fp32 or bf16 [n, k] weight with contiguous rows")
         if not weight.is_cpu or (silu and weight.shape[0] % 2):
             raise ValueError("packing takes a CPU weight (silu: an even number of rows)")
         rows, self.k = weight.shape
         self.n = rows // 2 if silu else rows
         self.silu = silu
-        # huge pages where offered: the decode step streams every panel from DRAM
-        self.data = hugepages.empty(
-            (lib.pdserve_packed_floats(self.n, self.k, int(silu)),), torch.float32
+        self.dtype = weight.dtype
+        bf16 = self.dtype == torch.bfloat16
+        size = (lib.pdserve_packed_bf16_elems if bf16 else lib.pdserve_packed_floats)(
+            self.n, self.k, int(silu)
         )
+        # huge pages where offered: the decode step streams every panel from DRAM
+        self.data = hugepages.empty((size,), self.dtype)
         w = weight.detach()
-        rc = lib.pdserve_pack(
+        rc = (lib.pdserve_pack_bf16 if bf16 else lib.pdserve_pack)(
             w.data_ptr(), w.stride(0), self.n, self.k, int(silu), self.data.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip
@@ -78,16 +101,44 @@ class Packed:
     def ptr(self) -> int:
         return self.data.data_ptr()
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [m, k] fp32 -> [m, n]: x W^T (silu: silu(x gate^T) * (x up^T))."""
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.stride(1) != 1:
-            raise ValueError(f"packed linear takes fp32 [m, {self.k}] rows, got {tuple(x.shape)}")
+    def gemm(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        res: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+        threads: int | None = None,
+    ) -> torch.Tensor:
+        """x [m, k] (the weight's dtype) -> [m, n]: x W^T + bias + res (silu: silu(x gate^T)
+        * (x up^T), no bias or res), in `out_dtype` (default the weight's; a bf16 weight
+        can give fp32 holding the bf16 values)."""
+        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.k or x.stride(1) != 1:
+            raise ValueError(
+                f"packed GEMM takes {self.dtype} [m, {self.k}] rows, got {x.dtype} {tuple(x.shape)}"
+            )
         m = x.shape[0]
-        y = torch.empty((m, self.n), dtype=torch.float32)
-        rc = _lib().pdserve_gemm_packed(
-            x.data_ptr(), x.stride(0), self.ptr(), self.n, self.k, int(self.silu), None, None,
-            0, y.data_ptr(), self.n, m, torch.get_num_threads(),
+        for t, shape in ((bias, (self.n,)), (res, (m, self.n))):
+            if t is not None and (t.dtype != self.dtype or t.shape != shape or t.stride(-1) != 1):
+                raise ValueError(f"bias / residual must be {self.dtype} {shape}, contiguous rows")
+        out_dtype = out_dtype or self.dtype
+        if out_dtype not in (self.dtype, torch.float32):
+            raise ValueError(f"packed GEMM gives {self.dtype} or float32, not {out_dtype}")
+        y = torch.empty((m, self.n), dtype=out_dtype)
+        args = (
+            x.data_ptr(), x.stride(0), self.ptr(), self.n, self.k, int(self.silu),
+            None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(),
+            0 if res is None else res.stride(0), y.data_ptr(), self.n, m,
         )  # fmt: skip
+        threads = threads or torch.get_num_threads()
+        if self.dtype == torch.float32:
+            rc = _lib().pdserve_gemm_packed(*args, threads)
+        else:
+            rc = _lib().pdserve_gemm_packed_bf16(*args, int(out_dtype == torch.float32), threads)
         if rc != 0:
             raise RuntimeError("pdserve_gemm_packed refused its arguments")
         return y
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, k] -> [m, n]: x W^T (silu: silu(x gate^T) * (x up^T)); fp32 out either way
+        (a bf16 weight's values rounded to bf16, as its bf16 GEMM's would be)."""
+        return self.gemm(x, out_dtype=torch.float32)

@@ -53,7 +53,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--batched-decode",
         action=argparse.BooleanOptionalAction,
         default=model.cpu_batched_decode,
-        help="CPU fp32: decode steps of 9-256 rows as one native call on packed weights "
+        help="CPU fp32/bf16: decode steps of 9-256 rows as one native call on packed weights "
         "(--no-batched-decode: oneDNN's GEMMs; saves a copy of the weights)",
     )
     p.add_argument("--block-size", type=int, default=cache.block_size)

@@ -1,5 +1,5 @@
-"""The packed-panel fp32 GEMM (kernels/csrc/gemm_packed.cpp, kernels/cpu_packed.py): equal to
-a float64 reference but for fp32 rounding, for every row count and ragged shapes, with its
+"""The packed-panel GEMM, fp32 and bf16 (kernels/csrc/gemm_packed.cpp, kernels/cpu_packed.py):
+equal to a float64 reference but for fp32 summation and (bf16) the rounding of its result, for every row count and ragged shapes, with its
 epilogues (bias, residual, SiLU * up); a row's bits independent of the other rows and of
 the thread count; the AVX2 and plain C++ builds too."""
 
@@ -21,54 +21,64 @@ pytestmark = pytest.mark.skipif(not cpu_packed.available(), reason="no C++ compi
 
 
 def _gemm(x, packed, bias=None, res=None, threads=2):
-    """pdserve_gemm_packed with its bias and residual epilogues (Packed.linear has neither)."""
-    m = x.shape[0]
-    y = torch.empty((m, packed.n))
-    lib = cpu_packed._lib()
-    rc = lib.pdserve_gemm_packed(
-        x.data_ptr(), x.stride(0), packed.ptr(), packed.n, packed.k, int(packed.silu),
-        None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(),
-        0 if res is None else res.stride(0), y.data_ptr(), packed.n, m, threads,
-    )  # fmt: skip
-    assert rc == 0
-    return y
+    """The packed GEMM with its bias and residual epilogues."""
+    return packed.gemm(x, bias, res, threads=threads)
 
 
-def _close(got, ref, k):
-    err = (got.double() - ref).abs().max().item()
-    assert err <= 1e-6 * k**0.5 * max(1.0, ref.abs().max().item()), err
+def _close(got, ref, k, dtype=torch.float32, inner=None):
+    """fp32: equal but for fp32 summation error. bf16: that, plus the bf16 roundings (half
+    an ulp, 2^-8 relative, each) of the result and of `inner`, the GEMM's own result where
+    a residual is added to it after rounding."""
+    err = (got.double() - ref).abs()
+    tol = 1e-6 * k**0.5 * max(1.0, ref.abs().max().item())
+    if dtype == torch.bfloat16:
+        tol = tol + 2.0**-8 * (ref.abs() + (ref if inner is None else inner).abs())
+    assert (err <= tol).all(), (err - tol).max().item()
 
 
-def check_all() -> None:
+def check_all(dtype=torch.float32) -> None:
     g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
     for n, k in [(96, 64), (100, 37), (33, 5), (17, 130), (1, 1)]:
-        w = torch.randn(n, k, generator=g)
-        b, packed = torch.randn(n, generator=g), cpu_packed.Packed(w)
+        w = rand(n, k)
+        b, packed = rand(n), cpu_packed.Packed(w)
         for m in [1, 2, 5, 8, 9, 13, 32, 33, 70]:
-            x, res = torch.randn(m, k, generator=g), torch.randn(m, n, generator=g)
+            x, res = rand(m, k), rand(m, n)
             ref = x.double() @ w.double().T
-            _close(packed.linear(x), ref, k)
+            got = packed.linear(x)
+            assert got.dtype == torch.float32
+            _close(got, ref, k, dtype)
+            if dtype == torch.bfloat16:  # fp32 out holding bf16 values
+                assert torch.equal(got.to(dtype).float(), got)
+                assert torch.equal(packed.gemm(x).float(), got)
             y = _gemm(x, packed, b, res)
-            _close(y, ref + b.double() + res.double(), k)
+            assert y.dtype == dtype
+            _close(y, ref + b.double() + res.double(), k, dtype, inner=ref + b.double())
             for rows, threads in [(1, 1), (m // 2 + 1, 2), (m, 1)]:  # any row count, threads
                 assert torch.equal(_gemm(x[:rows], packed, b, res[:rows], threads), y[:rows])
-        wg = torch.randn(2 * n, k, generator=g)
+        wg = rand(2 * n, k)
         gate_up = cpu_packed.Packed(wg, silu=True)
         for m in [1, 9, 33]:
-            x = torch.randn(m, k, generator=g)
+            x = rand(m, k)
             h = x.double() @ wg.double().T
             ref = torch.nn.functional.silu(h[:, :n]) * h[:, n:]
-            _close(gate_up.linear(x), ref, k)
+            _close(gate_up.linear(x), ref, k, dtype)
+            y = gate_up.gemm(x)
+            assert y.dtype == dtype and torch.equal(gate_up.gemm(x[:1], threads=1), y[:1])
     print("ok")
 
 
-def test_packed_gemm():
-    check_all()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_gemm(dtype):
+    check_all(dtype)
 
 
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError):
-        cpu_packed.Packed(torch.randn(4, 4, dtype=torch.bfloat16))
+        cpu_packed.Packed(torch.randn(4, 4, dtype=torch.float16))
     with pytest.raises(ValueError):
         cpu_packed.Packed(torch.randn(5, 4), silu=True)
     with pytest.raises(ValueError):
@@ -98,19 +108,36 @@ def test_bad_inputs_are_refused():
     )
 
 
-@pytest.mark.parametrize("march,bits", [("haswell", 256), ("x86-64", 32)])
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def test_bf16_dot_products_where_the_cpu_has_them():
+    assert cpu_packed.bf16_native() == ("avx512_bf16" in _cpu_flags())
+
+
+@pytest.mark.parametrize("march,bits", [("haswell", 256), ("x86-64", 32), ("skylake-avx512", 512)])
 def test_other_builds(tmp_path, march, bits):
-    """The CI box kind has AVX2 and no AVX-512; a CPU without AVX2 gets the plain C++."""
+    """The CI box kind has AVX2 and no AVX-512; a CPU without AVX2 gets the plain C++; an
+    AVX-512 CPU without avx512_bf16 widens bf16 pairs to fp32 (the skylake-avx512 build)."""
     if not os.uname().machine.startswith("x86"):
         pytest.skip("x86 -march values")
+    if bits == 512 and "avx512f" not in _cpu_flags():
+        pytest.skip("this CPU cannot run an AVX-512 build")
     env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(ROOT))
     env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
     code = (
         "from kernels import cpu_packed\n"
         f"assert cpu_packed._lib().pdserve_gemm_packed_isa() == {bits}\n"
-        "from tests.test_cpu_packed import check_all\ncheck_all()\n"
+        "import torch\nfrom tests.test_cpu_packed import check_all\n"
+        "check_all()\ncheck_all(torch.bfloat16)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
     )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+    assert out.returncode == 0 and out.stdout.split() == ["ok", "ok"], out.stderr[-3000:]

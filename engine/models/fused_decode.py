@@ -7,12 +7,13 @@ own). `__call__(input_ids, positions, kv_cache, meta)` returns a decode-only ste
 states:
 
 - up to `cpu_gemv.MAX_ROWS` rows: the whole forward as one native call (`steps` counts them);
-- more rows, fp32, up to `BATCH_MAX_ROWS`: the whole forward as one native call and one
-  OpenMP parallel region on weights packed at build for kernels/csrc/gemm_packed.cpp
+- more rows, up to `BATCH_MAX_ROWS`, fp32 or bf16: the whole forward as one native call and
+  one OpenMP parallel region on weights packed at build for kernels/csrc/gemm_packed.cpp
   (`batch_steps`; `logits` runs the lm_head of such a step the same way). Not bit-equal
-  to the per-op path (other GEMMs: each output one FMA chain over k, the residual add in
-  the GEMM's store); the norms, RoPE, K/V store and attention are the same kernels;
-- otherwise (bf16, more rows, no packed weights): a plain loop over
+  to the per-op path (other GEMMs: each output one fp32 chain over k, the residual add in
+  the GEMM's store; bf16 rounded where the per-op path's bf16 tensors round); the norms,
+  RoPE, K/V store and attention are the same kernels;
+- otherwise (more rows, no packed weights): a plain loop over
   the layers calling the per-op path's own functions without its module calls and views,
   with each layer's RoPE + KV store + attention as one native call (`layer_steps`);
 
@@ -44,7 +45,7 @@ from kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops, cpu_packed
 logger = logging.getLogger(__name__)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# decode steps of MAX_ROWS < m <= this many rows take the batched forward (fp32)
+# decode steps of MAX_ROWS < m <= this many rows take the batched forward
 BATCH_MAX_ROWS = 256
 
 
@@ -101,12 +102,12 @@ class FusedDecode:
                 gate_up_ws=_row_stride(mlp.gate_up_proj.weight),
                 down=_ptr(mlp.down_proj.weight), down_ws=_row_stride(mlp.down_proj.weight),
             )  # fmt: skip
-        # fp32 steps of more than MAX_ROWS rows: the batched forward on packed weights
+        # steps of more than MAX_ROWS rows: the batched forward on packed weights
         self._batch_fn = cpu_decode.batch_forward() if batch else None
-        team = cpu_packed.team_address() if self._batch_fn is not None else None
+        team = cpu_packed.team_address(self.dtype) if self._batch_fn is not None else None
         self._packed: list[cpu_packed.Packed] = []  # kept alive: the layers point into them
         self.lm_head: cpu_packed.Packed | None = None
-        if team is not None and self.dtype == torch.float32:
+        if team is not None:
             try:
                 for i, layer in enumerate(layers):
                     a, mlp = layer.self_attn, layer.mlp
@@ -128,7 +129,7 @@ class FusedDecode:
             self._batch_fn = None
             team = None
         else:
-            packed = sum(p.data.numel() for p in [*self._packed, self.lm_head]) * 4
+            packed = sum(p.data.nbytes for p in [*self._packed, self.lm_head])
             logger.info("batched decode: %.0f MiB of packed weights", packed / 2**20)
         embed = model.model.embed_tokens.weight
         self._model = cpu_decode.Model(
@@ -147,7 +148,7 @@ class FusedDecode:
         self._cache: torch.Tensor | None = None  # kept alive: the plan points into it
         self.steps = 0  # steps run as one call
         self.layer_steps = 0  # larger steps run with one attention call a layer
-        self.batch_steps = 0  # larger fp32 steps run as one call on packed weights
+        self.batch_steps = 0  # larger steps run as one call on packed weights
         self._batched_rows = 0  # rows of the last call if it was a batched step (logits)
 
     @classmethod
@@ -259,14 +260,14 @@ class FusedDecode:
         return out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """The lm_head of the batched decode step just run (its rows, fp32 [m, vocab]) on
-        the packed weight, or None (another step, or called twice: the model's own lm_head
-        GEMM then)."""
+        """The lm_head of the batched decode step just run (its rows, fp32 [m, vocab]; bf16:
+        the bf16 logits' values, as the model's own bf16 GEMM then .float()) on the packed
+        weight, or None (another step, or called twice: the model's own lm_head GEMM then)."""
         m = hidden.shape[0] if hidden.dim() == 2 else 0
         rows, self._batched_rows = self._batched_rows, 0
         if self.lm_head is None or m != rows or not cpu_gemv.MAX_ROWS < m <= BATCH_MAX_ROWS:
             return None
-        if cpu_gemv.prompt_step() or hidden.dtype != torch.float32 or not hidden.is_cpu:
+        if cpu_gemv.prompt_step() or hidden.dtype != self.dtype or not hidden.is_cpu:
             return None
         return self.lm_head.linear(hidden.contiguous())
 

@@ -42,8 +42,10 @@ using Rope = int (*)(const int64_t*, void*, int64_t, int64_t, int64_t, void*, in
                      int64_t, const float*, int64_t, int64_t, int, int);
 using StoreKv = int (*)(const char*, int64_t, const char*, int64_t, char*, char*,
                         const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int);
-using GemmTeam = int (*)(const float*, int64_t, const float*, int64_t, int64_t, int,
-                        const float*, const float*, int64_t, float*, int64_t, int64_t);
+// pdserve_gemm_packed_team (T float) or pdserve_gemm_packed_bf16_team (T uint16_t)
+template <typename T>
+using GemmTeam = int (*)(const T*, int64_t, const T*, int64_t, int64_t, int, const T*, const T*,
+                         int64_t, T*, int64_t, int64_t);
 using PagedDecode = int (*)(const void*, const void*, const void*, const int32_t*,
                             const int32_t*, void*, int64_t, int64_t, int64_t, int64_t, int64_t,
                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int,
@@ -69,12 +71,12 @@ struct PdserveLayer {
   int64_t down_ws;
   void* k_cache;
   void* v_cache;
-  // the same weights packed for pdserve_gemm_packed (gemm_packed.cpp; fp32 only), or null:
-  // then pdserve_decode_forward_batch refuses the step
-  const float* qkv_p;
-  const float* o_p;
-  const float* gate_up_p;
-  const float* down_p;
+  // the same weights packed for pdserve_gemm_packed[_bf16] (gemm_packed.cpp, the model's
+  // dtype), or null: then pdserve_decode_forward_batch refuses the step
+  const void* qkv_p;
+  const void* o_p;
+  const void* gate_up_p;
+  const void* down_p;
 };
 
 struct PdserveModel {
@@ -98,7 +100,9 @@ struct PdserveModel {
   // (cpu_elementwise.PARALLEL_MIN_ELEMENTS); attention key splits (cpu_attention.num_splits)
   int64_t parallel_min_elements, items_per_thread, min_split_keys;
   const PdserveLayer* layers;
-  const void* gemm_packed_team;  // pdserve_gemm_packed_team, or null (no batched forward)
+  // pdserve_gemm_packed_team (fp32) or pdserve_gemm_packed_bf16_team (bf16), the model's
+  // dtype's, or null (no batched forward)
+  const void* gemm_packed_team;
 };
 
 }  // extern "C"
@@ -152,6 +156,87 @@ int attend(const PdserveModel& md, const PdserveLayer& L, char* qkv, const int64
       md.block_size, width, qkv_n, D, md.block_stride, split_keys, splits, md.scale, md.dtype,
       threads);
   return rc;
+}
+
+// pdserve_decode_forward_batch's body for T = float (fp32) or uint16_t (bf16), after its
+// checks.
+template <typename T>
+int forward_batch(const PdserveModel& md, const int64_t* ids, const int64_t* positions,
+                  const int64_t* slots, const int32_t* tables, int64_t width,
+                  const int32_t* lens, int64_t m, int64_t max_len, void* out, int threads) {
+  const auto gemm = reinterpret_cast<GemmTeam<T>>(md.gemm_packed_team);
+  const auto rms_norm = reinterpret_cast<RmsNorm>(md.rms_norm);
+  const int64_t hid = md.hidden, D = md.head_dim, inter = md.intermediate;
+  const int64_t q_size = md.num_heads * D, qkv_n = q_size + 2 * md.num_kv_heads * D;
+  const float eps = md.eps;
+
+  // residual stream (into each layer), residual after attention, normed rows, qkv, attention
+  // out, SiLU * up
+  std::vector<T> buf(m * (3 * hid + qkv_n + q_size + inter));
+  T* res = buf.data();
+  T* res2 = res + m * hid;
+  T* h = res2 + m * hid;
+  T* qkv = h + m * hid;
+  T* attn = qkv + m * qkv_n;
+  T* act = attn + m * q_size;
+  const T* embed = static_cast<const T*>(md.embed);
+  for (int64_t r = 0; r < m; ++r)
+    std::memcpy(res + r * hid, embed + ids[r] * md.embed_stride, hid * sizeof(T));
+  int64_t keys = 0;
+  for (int64_t r = 0; r < m; ++r) keys += lens[r] + 1;
+
+  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, m)));
+  std::vector<int> rcs(threads, 0);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    // this thread's rows [r0, r1): the first row whose running key count reaches t / nt of
+    // all keys starts range t
+    int64_t r0 = 0, r1 = 0, run = 0;
+    for (int64_t r = 0; r < m; ++r) {
+      if (run * nt < keys * t) r0 = r + 1;
+      if (run * nt < keys * (t + 1)) r1 = r + 1;
+      run += lens[r] + 1;
+    }
+    if (t == 0) r0 = 0;
+    if (t == nt - 1) r1 = m;
+    const int64_t rows = r1 - r0;
+    int rc = 0;
+    auto norm = [&](const T* x, const void* w, T* dst) {
+      if (rows > 0)
+        rc |= rms_norm(x + r0 * hid, hid, nullptr, 0, w, dst + r0 * hid, hid, nullptr, 0, rows,
+                       hid, eps, md.dtype, 1);
+    };
+    for (int64_t i = 0; i < md.num_layers; ++i) {
+      const PdserveLayer& L = md.layers[i];
+      norm(res, L.input_norm, h);
+#pragma omp barrier
+      rc |= gemm(h, hid, static_cast<const T*>(L.qkv_p), qkv_n, hid, 0,
+                 static_cast<const T*>(L.qkv_bias), nullptr, 0, qkv, qkv_n, m);
+#pragma omp barrier
+      if (rows > 0)
+        rc |= attend(md, L, reinterpret_cast<char*>(qkv + r0 * qkv_n), positions + r0,
+                     slots + r0, tables + r0 * width, width, lens + r0, rows, max_len,
+                     attn + r0 * q_size, 1, true);
+#pragma omp barrier
+      rc |= gemm(attn, q_size, static_cast<const T*>(L.o_p), hid, q_size, 0, nullptr, res, hid,
+                 res2, hid, m);
+#pragma omp barrier
+      norm(res2, L.post_norm, h);
+#pragma omp barrier
+      rc |= gemm(h, hid, static_cast<const T*>(L.gate_up_p), inter, hid, 1, nullptr, nullptr, 0,
+                 act, inter, m);
+#pragma omp barrier
+      rc |= gemm(act, inter, static_cast<const T*>(L.down_p), hid, inter, 0, nullptr, res2, hid,
+                 res, hid, m);
+#pragma omp barrier
+    }
+    norm(res, md.final_norm, static_cast<T*>(out));
+    rcs[t] = rc;
+  }
+  for (const int rc : rcs)
+    if (rc != 0) return 5;
+  return 0;
 }
 
 }  // namespace
@@ -236,22 +321,23 @@ int pdserve_decode_attention(const PdserveModel* p, int64_t layer, void* qkv,
 }
 
 
-// Larger decode steps, fp32, as one call and ONE OpenMP parallel region: the whole forward
-// runs on a fixed team, with barriers between its phases instead of a fork and join per
-// kernel. GEMMs are gemm_packed.cpp's on the packed weights (each thread its share of the
-// columns), the residual add fused into the o and down projections' stores, SiLU * up into
-// the gate_up projection's; RMSNorm, RoPE, the K/V store and paged attention are the same
-// kernels as above, each thread calling them with one thread on its own rows (rows cut so
-// that the threads get about equal attention work: keys + 1 a row). Per layer: norm |
-// qkv | RoPE + store + attention | o (+ residual) | norm | gate_up + SiLU * up | down
-// (+ residual), "|" a barrier. Same inputs and return codes as pdserve_decode_forward; 6
-// when the model has no packed weights (or is not fp32): nothing written.
+// Larger decode steps, fp32 or bf16, as one call and ONE OpenMP parallel region: the whole
+// forward runs on a fixed team, with barriers between its phases instead of a fork and join
+// per kernel. GEMMs are gemm_packed.cpp's on the packed weights (each thread its share of
+// the columns), the residual add fused into the o and down projections' stores, SiLU * up
+// into the gate_up projection's; RMSNorm, RoPE, the K/V store and paged attention are the
+// same kernels as above, each thread calling them with one thread on its own rows (rows
+// cut so that the threads get about equal attention work: keys + 1 a row). Per layer: norm
+// | qkv | RoPE + store + attention | o (+ residual) | norm | gate_up + SiLU * up | down (+
+// residual), "|" a barrier. bf16: activations are bf16 between the phases, rounded where
+// the per-op path's bf16 tensors round. Same inputs and return codes as
+// pdserve_decode_forward; 6 when the model has no packed weights: nothing written.
 int pdserve_decode_forward_batch(const PdserveModel* p, const int64_t* ids,
                                  const int64_t* positions, const int64_t* slots,
                                  const int32_t* tables, int64_t width, const int32_t* lens,
                                  int64_t m, void* out, int threads) {
   const PdserveModel& md = *p;
-  if (md.dtype != 0 || md.gemm_packed_team == nullptr) return 6;
+  if ((md.dtype != 0 && md.dtype != 1) || md.gemm_packed_team == nullptr) return 6;
   for (int64_t i = 0; i < md.num_layers; ++i) {
     const PdserveLayer& L = md.layers[i];
     if (!L.qkv_p || !L.o_p || !L.gate_up_p || !L.down_p) return 6;
@@ -259,76 +345,11 @@ int pdserve_decode_forward_batch(const PdserveModel* p, const int64_t* ids,
   int64_t max_len = 0;
   const int bad = check_rows(md, ids, positions, slots, width, lens, m, &max_len);
   if (bad != 0) return bad;
-  const auto gemm = reinterpret_cast<GemmTeam>(md.gemm_packed_team);
-  const auto rms_norm = reinterpret_cast<RmsNorm>(md.rms_norm);
-  const int64_t hid = md.hidden, D = md.head_dim, inter = md.intermediate;
-  const int64_t q_size = md.num_heads * D, qkv_n = q_size + 2 * md.num_kv_heads * D;
-  const float eps = md.eps;
-
-  // residual stream (into each layer), residual after attention, normed rows, qkv, attention
-  // out, SiLU * up
-  std::vector<float> buf(m * (3 * hid + qkv_n + q_size + inter));
-  float* res = buf.data();
-  float* res2 = res + m * hid;
-  float* h = res2 + m * hid;
-  float* qkv = h + m * hid;
-  float* attn = qkv + m * qkv_n;
-  float* act = attn + m * q_size;
-  const float* embed = static_cast<const float*>(md.embed);
-  for (int64_t r = 0; r < m; ++r)
-    std::memcpy(res + r * hid, embed + ids[r] * md.embed_stride, hid * sizeof(float));
-  int64_t keys = 0;
-  for (int64_t r = 0; r < m; ++r) keys += lens[r] + 1;
-
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, m)));
-  std::vector<int> rcs(threads, 0);
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    // this thread's rows [r0, r1): the first row whose running key count reaches t / nt of
-    // all keys starts range t
-    int64_t r0 = 0, r1 = 0, run = 0;
-    for (int64_t r = 0; r < m; ++r) {
-      if (run * nt < keys * t) r0 = r + 1;
-      if (run * nt < keys * (t + 1)) r1 = r + 1;
-      run += lens[r] + 1;
-    }
-    if (t == 0) r0 = 0;
-    if (t == nt - 1) r1 = m;
-    const int64_t rows = r1 - r0;
-    int rc = 0;
-    auto norm = [&](const float* x, const void* w, float* dst) {
-      if (rows > 0)
-        rc |= rms_norm(x + r0 * hid, hid, nullptr, 0, w, dst + r0 * hid, hid, nullptr, 0, rows,
-                       hid, eps, 0, 1);
-    };
-    for (int64_t i = 0; i < md.num_layers; ++i) {
-      const PdserveLayer& L = md.layers[i];
-      norm(res, L.input_norm, h);
-#pragma omp barrier
-      rc |= gemm(h, hid, L.qkv_p, qkv_n, hid, 0, static_cast<const float*>(L.qkv_bias),
-                 nullptr, 0, qkv, qkv_n, m);
-#pragma omp barrier
-      if (rows > 0)
-        rc |= attend(md, L, reinterpret_cast<char*>(qkv + r0 * qkv_n), positions + r0,
-                     slots + r0, tables + r0 * width, width, lens + r0, rows, max_len,
-                     attn + r0 * q_size, 1, true);
-#pragma omp barrier
-      rc |= gemm(attn, q_size, L.o_p, hid, q_size, 0, nullptr, res, hid, res2, hid, m);
-#pragma omp barrier
-      norm(res2, L.post_norm, h);
-#pragma omp barrier
-      rc |= gemm(h, hid, L.gate_up_p, inter, hid, 1, nullptr, nullptr, 0, act, inter, m);
-#pragma omp barrier
-      rc |= gemm(act, inter, L.down_p, hid, inter, 0, nullptr, res2, hid, res, hid, m);
-#pragma omp barrier
-    }
-    norm(res, md.final_norm, static_cast<float*>(out));
-    rcs[t] = rc;
-  }
-  for (const int rc : rcs)
-    if (rc != 0) return 5;
-  return 0;
+  if (md.dtype == 0)
+    return forward_batch<float>(md, ids, positions, slots, tables, width, lens, m, max_len, out,
+                                threads);
+  return forward_batch<uint16_t>(md, ids, positions, slots, tables, width, lens, m, max_len, out,
+                                 threads);
 }
 
 }  // extern "C"

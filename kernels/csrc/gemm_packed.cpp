@@ -1,5 +1,5 @@
-// fp32 GEMM on weights packed once into column panels, for decode steps of many rows:
-// y[m, j] = sum_k x[m, k] * w[j, k] (+ b[j]) (+ res[m, j]), or for a gate_up weight
+// GEMMs on weights packed once into column panels, for decode steps of many rows, fp32 or
+// bf16: y[m, j] = sum_k x[m, k] * w[j, k] (+ b[j]) (+ res[m, j]), or for a gate_up weight
 // [2 N, K] (gate rows, then up rows) y[m, j] = silu(gate_j) * up_j.
 //
 // Why: a decode step of 32-64 sequences is weight-streaming GEMMs (M = rows, K and N the
@@ -7,18 +7,27 @@
 // rate at these shapes, one parallel region (fork, join) per projection; the plain-layout
 // GEMV (gemv.cpp) pays a horizontal sum per output and loses above ~8 rows. Here the
 // weight is reordered at load into panels of P = NR * V output columns, each panel
-// [K][P] contiguous: the kernel streams a panel once from DRAM (one sequential stream per
-// thread) and, for each MR-row chunk of x, keeps MR x NR vector accumulators in registers
+// contiguous: the kernel streams a panel once from DRAM (one sequential stream per thread)
+// and, for each MR-row chunk of x, keeps MR x NR fp32 vector accumulators in registers
 // over K, each step one broadcast x value times NR weight vectors; no horizontal sums.
-// Each output is one fp32 FMA chain over k = 0 .. K-1 in order, so a row's result does not
-// depend on how many rows the step has or which chunk it falls in.
 //
-// `pdserve_gemm_packed_team` runs inside an enclosing OpenMP parallel region (every thread
-// of the team calls it; panels split statically, no barrier at the end): the whole decode
-// forward of decode_forward.cpp is one parallel region. `pdserve_gemm_packed` opens its
-// own. Vector paths by -march (kernels/native.py): AVX-512 (V 16, MR 8), AVX2 + FMA (V 8,
-// MR 6), plain C++ (V 1, MR 4); the packed layout is the build's own (pack with the same
-// library). Called through ctypes (kernels/cpu_packed.py): no torch headers.
+// fp32: a panel is [K][P] floats; each output is one fp32 FMA chain over k = 0 .. K-1.
+// bf16: a panel is [ceil(K / 2)][P][2] bf16, the two k of a pair side by side (a zero
+// past an odd K), so one vector holds V columns x 2 k: on a CPU with avx512_bf16 one
+// vdpbf16ps adds both products of a pair to each column's fp32 accumulator (x's pair
+// broadcast as one 32-bit value); elsewhere the pair is widened to fp32 and FMA'd (even k,
+// then odd). Accumulation is fp32 in both; results are rounded to bf16 where the per-op
+// path's bf16 tensors round (the GEMM's output, then the residual sum; SiLU(gate), then
+// its product with up), so they match it but for summation order.
+// Either way a row's result does not depend on how many rows the step has, which chunk it
+// falls in or how many threads run it.
+//
+// `pdserve_gemm_packed[_bf16]_team` runs inside an enclosing OpenMP parallel region (every
+// thread of the team calls it; panels split statically, no barrier at the end): the whole
+// decode forward of decode_forward.cpp is one parallel region. `pdserve_gemm_packed[_bf16]`
+// opens its own. Vector paths by -march (kernels/native.py): AVX-512 (V 16, MR 8), AVX2 +
+// FMA (V 8, MR 6), plain C++ (V 1, MR 4); the packed layout is the build's own (pack with
+// the same library). Called through ctypes (kernels/cpu_packed.py): no torch headers.
 
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -27,80 +36,191 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
+#include "bf16.h"
 #include "exp_approx.h"
 
 namespace {
+
+using pdserve_cpu::bf16_to_float;
+using pdserve_cpu::float_to_bf16;
+using pdserve_cpu::load;
+using pdserve_cpu::store;
 
 #if defined(__AVX512F__)
 constexpr int V = 16;
 constexpr int MR = 8;
 using vf = __m512;
+using vi = __m512i;
 inline vf vzero() { return _mm512_setzero_ps(); }
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vf vbcast(const float* p) { return _mm512_set1_ps(*p); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vi viload(const void* p) { return _mm512_loadu_si512(p); }
+inline vi vibcast(uint32_t u) { return _mm512_set1_epi32(static_cast<int>(u)); }
+inline vf even_f32(vi v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline vf odd_f32(vi v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int V = 8;
 constexpr int MR = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast of 16 ymm
 using vf = __m256;
+using vi = __m256i;
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vbcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vi viload(const void* p) { return _mm256_loadu_si256(static_cast<const vi*>(p)); }
+inline vi vibcast(uint32_t u) { return _mm256_set1_epi32(static_cast<int>(u)); }
+inline vf even_f32(vi v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline vf odd_f32(vi v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 #else
 constexpr int V = 1;
 constexpr int MR = 4;
 using vf = float;
+using vi = uint32_t;
 inline vf vzero() { return 0.0f; }
 inline vf vload(const float* p) { return *p; }
 inline vf vbcast(const float* p) { return *p; }
 inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 inline void vstore(float* p, vf v) { *p = v; }
+inline vi viload(const void* p) {
+  vi u;
+  std::memcpy(&u, p, sizeof(u));
+  return u;
+}
+inline vi vibcast(uint32_t u) { return u; }
+inline vf even_f32(vi v) { return bf16_to_float(static_cast<uint16_t>(v & 0xffffu)); }
+inline vf odd_f32(vi v) { return bf16_to_float(static_cast<uint16_t>(v >> 16)); }
 #endif
 constexpr int NR = 2;       // weight vectors a panel row: gate and up for a gate_up weight
 constexpr int P = NR * V;   // weight columns a panel (a gate_up panel: V outputs)
 constexpr int64_t PF = 16;  // panel rows prefetched ahead (a panel's first chunk streams it)
+
+// A bf16 pair of x (k, k + 1) as the weight pairs hold theirs, and one k-pair step of the
+// accumulator: acc += x_even w_even + x_odd w_odd for each column of the weight vector.
+#if defined(__AVX512BF16__)
+constexpr bool kNativeBf16 = true;
+using xpair = __m512bh;
+using wpair = __m512bh;
+inline xpair xprep(uint32_t u) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(u)); }
+inline wpair wprep(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline vf dot2(vf acc, xpair x, wpair w) { return _mm512_dpbf16_ps(acc, x, w); }
+#else
+constexpr bool kNativeBf16 = false;
+struct xpair { vf e, o; };
+struct wpair { vf e, o; };
+inline xpair xprep(uint32_t u) {
+  const vi b = vibcast(u);
+  return {even_f32(b), odd_f32(b)};
+}
+inline wpair wprep(const uint16_t* p) {
+  const vi w = viload(p);
+  return {even_f32(w), odd_f32(w)};
+}
+inline vf dot2(vf acc, xpair x, wpair w) { return vfma(x.o, w.o, vfma(x.e, w.e, acc)); }
+#endif
+
+// Element traits: KP k values a packed group (1 fp32, 2 bf16), and the value a tensor of
+// that dtype holds (bf16: rounded).
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static constexpr int64_t KP = 1;
+  static float rnd(float x) { return x; }
+};
+template <>
+struct Elem<uint16_t> {
+  static constexpr int64_t KP = 2;
+  static float rnd(float x) { return bf16_to_float(float_to_bf16(x)); }
+};
 
 // Output columns a panel gives: P, or V for a gate_up weight (gate and up side by side).
 inline int64_t cols_per_panel(bool silu) { return silu ? V : P; }
 inline int64_t panels(int64_t n, bool silu) {
   return (n + cols_per_panel(silu) - 1) / cols_per_panel(silu);
 }
+// Elements of one packed panel: ceil(k / KP) groups of P columns x KP.
+template <typename T>
+inline int64_t panel_elems(int64_t k) {
+  constexpr int64_t KP = Elem<T>::KP;
+  return (k + KP - 1) / KP * P * KP;
+}
 
 // Panels [p0, p1) of w [n (2 n with silu), k] (rows ws apart) into out, zero past the end.
-void pack_panels(const float* w, int64_t ws, int64_t n, int64_t k, bool silu, float* out,
-                 int64_t p0, int64_t p1) {
+template <typename T>
+void pack_panels(const T* w, int64_t ws, int64_t n, int64_t k, bool silu, T* out, int64_t p0,
+                 int64_t p1) {
   constexpr int64_t KB = 16;  // k values a column at a time: contiguous reads, whole-row writes
+  constexpr int64_t KP = Elem<T>::KP;
+  const int64_t kpad = (k + KP - 1) / KP * KP;
   for (int64_t p = p0; p < p1; ++p) {
-    float* dst = out + p * k * P;
-    const float* src[P];
+    T* dst = out + p * panel_elems<T>(k);
+    const T* src[P];
     for (int64_t c = 0; c < P; ++c) {
       // plain: column p P + c; gate_up: vector c / V is gate (0) or up (1) of output p V + c % V
       const int64_t j = silu ? p * V + c % V : p * P + c;
       src[c] = j < n ? w + (silu && c >= V ? n + j : j) * ws : nullptr;
     }
-    for (int64_t k0 = 0; k0 < k; k0 += KB) {
-      const int64_t kb = std::min(KB, k - k0);
-      float tile[P][KB];
+    for (int64_t k0 = 0; k0 < kpad; k0 += KB) {
+      const int64_t kb = std::min(KB, kpad - k0);
+      T tile[P][KB];
       for (int64_t c = 0; c < P; ++c)
-        for (int64_t i = 0; i < kb; ++i) tile[c][i] = src[c] != nullptr ? src[c][k0 + i] : 0.0f;
-      for (int64_t i = 0; i < kb; ++i)
-        for (int64_t c = 0; c < P; ++c) dst[(k0 + i) * P + c] = tile[c][i];
+        for (int64_t i = 0; i < kb; ++i)
+          tile[c][i] = src[c] != nullptr && k0 + i < k ? src[c][k0 + i] : T(0);
+      for (int64_t i = 0; i < kb; ++i) {
+        const int64_t kk = k0 + i;
+        for (int64_t c = 0; c < P; ++c) dst[(kk / KP * P + c) * KP + kk % KP] = tile[c][i];
+      }
     }
   }
 }
 
-// R rows of x (rows xs apart) times one panel: acc [R][NR] vectors, then the epilogue into
-// the panel's output columns [j0, j0 + cols) of y.
+// The epilogue of R rows: acc [R][NR] vectors into the panel's output columns [j0, j0 +
+// cols) of y, with bias, residual or SiLU * up, rounded where T's tensors would round.
+template <typename T, typename Y, int R>
+inline void epilogue(vf (&acc)[R][NR], bool silu, const T* bias, const T* res, int64_t rs,
+                     Y* y, int64_t ys, int64_t j0, int64_t cols) {
+  using E = Elem<T>;
+  alignas(64) float t[NR * V];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < NR; ++v) vstore(t + v * V, acc[r][v]);
+    Y* yr = y + r * ys + j0;
+    if (silu) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) {
+        const float g = t[c];
+        store(yr + c, E::rnd(E::rnd(g / (1.0f + pdserve_cpu::exp_approx(-g))) * t[V + c]));
+      }
+    } else {
+      const T* rr = res != nullptr ? res + r * rs + j0 : nullptr;
+      if (bias != nullptr)
+        for (int64_t c = 0; c < cols; ++c) t[c] += load(bias + j0 + c);
+      if (rr != nullptr) {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) store(yr + c, E::rnd(E::rnd(t[c]) + load(rr + c)));
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < cols; ++c) store(yr + c, E::rnd(t[c]));
+      }
+    }
+  }
+}
+
+// R rows of x (rows xs apart) times one panel, then the epilogue.
 // pf: where this chunk's share of the next panel starts (null: none), pf_step bytes of it a
-// k step (prefetched into L2 while this panel computes from L1/L2).
-template <int R>
+// k group (prefetched into L2 while this panel computes from L1/L2).
+template <int R, typename Y>
 inline void micro(const float* x, int64_t xs, const float* wp, int64_t k, bool silu,
-                  const float* bias, const float* res, int64_t rs, float* y, int64_t ys,
-                  int64_t j0, int64_t cols, bool prefetch, const char* pf, int64_t pf_step) {
+                  const float* bias, const float* res, int64_t rs, Y* y, int64_t ys, int64_t j0,
+                  int64_t cols, bool prefetch, const char* pf, int64_t pf_step) {
   vf acc[R][NR];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < NR; ++v) acc[r][v] = vzero();
@@ -119,33 +239,50 @@ inline void micro(const float* x, int64_t xs, const float* wp, int64_t k, bool s
       for (int v = 0; v < NR; ++v) acc[r][v] = vfma(b, w[v], acc[r][v]);
     }
   }
-  alignas(64) float t[NR * V];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < NR; ++v) vstore(t + v * V, acc[r][v]);
-    float* yr = y + r * ys + j0;
-    if (silu) {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) {
-        const float g = t[c];
-        yr[c] = g / (1.0f + pdserve_cpu::exp_approx(-g)) * t[V + c];
-      }
-    } else {
-      const float* rr = res != nullptr ? res + r * rs + j0 : nullptr;
-      for (int64_t c = 0; c < cols; ++c) {
-        float s = t[c];
-        if (bias != nullptr) s += bias[j0 + c];
-        if (rr != nullptr) s += rr[c];
-        yr[c] = s;
-      }
-    }
-  }
+  epilogue<float, Y, R>(acc, silu, bias, res, rs, y, ys, j0, cols);
 }
 
-template <int R>
-inline void rows_chunk(const float* x, int64_t xs, const float* wp, int64_t k, bool silu,
-                       const float* bias, const float* res, int64_t rs, float* y, int64_t ys,
-                       int64_t j0, int64_t cols, int64_t rows, bool prefetch, const char* pf,
-                       int64_t pf_step) {
+inline uint32_t x_pair(const uint16_t* x, int64_t kk, int64_t k) {
+  uint32_t u = x[kk];
+  if (kk + 1 < k) u |= static_cast<uint32_t>(x[kk + 1]) << 16;
+  return u;
+}
+
+template <int R, typename Y>
+inline void micro(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t k, bool silu,
+                  const uint16_t* bias, const uint16_t* res, int64_t rs, Y* y, int64_t ys,
+                  int64_t j0, int64_t cols, bool prefetch, const char* pf, int64_t pf_step) {
+  vf acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NR; ++v) acc[r][v] = vzero();
+  const int64_t groups = (k + 1) / 2, full = k / 2;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint16_t* wr = wp + g * (2 * P);
+    wpair w[NR];
+    for (int v = 0; v < NR; ++v) w[v] = wprep(wr + v * 2 * V);
+    if (prefetch) __builtin_prefetch(wr + PF * 2 * P, 0, 3);
+    if (pf != nullptr) {
+      const char* a = pf + g * pf_step;
+      __builtin_prefetch(a, 0, 2);
+      if (pf_step > 64) __builtin_prefetch(a + 64, 0, 2);
+    }
+    for (int r = 0; r < R; ++r) {
+      uint32_t u;
+      if (g < full)
+        std::memcpy(&u, x + r * xs + 2 * g, sizeof(u));
+      else
+        u = x_pair(x + r * xs, 2 * g, k);  // an odd K's last k, its pair partner zero
+      const xpair b = xprep(u);
+      for (int v = 0; v < NR; ++v) acc[r][v] = dot2(acc[r][v], b, w[v]);
+    }
+  }
+  epilogue<uint16_t, Y, R>(acc, silu, bias, res, rs, y, ys, j0, cols);
+}
+
+template <int R, typename T, typename Y>
+inline void rows_chunk(const T* x, int64_t xs, const T* wp, int64_t k, bool silu, const T* bias,
+                       const T* res, int64_t rs, Y* y, int64_t ys, int64_t j0, int64_t cols,
+                       int64_t rows, bool prefetch, const char* pf, int64_t pf_step) {
   if constexpr (R > 1) {
     if (rows < R)
       return rows_chunk<R - 1>(x, xs, wp, k, silu, bias, res, rs, y, ys, j0, cols, rows,
@@ -155,21 +292,23 @@ inline void rows_chunk(const float* x, int64_t xs, const float* wp, int64_t k, b
 }
 
 // Panels [p0, p1) for all m rows.
-void gemm_panels(const float* x, int64_t xs, const float* wp, int64_t n, int64_t k, bool silu,
-                 const float* bias, const float* res, int64_t rs, float* y, int64_t ys,
-                 int64_t m, int64_t p0, int64_t p1) {
-  const int64_t cp = cols_per_panel(silu);
+template <typename T, typename Y>
+void gemm_panels(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, bool silu,
+                 const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
+                 int64_t p0, int64_t p1) {
+  const int64_t cp = cols_per_panel(silu), pe = panel_elems<T>(k);
   // The next panel streams from DRAM while this one computes: chunk c of n prefetches the
   // c-th n-th of it, so the read is spread over the whole panel's time, not bunched into
   // its first chunk (which then ran memory-bound). The thread's first panel prefetches
   // itself PF rows ahead in its first chunk.
   const int64_t chunks = (m + MR - 1) / MR;
-  const int64_t panel_bytes = k * P * static_cast<int64_t>(sizeof(float));
-  const int64_t pf_step = std::max<int64_t>(1, P * static_cast<int64_t>(sizeof(float)) / chunks);
+  const int64_t panel_bytes = pe * static_cast<int64_t>(sizeof(T));
+  const int64_t group_bytes = P * Elem<T>::KP * static_cast<int64_t>(sizeof(T));
+  const int64_t pf_step = std::max<int64_t>(1, group_bytes / chunks);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t j0 = p * cp, cols = std::min(cp, n - j0);
-    const float* wpp = wp + p * k * P;
-    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(wpp + k * P) : nullptr;
+    const T* wpp = wp + p * pe;
+    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(wpp + pe) : nullptr;
     for (int64_t c = 0, m0 = 0; m0 < m; ++c, m0 += MR)
       rows_chunk<MR>(x + m0 * xs, xs, wpp, k, silu, bias, res == nullptr ? nullptr : res + m0 * rs,
                      rs, y + m0 * ys, ys, j0, cols, std::min<int64_t>(MR, m - m0),
@@ -179,30 +318,20 @@ void gemm_panels(const float* x, int64_t xs, const float* wp, int64_t n, int64_t
 }
 
 // This thread's share of the panels, for a team of nt threads.
-void gemm_team(const float* x, int64_t xs, const float* wp, int64_t n, int64_t k, bool silu,
-               const float* bias, const float* res, int64_t rs, float* y, int64_t ys,
-               int64_t m, int64_t t, int64_t nt) {
+template <typename T, typename Y>
+void gemm_team(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, bool silu,
+               const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m, int64_t t,
+               int64_t nt) {
   const int64_t np = panels(n, silu);
   gemm_panels(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, np * t / nt, np * (t + 1) / nt);
 }
 
-bool bad_args(int64_t n, int64_t k, int silu, const float* bias, int64_t m) {
-  return n < 0 || k < 0 || m < 0 || (silu != 0 && bias != nullptr);
+bool bad_args(int64_t n, int64_t k, int silu, const void* bias, const void* res, int64_t m) {
+  return n < 0 || k < 0 || m < 0 || (silu != 0 && (bias != nullptr || res != nullptr));
 }
 
-}  // namespace
-
-extern "C" {
-
-// Floats of the packed copy of an [n, k] weight (silu: a [2 n, k] gate_up weight).
-int64_t pdserve_packed_floats(int64_t n, int64_t k, int silu) {
-  return panels(n, silu != 0) * k * P;
-}
-
-// Pack w [n, k] (silu: [2 n, k], gate rows then up rows; rows ws floats apart) into out
-// (pdserve_packed_floats floats). Returns 0, 1 on bad arguments.
-int pdserve_pack(const float* w, int64_t ws, int64_t n, int64_t k, int silu, float* out,
-                 int threads) {
+template <typename T>
+int pack(const T* w, int64_t ws, int64_t n, int64_t k, int silu, T* out, int threads) {
   if (n < 0 || k < 0 || ws < k || threads < 1) return 1;
   const int64_t np = panels(n, silu != 0);
 #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -213,13 +342,11 @@ int pdserve_pack(const float* w, int64_t ws, int64_t n, int64_t k, int silu, flo
   return 0;
 }
 
-// y [m, n] (rows ys apart) = x [m, k] (rows xs apart) times the packed weight wp, + bias [n]
-// (may be null) + res [m, n] (rows rs apart; may be null); silu: y = silu(gate) * up of a
-// packed gate_up weight (no bias, no res). Opens its own parallel region of `threads`.
-int pdserve_gemm_packed(const float* x, int64_t xs, const float* wp, int64_t n, int64_t k,
-                        int silu, const float* bias, const float* res, int64_t rs, float* y,
-                        int64_t ys, int64_t m, int threads) {
-  if (bad_args(n, k, silu, bias, m) || threads < 1) return 1;
+template <typename T, typename Y>
+int gemm_own_region(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int silu,
+                    const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
+                    int threads) {
+  if (bad_args(n, k, silu, bias, res, m) || threads < 1) return 1;
   threads = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, panels(n, silu))));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   gemm_team(x, xs, wp, n, k, silu != 0, bias, res, rs, y, ys, m, omp_get_thread_num(),
@@ -227,12 +354,71 @@ int pdserve_gemm_packed(const float* x, int64_t xs, const float* wp, int64_t n, 
   return 0;
 }
 
+}  // namespace
+
+extern "C" {
+
+// Floats of the packed copy of an fp32 [n, k] weight (silu: a [2 n, k] gate_up weight).
+int64_t pdserve_packed_floats(int64_t n, int64_t k, int silu) {
+  return panels(n, silu != 0) * panel_elems<float>(k);
+}
+
+// bf16 elements of the packed copy of a bf16 [n, k] weight (silu: [2 n, k]).
+int64_t pdserve_packed_bf16_elems(int64_t n, int64_t k, int silu) {
+  return panels(n, silu != 0) * panel_elems<uint16_t>(k);
+}
+
+// Pack w [n, k] (silu: [2 n, k], gate rows then up rows; rows ws elements apart) into out
+// (pdserve_packed_floats / _bf16_elems elements). Returns 0, 1 on bad arguments.
+int pdserve_pack(const float* w, int64_t ws, int64_t n, int64_t k, int silu, float* out,
+                 int threads) {
+  return pack(w, ws, n, k, silu, out, threads);
+}
+
+int pdserve_pack_bf16(const uint16_t* w, int64_t ws, int64_t n, int64_t k, int silu,
+                      uint16_t* out, int threads) {
+  return pack(w, ws, n, k, silu, out, threads);
+}
+
+// y [m, n] (rows ys apart) = x [m, k] (rows xs apart) times the packed weight wp, + bias [n]
+// (may be null) + res [m, n] (rows rs apart; may be null); silu: y = silu(gate) * up of a
+// packed gate_up weight (no bias, no res). Opens its own parallel region of `threads`.
+// Returns 0, 1 on bad arguments (nothing written).
+int pdserve_gemm_packed(const float* x, int64_t xs, const float* wp, int64_t n, int64_t k,
+                        int silu, const float* bias, const float* res, int64_t rs, float* y,
+                        int64_t ys, int64_t m, int threads) {
+  return gemm_own_region(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, threads);
+}
+
+// The same for bf16 x, weight, bias and res; y bf16, or (y_f32) fp32 holding the bf16
+// values (the lm_head's logits, as the per-op path's bf16 logits turned float).
+int pdserve_gemm_packed_bf16(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t n,
+                             int64_t k, int silu, const uint16_t* bias, const uint16_t* res,
+                             int64_t rs, void* y, int64_t ys, int64_t m, int y_f32,
+                             int threads) {
+  if (y_f32 != 0)
+    return gemm_own_region(x, xs, wp, n, k, silu, bias, res, rs, static_cast<float*>(y), ys, m,
+                           threads);
+  return gemm_own_region(x, xs, wp, n, k, silu, bias, res, rs, static_cast<uint16_t*>(y), ys, m,
+                         threads);
+}
+
 // The same, called by every thread of an enclosing parallel region: this thread computes
 // its share of the panels and returns (the caller synchronises before reading y).
 int pdserve_gemm_packed_team(const float* x, int64_t xs, const float* wp, int64_t n, int64_t k,
                              int silu, const float* bias, const float* res, int64_t rs,
                              float* y, int64_t ys, int64_t m) {
-  if (bad_args(n, k, silu, bias, m)) return 1;
+  if (bad_args(n, k, silu, bias, res, m)) return 1;
+  gemm_team(x, xs, wp, n, k, silu != 0, bias, res, rs, y, ys, m, omp_get_thread_num(),
+            omp_get_num_threads());
+  return 0;
+}
+
+int pdserve_gemm_packed_bf16_team(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t n,
+                                  int64_t k, int silu, const uint16_t* bias,
+                                  const uint16_t* res, int64_t rs, uint16_t* y, int64_t ys,
+                                  int64_t m) {
+  if (bad_args(n, k, silu, bias, res, m)) return 1;
   gemm_team(x, xs, wp, n, k, silu != 0, bias, res, rs, y, ys, m, omp_get_thread_num(),
             omp_get_num_threads());
   return 0;
@@ -240,5 +426,8 @@ int pdserve_gemm_packed_team(const float* x, int64_t xs, const float* wp, int64_
 
 // The build's vector width in bits (512, 256, 32); the packed layout depends on it.
 int pdserve_gemm_packed_isa() { return V * 32; }
+
+// 1 where the bf16 GEMM runs on the CPU's own bf16 dot products (avx512_bf16), else 0.
+int pdserve_gemm_packed_bf16_native() { return kNativeBf16 ? 1 : 0; }
 
 }  // extern "C"
