@@ -112,14 +112,25 @@ class Packed:
         """x [m, k] (the weight's dtype) -> [m, n]: x W^T + bias + res (silu: silu(x gate^T)
         * (x up^T), no bias or res), in `out_dtype` (default the weight's; a bf16 weight
         can give fp32 holding the bf16 values)."""
-        if x.dtype != self.dtype or x.dim() != 2 or x.shape[1] != self.k or x.stride(1) != 1:
+        if (
+            x.dtype != self.dtype
+            or x.dim() != 2
+            or x.shape[1] != self.k
+            or x.stride(1) != 1
+            or not x.is_cpu
+        ):
             raise ValueError(
-                f"packed GEMM takes {self.dtype} [m, {self.k}] rows, got {x.dtype} {tuple(x.shape)}"
+                f"packed GEMM takes CPU {self.dtype} [m, {self.k}] rows, got {x.dtype} "
+                f"{tuple(x.shape)} on {x.device}"
             )
         m = x.shape[0]
         for t, shape in ((bias, (self.n,)), (res, (m, self.n))):
-            if t is not None and (t.dtype != self.dtype or t.shape != shape or t.stride(-1) != 1):
-                raise ValueError(f"bias / residual must be {self.dtype} {shape}, contiguous rows")
+            if t is not None and (
+                t.dtype != self.dtype or t.shape != shape or t.stride(-1) != 1 or not t.is_cpu
+            ):
+                raise ValueError(
+                    f"bias / residual must be CPU {self.dtype} {shape}, contiguous rows"
+                )
         out_dtype = out_dtype or self.dtype
         if out_dtype not in (self.dtype, torch.float32):
             raise ValueError(f"packed GEMM gives {self.dtype} or float32, not {out_dtype}")
