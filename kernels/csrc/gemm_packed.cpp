@@ -217,6 +217,19 @@ inline void epilogue(vf (&acc)[R][NR], bool silu, const T* bias, const T* res, i
   }
 }
 
+// One k step's prefetches (both micro kernels): the current panel `ahead` elements on
+// (its first chunk only, `self`), and this chunk's share of the next panel, step `step`.
+template <typename T>
+inline void prefetch_step(const T* w, int64_t ahead, bool self, const char* pf, int64_t step,
+                          int64_t pf_step) {
+  if (self) __builtin_prefetch(w + ahead, 0, 3);
+  if (pf != nullptr) {
+    const char* a = pf + step * pf_step;
+    __builtin_prefetch(a, 0, 2);
+    if (pf_step > 64) __builtin_prefetch(a + 64, 0, 2);
+  }
+}
+
 // R rows of x (rows xs apart) times one panel, then the epilogue.
 // pf: where this chunk's share of the next panel starts (null: none), pf_step bytes of it a
 // k group (prefetched into L2 while this panel computes from L1/L2).
@@ -231,12 +244,7 @@ inline void micro(const float* x, int64_t xs, const float* wp, int64_t k, bool s
     const float* wr = wp + kk * P;
     vf w[NR];
     for (int v = 0; v < NR; ++v) w[v] = vload(wr + v * V);
-    if (prefetch) __builtin_prefetch(wr + PF * P, 0, 3);
-    if (pf != nullptr) {
-      const char* a = pf + kk * pf_step;
-      __builtin_prefetch(a, 0, 2);
-      if (pf_step > 64) __builtin_prefetch(a + 64, 0, 2);
-    }
+    prefetch_step(wr, PF * P, prefetch, pf, kk, pf_step);
     for (int r = 0; r < R; ++r) {
       const vf b = vbcast(x + r * xs + kk);
       for (int v = 0; v < NR; ++v) acc[r][v] = vfma(b, w[v], acc[r][v]);
@@ -263,12 +271,7 @@ inline void micro(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t k, 
     const uint16_t* wr = wp + g * (2 * P);
     wpair w[NR];
     for (int v = 0; v < NR; ++v) w[v] = wprep(wr + v * 2 * V);
-    if (prefetch) __builtin_prefetch(wr + PF * 2 * P, 0, 3);
-    if (pf != nullptr) {
-      const char* a = pf + g * pf_step;
-      __builtin_prefetch(a, 0, 2);
-      if (pf_step > 64) __builtin_prefetch(a + 64, 0, 2);
-    }
+    prefetch_step(wr, PF * 2 * P, prefetch, pf, g, pf_step);
     for (int r = 0; r < R; ++r) {
       uint32_t u;
       if (g < full)
