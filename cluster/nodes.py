@@ -105,6 +105,7 @@ def node_settings(
         "kv_cache_bytes": int(g.kv_cache_bytes),
         "num_blocks": g.num_blocks,
         "no_prefix_caching": not g.enable_prefix_caching,
+        "kv_populate": g.kv_populate,
         "max_num_seqs": g.max_num_seqs,
         "max_num_batched_tokens": g.max_num_batched_tokens,
         "local_prefill_max_tokens": g.local_prefill_max_tokens,

@@ -265,6 +265,11 @@ class NodeGroup(Section):
     )
     num_blocks: int | None = Field(None, ge=1, description="KV blocks (overrides the bytes)")
     enable_prefix_caching: bool = Field(True, description="reuse identical prompt prefixes")
+    kv_populate: bool = Field(
+        True,
+        description="CPU: fault the whole KV cache in at start (seconds per GiB in some VMs), "
+        "so the first requests do not pay page faults; false: a faster start",
+    )
     max_num_seqs: int = Field(64, ge=1, description="requests in the running batch")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one step")
     local_prefill_max_tokens: int = Field(

@@ -87,6 +87,9 @@ class CacheConfig:
     # Report blocks entering/leaving the prefix cache with each output batch (KV index).
     kv_events: bool = False
     layout: str = "layer_major"  # one of KV_LAYOUTS
+    # CPU: fault the whole KV cache in at start (kernels/hugepages.populate), not block by
+    # block on the request path; `PDSERVE_KV_POPULATE=0` turns it off process-wide.
+    populate: bool = True
 
     def __post_init__(self) -> None:
         if self.layout not in KV_LAYOUTS:

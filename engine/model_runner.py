@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from types import ModuleType
 
@@ -128,14 +129,16 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        populated = self._populate_kv(config.cache.populate)
         # Recorded after each step's forward pass: its KV writes are done once it is.
         self._step_done = torch.cuda.Event() if self.device.type == "cuda" else None
         logger.info(
-            "KV cache: %d blocks x %d tokens, %s, %.1f MiB, kernels=%s, %s %s",
+            "KV cache: %d blocks x %d tokens, %s, %.1f MiB%s, kernels=%s, %s %s",
             num_blocks,
             self.block_size,
             self.kv_layout,
             self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            populated,
             self.kernel_backend,
             self.device,
             mc.dtype_name,
@@ -144,6 +147,19 @@ class ModelRunner:
             self.warm_up()
         if mc.compiled:
             self._compile(config, mc.max_model_len or arch.max_position_embeddings)
+
+    def _populate_kv(self, wanted: bool) -> str:
+        """CPU: fault the KV cache's pages in now (`cache.populate`), so that the first
+        requests' KV writes do not each pay page faults, which in a VM can cost seconds per
+        GiB (kernels/hugepages.populate). Returns what the start log says about it."""
+        if self.device.type != "cpu" or not wanted:
+            return ""
+        if os.environ.get("PDSERVE_KV_POPULATE", "1") == "0":
+            return ", not populated (PDSERVE_KV_POPULATE=0)"
+        t0 = time.perf_counter()
+        if not hugepages.populate(self.kv_cache):
+            self.kv_cache.zero_()  # no MADV_POPULATE_WRITE here: writing faults them in too
+        return f", populated in {time.perf_counter() - t0:.1f} s"
 
     def _compile(self, config: EngineConfig, max_model_len: int) -> None:
         """Compile the decode step per batch bucket and warm it up (or load it from the

@@ -66,6 +66,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=cache.kv_cache_bytes)
     p.add_argument("--num-blocks", type=int, default=None, help="overrides --kv-cache-bytes")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--kv-populate",
+        action=argparse.BooleanOptionalAction,
+        default=cache.populate,
+        help="CPU: fault the whole KV cache in at start, so the first requests do not pay "
+        "page faults (--no-kv-populate: a faster start, faults on first use)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -230,6 +237,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
             kv_cache_bytes=args.kv_cache_bytes,
             num_blocks=args.num_blocks,
             enable_prefix_caching=not args.no_prefix_caching,
+            populate=args.kv_populate,
             kv_events=args.redis_url is not None,
         ),
         scheduler=SchedulerConfig(

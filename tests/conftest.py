@@ -8,6 +8,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Engines here barely touch their KV cache: faulting all of it in at each start
+# (cache.populate) would cost seconds per engine in a VM. tests/test_hugepages.py and
+# tests/test_engine.py turn it back on where they test it.
+os.environ.setdefault("PDSERVE_KV_POPULATE", "0")
 
 
 def make_tiny_llama(path: str, *, seed: int = 0, **overrides) -> str:

@@ -66,3 +66,61 @@ def test_memory_outlives_the_mapping_object_and_is_huge():
         with open("/proc/self/smaps_rollup") as f:
             huge_kb = next(int(x.split()[1]) for x in f if x.startswith("AnonHugePages"))
         assert huge_kb > 0  # the kernel may refuse some (fragmentation), not every one
+
+
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, total) pages of t's storage, by mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    begin = t.untyped_storage().data_ptr()
+    start = begin - begin % page
+    length = begin + t.untyped_storage().nbytes() - start
+    pages = (length + page - 1) // page
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw), pages
+
+
+def test_populate_faults_every_page_in_and_keeps_the_zeros():
+    import os
+
+    t = hugepages.zeros((16 << 20,), torch.uint8)  # 16 MiB: a fresh mapping where THP is on
+    before, pages = _resident_pages(t)
+    ok = hugepages.populate(t)
+    if os.uname().sysname != "Linux" or not ok:  # a kernel before 5.14: nothing happened
+        assert _resident_pages(t)[0] == before
+        return
+    assert _resident_pages(t) == (pages, pages)
+    if hugepages.available():
+        assert before < pages  # it was not resident before: populate did it
+    assert not t.any()  # still zeros
+    t[::4096] = 7  # and writable
+    assert int(t.sum()) == 7 * (16 << 20) // 4096
+    assert not hugepages.populate(torch.empty(0))  # nothing to do
+
+
+def test_engine_populates_its_kv_cache_unless_told_not_to(tiny_llama_dir, monkeypatch):
+    from engine import LLM, SamplingParams
+
+    monkeypatch.delenv("PDSERVE_KV_POPULATE")  # conftest turns it off for the other tests
+    kw = dict(block_size=4, num_blocks=4096)  # 4096 blocks: several MiB of KV
+    outs = {}
+    for populate in (True, False):
+        llm = LLM(tiny_llama_dir, kv_populate=populate, **kw)
+        kv = llm.engine.runner.kv_cache
+        resident, pages = _resident_pages(kv)
+        if populate:
+            assert resident == pages
+        elif hugepages.available():
+            assert resident < pages  # faulted in lazily, on first use
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        outs[populate] = llm.generate([[1, 2, 3, 4, 5]], params)[0].token_ids
+    assert outs[True] == outs[False] and len(outs[True]) == 8
+    monkeypatch.setenv("PDSERVE_KV_POPULATE", "0")
+    llm = LLM(tiny_llama_dir, kv_populate=True, **kw)  # the switch wins over the config
+    if hugepages.available():
+        assert _resident_pages(llm.engine.runner.kv_cache)[0] < _resident_pages(kv)[1]
