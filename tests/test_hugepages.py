@@ -124,3 +124,19 @@ def test_engine_populates_its_kv_cache_unless_told_not_to(tiny_llama_dir, monkey
     llm = LLM(tiny_llama_dir, kv_populate=True, **kw)  # the switch wins over the config
     if hugepages.available():
         assert _resident_pages(llm.engine.runner.kv_cache)[0] < _resident_pages(kv)[1]
+
+
+def test_kv_populate_from_the_command_line_and_the_cluster_file(tmp_path):
+    """`--no-kv-populate` and YAML `kv_populate: false` reach CacheConfig.populate."""
+    from node.cli import engine_config_from_args, resolve_settings
+    from tests.test_cluster_config import GOOD, serve_parser, write
+
+    def populate(argv: list[str]) -> bool:
+        args = resolve_settings(serve_parser().parse_args(argv))
+        return engine_config_from_args(args).cache.populate
+
+    assert populate([]) is True and populate(["--no-kv-populate"]) is False
+    path = write(tmp_path, GOOD)
+    assert populate(["--config", str(path), "--node", "decode-0"]) is True
+    argv = ["--config", str(path), "--node", "decode-0", "--set", "decode.kv_populate=false"]
+    assert populate(argv) is False
