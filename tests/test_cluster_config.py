@@ -193,6 +193,13 @@ def serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def node_engine_config(argv: list[str]):
+    """The EngineConfig `pdserve serve ARGV` would run (flags, or a node of a --config file)."""
+    from node.cli import engine_config_from_args, resolve_settings
+
+    return engine_config_from_args(resolve_settings(serve_parser().parse_args(argv)))
+
+
 # Node flags that deliberately have no YAML key: per-process plumbing, not cluster config.
 NOT_IN_YAML = {"help", "config", "node", "set", "log_level", "engine_address", "serve_defaults"}
 

@@ -420,8 +420,7 @@ def test_inputs_of_other_row_counts_are_not_taken(tiny_llama_dir):
 def test_batched_decode_switched_off(tiny_llama_dir, tmp_path):
     """`batched_decode=False` (`--no-batched-decode`, YAML `model.batched_decode: false`):
     no packed copies, larger steps by layer."""
-    from node.cli import engine_config_from_args, resolve_settings
-    from tests.test_cluster_config import GOOD, serve_parser, write
+    from tests.test_cluster_config import GOOD, node_engine_config, write
 
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512, batched_decode=False)
     fused = llm.engine.runner.model.fused_decode
@@ -431,8 +430,7 @@ def test_batched_decode_switched_off(tiny_llama_dir, tmp_path):
     assert fused.layer_steps >= 3 and fused.batch_steps == 0
 
     def batched(argv: list[str]) -> bool:
-        args = resolve_settings(serve_parser().parse_args(argv))
-        return engine_config_from_args(args).model.cpu_batched_decode
+        return node_engine_config(argv).model.cpu_batched_decode
 
     assert batched([]) is True and batched(["--no-batched-decode"]) is False
     path = write(tmp_path, GOOD)
