@@ -94,12 +94,17 @@ def populate(t: torch.Tensor) -> bool:
     libc = _libc()
     if libc is None:
         return False
+    start, length = page_span(t)
+    return libc.madvise(start, length, MADV_POPULATE_WRITE) == 0
+
+
+def page_span(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the whole pages that t's storage lies on."""
     storage = t.untyped_storage()
     page = mmap.PAGESIZE
     begin = storage.data_ptr()
     start = begin - begin % page
-    length = (begin + storage.nbytes() - start + page - 1) // page * page
-    return libc.madvise(start, length, MADV_POPULATE_WRITE) == 0
+    return start, (begin + storage.nbytes() - start + page - 1) // page * page
 
 
 @functools.cache

@@ -75,11 +75,8 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    page = mmap.PAGESIZE
-    begin = t.untyped_storage().data_ptr()
-    start = begin - begin % page
-    length = begin + t.untyped_storage().nbytes() - start
-    pages = (length + page - 1) // page
+    start, length = hugepages.page_span(t)
+    pages = length // mmap.PAGESIZE
     vec = ctypes.create_string_buffer(pages)
     assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
     return sum(b & 1 for b in vec.raw), pages
