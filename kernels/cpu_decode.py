@@ -49,7 +49,7 @@ class Model(ctypes.Structure):
         ("cos_sin", _p), ("max_pos", _i64),
         ("block_size", _i64), ("block_stride", _i64), ("num_blocks", _i64),
         ("parallel_min_elements", _i64), ("items_per_thread", _i64), ("min_split_keys", _i64),
-        ("layers", ctypes.POINTER(Layer)), ("gemm_packed_team", _p),
+        ("layers", ctypes.POINTER(Layer)), ("gemm_packed_team", _p), ("silu_mode", _i32),
     ]  # fmt: skip
 
 

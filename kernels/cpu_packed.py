@@ -101,6 +101,13 @@ class Packed:
     def ptr(self) -> int:
         return self.data.data_ptr()
 
+    def silu_mode(self, round_gate_up: bool) -> int:
+        """The native `silu` argument: 0 a plain projection; a gate_up weight 1 (SiLU * up
+        of the fp32 accumulators) or 2 (gate and up rounded to the dtype first)."""
+        if not self.silu:
+            return 0
+        return 2 if round_gate_up else 1
+
     def gemm(
         self,
         x: torch.Tensor,
@@ -108,10 +115,12 @@ class Packed:
         res: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
         threads: int | None = None,
+        round_gate_up: bool = False,
     ) -> torch.Tensor:
         """x [m, k] (the weight's dtype) -> [m, n]: x W^T + bias + res (silu: silu(x gate^T)
         * (x up^T), no bias or res), in `out_dtype` (default the weight's; a bf16 weight
-        can give fp32 holding the bf16 values)."""
+        can give fp32 holding the bf16 values). round_gate_up (silu, bf16): gate and up
+        rounded to bf16 before SiLU, as an unfused gate_up GEMM's output would be."""
         if (
             x.dtype != self.dtype
             or x.dim() != 2
@@ -136,7 +145,7 @@ class Packed:
             raise ValueError(f"packed GEMM gives {self.dtype} or float32, not {out_dtype}")
         y = torch.empty((m, self.n), dtype=out_dtype)
         args = (
-            x.data_ptr(), x.stride(0), self.ptr(), self.n, self.k, int(self.silu),
+            x.data_ptr(), x.stride(0), self.ptr(), self.n, self.k, self.silu_mode(round_gate_up),
             None if bias is None else bias.data_ptr(), None if res is None else res.data_ptr(),
             0 if res is None else res.stride(0), y.data_ptr(), self.n, m,
         )  # fmt: skip

@@ -14,6 +14,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("PDSERVE_KV_POPULATE", "0")
 
 
+def skip_in_isa_view() -> None:
+    """For a test that builds another CPU's kernels and runs them in a child process: under
+    scripts/avx2_view.sh only the test process is emulated (the child would run natively,
+    repeating what the main suite runs), so it is skipped there."""
+    if os.environ.get("PDSERVE_ISA_VIEW"):
+        pytest.skip("a native child process: the main suite runs it")
+
+
 def make_tiny_llama(path: str, *, seed: int = 0, **overrides) -> str:
     """Write a random-weight Llama (HF format, safetensors, no tokenizer) to `path`."""
     import torch

@@ -23,6 +23,8 @@ from engine.kv_tensor import BLOCK_MAJOR, LAYER_MAJOR, allocate_kv_cache, layout
 from kernels import cpu_attention, native  # noqa: E402
 from kernels import reference as ref  # noqa: E402
 
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
+
 LAYERS, LAYER = 3, 1  # the views under test are layer 1's, between two other layers
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 

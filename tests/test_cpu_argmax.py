@@ -8,6 +8,8 @@ import torch
 
 from kernels import cpu_argmax, native
 
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
+
 
 @pytest.fixture(scope="module", autouse=True)
 def built():

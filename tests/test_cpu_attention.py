@@ -17,6 +17,8 @@ from kernels import cpu_attention, cpu_ops, native
 from kernels import reference as ref
 from kernels.ops import CPU_ATTENTION_ENV, get_ops
 
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
+
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 SCALE = 0.125
 

@@ -16,6 +16,8 @@ from kernels import cpu_elementwise as ew
 from kernels import native
 from kernels import reference as ref
 
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
+
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 DTYPES = [torch.float32, torch.bfloat16]
 

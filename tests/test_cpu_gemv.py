@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_gemv, native
+from tests.conftest import skip_in_isa_view
+
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(1, 1), (5, 7), (37, 131), (33, 576), (960, 576), (19, 1536), (70, 1000)]  # (N, K)
@@ -135,6 +138,7 @@ print("ok")
 @pytest.mark.parametrize("march,isa", [("haswell", 256), ("x86-64", 32)], ids=["avx2", "scalar"])
 def test_other_vector_paths(march, isa, tmp_path):
     """The CI box kind has AVX2 and no AVX-512: its build, and the plain C++ one."""
+    skip_in_isa_view()
     if not os.uname().machine.startswith("x86"):
         pytest.skip("x86 -march values")
     env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(ROOT))

@@ -14,10 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_packed
+from kernels import cpu_ops, cpu_packed
+from tests.conftest import skip_in_isa_view
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not cpu_packed.available(), reason="no C++ compiler")
+pytestmark = [
+    pytest.mark.isa,  # scripts/avx2_view.sh runs it as an AVX2-only CPU
+    pytest.mark.skipif(not cpu_packed.available(), reason="no C++ compiler"),
+]
 
 
 def _gemm(x, packed, bias=None, res=None, threads=2):
@@ -68,6 +72,17 @@ def check_all(dtype=torch.float32) -> None:
             _close(gate_up.linear(x), ref, k, dtype)
             y = gate_up.gemm(x)
             assert y.dtype == dtype and torch.equal(gate_up.gemm(x[:1], threads=1), y[:1])
+            # gate and up rounded first (the unfused per-op MLP: the gate_up GEMM's output
+            # in the weight's dtype, then silu_and_mul); the same in fp32
+            rounded = gate_up.gemm(x, round_gate_up=True)
+            want = cpu_ops.silu_and_mul(h.to(dtype))  # the per-op ops on the rounded GEMM
+            _close(rounded, want.double(), k, dtype)
+            if dtype == torch.float32:
+                assert torch.equal(rounded, y)
+            elif m > 1:  # closer to the per-op ops' result than the fp32-accumulator mode
+                assert (rounded.float() - want.float()).abs().sum() < (
+                    y.float() - want.float()
+                ).abs().sum()
     print("ok")
 
 
@@ -113,6 +128,13 @@ def test_bad_inputs_are_refused():
         lib.pdserve_gemm_packed(x.data_ptr(), 8, *args, 0, None, None, 0, y.data_ptr(), 4, 2, 0)
         == 1
     )
+    for mode in (3, -1):  # silu modes are 0, 1 and 2
+        assert (
+            lib.pdserve_gemm_packed(
+                x.data_ptr(), 8, *args, mode, None, None, 0, y.data_ptr(), 4, 2, 1
+            )
+            == 1
+        )
 
 
 def _cpu_flags() -> set[str]:
@@ -134,6 +156,7 @@ def test_bf16_dot_products_where_the_cpu_has_them():
 def test_other_builds(tmp_path, march, bits):
     """The CI box kind has AVX2 and no AVX-512; a CPU without AVX2 gets the plain C++; an
     AVX-512 CPU without avx512_bf16 widens bf16 pairs to fp32 (the skylake-avx512 build)."""
+    skip_in_isa_view()
     if not os.uname().machine.startswith("x86"):
         pytest.skip("x86 -march values")
     if bits == 512 and "avx512f" not in _cpu_flags():

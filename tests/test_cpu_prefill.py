@@ -20,6 +20,9 @@ from torch.profiler import profile
 
 from kernels import cpu_prefill
 from kernels import reference as ref
+from tests.conftest import skip_in_isa_view
+
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 FLASH = "aten::_scaled_dot_product_flash_attention_for_cpu"
@@ -116,6 +119,7 @@ def test_native_kernel_other_vector_paths(march, tmp_path):
     """The CI box kind (AVX2, no AVX-512 nor avx512_bf16: fp32 arithmetic for bf16 too, the
     generic softmax), the plain C++ build, and AVX-512 without avx512_bf16 (the AVX-512
     softmax, fp32 dot products) equal the reference as well."""
+    skip_in_isa_view()
     if not os.uname().machine.startswith("x86"):
         pytest.skip("x86 -march values")
     if march == "skylake-avx512" and not _cpu_has("avx512bw"):

@@ -9,6 +9,8 @@ from engine import LLM, SamplingParams
 from engine.errors import ConfigError, InvalidRequestError
 from tests.hf_reference import hf_greedy, load_hf
 
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
+
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 

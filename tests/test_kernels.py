@@ -25,6 +25,8 @@ from kernels import triton_ops as tri  # noqa: E402
 from kernels.ops import get_ops  # noqa: E402
 from kernels.triton_attention import decode_attention  # noqa: E402
 
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-4),

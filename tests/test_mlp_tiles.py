@@ -1,6 +1,8 @@
 """The MLP of a long CPU step runs in row tiles (engine/models/llama.py, mlp_tile_rows):
 same result as one untiled call and as plain torch, in fp32 and bf16, with the
-weights prepacked for oneDNN as the engine runs them."""
+weights prepacked for oneDNN as the engine runs them (where oneDNN can pack them: bf16 on
+a CPU without native bf16 runs the plain `F.linear`, and SiLU * up unfused, as the engine
+does there)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ import torch.nn.functional as F
 
 from engine import LLM, SamplingParams
 from engine.model_arch import ModelArch
+from engine.models.cpu_linear import onednn_available
 from engine.models.llama import LlamaMLP, mlp_tile_rows
 from kernels import cpu_ops
 from tests.hf_reference import hf_greedy, load_hf
+
+pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 # vs plain fp32 torch: bf16 rounds gate_up's output and SiLU*mul's before down
@@ -34,8 +39,8 @@ def make_mlp(dtype: torch.dtype, hidden: int = 96, inter: int = 256) -> LlamaMLP
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
     mlp = mlp.to(dtype)
-    mlp.gate_up_proj.pack()
-    mlp.down_proj.pack()
+    packable = onednn_available(torch.device("cpu"), dtype)
+    assert mlp.gate_up_proj.pack() == packable and mlp.down_proj.pack() == packable
     return mlp
 
 

@@ -47,6 +47,14 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def silu_fused(weight: torch.Tensor) -> bool:
+    """True where the MLP's per-op path computes SiLU(gate) * up from the gate_up GEMM's fp32
+    accumulators (`PackedGateUp.silu_mul`: `weight` packed as halves); False where it
+    rounds the GEMM's output to the weight's dtype first (no oneDNN packing: a CPU without
+    native bf16, or oneDNN switched off)."""
+    return isinstance(_packed(weight), tuple)
+
+
 def _packed(weight: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     entry = _PACKED.get(weight.data_ptr())
     if entry is None or entry[0]() is None:
@@ -98,8 +106,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 class PackedLinear(nn.Linear):
     """nn.Linear whose forward runs through the packed weight (after `pack()`)."""
 
-    def pack(self) -> None:
-        pack_weight(self.weight)
+    def pack(self) -> bool:
+        return pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -111,8 +119,8 @@ class PackedGateUp(PackedLinear):
     """The MLP's gate_up projection, [2 I, K] (gate rows, then up rows), bias-free; packed
     as its two halves so that `silu_mul` runs the activation inside the GEMMs."""
 
-    def pack(self) -> None:
-        pack_weight(self.weight, halves=True)
+    def pack(self) -> bool:
+        return pack_weight(self.weight, halves=True)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(x gate^T) * (x up^T), [T, I], through the packed halves with oneDNN
@@ -133,9 +141,14 @@ class PackedGateUp(PackedLinear):
         return y[:1] if lone else y
 
 
-def pack_weight(weight: torch.Tensor, halves: bool = False) -> None:
+def pack_weight(weight: torch.Tensor, halves: bool = False) -> bool:
     """Reorder `weight` [out, in] for oneDNN once; calls through `linear` then use it.
-    halves: pack rows [:out/2] and [out/2:] apart (a gate_up weight)."""
+    halves: pack rows [:out/2] and [out/2:] apart (a gate_up weight). Returns False, and
+    packs nothing, where oneDNN cannot take the weight (`onednn_available`: off the CPU, or
+    bf16 on a CPU without native bf16, where torch's reorder raises): `linear` then runs
+    `F.linear` on it, as on any weight never packed."""
+    if not onednn_available(weight.device, weight.dtype):
+        return False
     for key in [k for k, (ref, _) in _PACKED.items() if ref() is None]:
         del _PACKED[key]
     w = weight.detach()
@@ -146,11 +159,9 @@ def pack_weight(weight: torch.Tensor, halves: bool = False) -> None:
     else:
         packed = reorder(w, None)
     _PACKED[w.data_ptr()] = (weakref.ref(weight), packed)
+    return True
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every PackedLinear of `model`; returns how many."""
-    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    for m in layers:
-        m.pack()
-    return len(layers)
+    """Pack every PackedLinear of `model`; returns how many were packed."""
+    return sum(m.pack() for m in model.modules() if isinstance(m, PackedLinear))

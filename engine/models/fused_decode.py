@@ -11,7 +11,8 @@ states:
   one OpenMP parallel region on weights packed at build for kernels/csrc/gemm_packed.cpp
   (`batch_steps`; `logits` runs the lm_head of such a step the same way). Not bit-equal
   to the per-op path (other GEMMs: each output one fp32 chain over k, the residual add in
-  the GEMM's store; bf16 rounded where the per-op path's bf16 tensors round); the norms,
+  the GEMM's store; bf16 rounded where the per-op path's bf16 tensors round, which
+  depends on whether oneDNN fuses SiLU * up into its gate_up GEMM: `silu_fused`); the norms,
   RoPE, K/V store and attention are the same kernels;
 - otherwise (more rows, no packed weights): a plain loop over
   the layers calling the per-op path's own functions without its module calls and views,
@@ -38,7 +39,7 @@ import logging
 
 import torch
 
-from engine.models.cpu_linear import linear
+from engine.models.cpu_linear import linear, silu_fused
 from engine.models.llama import mlp_tile_rows
 from kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops, cpu_packed
 
@@ -142,6 +143,9 @@ class FusedDecode:
             final_norm=_ptr(model.model.norm.weight),
             cos_sin=_ptr(model.cos_sin), max_pos=model.cos_sin.shape[0],
             layers=self._layers, gemm_packed_team=team, **cpu_decode.wrapper_constants(),
+            # gate_up + SiLU * up rounded as the per-op MLP rounds (oneDNN post-ops on fp32
+            # accumulators, or the unfused GEMM's bf16 output where oneDNN cannot pack bf16)
+            silu_mode=1 if silu_fused(layers[0].mlp.gate_up_proj.weight) else 2,
         )  # fmt: skip
         self._model_ref = ctypes.byref(self._model)
         self._cache_key: tuple | None = None

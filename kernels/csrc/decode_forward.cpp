@@ -103,6 +103,9 @@ struct PdserveModel {
   // pdserve_gemm_packed_team (fp32) or pdserve_gemm_packed_bf16_team (bf16), the model's
   // dtype's, or null (no batched forward)
   const void* gemm_packed_team;
+  // the gate_up GEMM's `silu` mode (gemm_packed.cpp): 1 where the per-op path runs SiLU * up
+  // on the GEMM's fp32 accumulators (oneDNN post-ops), 2 where it rounds gate and up first
+  int32_t silu_mode;
 };
 
 }  // extern "C"
@@ -224,8 +227,8 @@ int forward_batch(const PdserveModel& md, const int64_t* ids, const int64_t* pos
 #pragma omp barrier
       norm(res2, L.post_norm, h);
 #pragma omp barrier
-      rc |= gemm(h, hid, static_cast<const T*>(L.gate_up_p), inter, hid, 1, nullptr, nullptr, 0,
-                 act, inter, m);
+      rc |= gemm(h, hid, static_cast<const T*>(L.gate_up_p), inter, hid, md.silu_mode, nullptr,
+                 nullptr, 0, act, inter, m);
 #pragma omp barrier
       rc |= gemm(act, inter, static_cast<const T*>(L.down_p), hid, inter, 0, nullptr, res2, hid,
                  res, hid, m);
@@ -338,6 +341,7 @@ int pdserve_decode_forward_batch(const PdserveModel* p, const int64_t* ids,
                                  int64_t m, void* out, int threads) {
   const PdserveModel& md = *p;
   if ((md.dtype != 0 && md.dtype != 1) || md.gemm_packed_team == nullptr) return 6;
+  if (md.silu_mode != 1 && md.silu_mode != 2) return 6;
   for (int64_t i = 0; i < md.num_layers; ++i) {
     const PdserveLayer& L = md.layers[i];
     if (!L.qkv_p || !L.o_p || !L.gate_up_p || !L.down_p) return 6;

@@ -18,7 +18,8 @@
 // broadcast as one 32-bit value); elsewhere the pair is widened to fp32 and FMA'd (even k,
 // then odd). Accumulation is fp32 in both; results are rounded to bf16 where the per-op
 // path's bf16 tensors round (the GEMM's output, then the residual sum; SiLU(gate), then
-// its product with up), so they match it but for summation order.
+// its product with up; gate and up themselves too where the per-op path's gate_up GEMM
+// is not fused with SiLU: `silu` mode 2), so they match it but for summation order.
 // Either way a row's result does not depend on how many rows the step has, which chunk it
 // falls in or how many threads run it.
 //
@@ -42,6 +43,12 @@
 #include "exp_approx.h"
 
 namespace {
+
+// `silu` argument of the GEMMs: 0 a plain projection; 1 silu(gate) * up of the fp32
+// accumulators (as oneDNN's post-ops on a packed gate_up weight compute it); 2 gate and up
+// rounded to the weight's dtype first (as the unfused per-op path computes it: the gate_up
+// GEMM's bf16 output, then silu_and_mul; where oneDNN has no native bf16). fp32: 1 == 2.
+constexpr int kSiluRoundedInputs = 2;
 
 using pdserve_cpu::bf16_to_float;
 using pdserve_cpu::float_to_bf16;
@@ -189,14 +196,21 @@ void pack_panels(const T* w, int64_t ws, int64_t n, int64_t k, bool silu, T* out
 // The epilogue of R rows: acc [R][NR] vectors into the panel's output columns [j0, j0 +
 // cols) of y, with bias, residual or SiLU * up, rounded where T's tensors would round.
 template <typename T, typename Y, int R>
-inline void epilogue(vf (&acc)[R][NR], bool silu, const T* bias, const T* res, int64_t rs,
+inline void epilogue(vf (&acc)[R][NR], int silu, const T* bias, const T* res, int64_t rs,
                      Y* y, int64_t ys, int64_t j0, int64_t cols) {
   using E = Elem<T>;
   alignas(64) float t[NR * V];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < NR; ++v) vstore(t + v * V, acc[r][v]);
     Y* yr = y + r * ys + j0;
-    if (silu) {
+    if (silu == kSiluRoundedInputs) {  // gate and up rounded first, as T tensors would be
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) {
+        const float g = E::rnd(t[c]);
+        store(yr + c,
+              E::rnd(E::rnd(g / (1.0f + pdserve_cpu::exp_approx(-g))) * E::rnd(t[V + c])));
+      }
+    } else if (silu != 0) {
 #pragma omp simd
       for (int64_t c = 0; c < cols; ++c) {
         const float g = t[c];
@@ -234,7 +248,7 @@ inline void prefetch_step(const T* w, int64_t ahead, bool self, const char* pf, 
 // pf: where this chunk's share of the next panel starts (null: none), pf_step bytes of it a
 // k group (prefetched into L2 while this panel computes from L1/L2).
 template <int R, typename Y>
-inline void micro(const float* x, int64_t xs, const float* wp, int64_t k, bool silu,
+inline void micro(const float* x, int64_t xs, const float* wp, int64_t k, int silu,
                   const float* bias, const float* res, int64_t rs, Y* y, int64_t ys, int64_t j0,
                   int64_t cols, bool prefetch, const char* pf, int64_t pf_step) {
   vf acc[R][NR];
@@ -260,7 +274,7 @@ inline uint32_t x_pair(const uint16_t* x, int64_t kk, int64_t k) {
 }
 
 template <int R, typename Y>
-inline void micro(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t k, bool silu,
+inline void micro(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t k, int silu,
                   const uint16_t* bias, const uint16_t* res, int64_t rs, Y* y, int64_t ys,
                   int64_t j0, int64_t cols, bool prefetch, const char* pf, int64_t pf_step) {
   vf acc[R][NR];
@@ -286,7 +300,7 @@ inline void micro(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t k, 
 }
 
 template <int R, typename T, typename Y>
-inline void rows_chunk(const T* x, int64_t xs, const T* wp, int64_t k, bool silu, const T* bias,
+inline void rows_chunk(const T* x, int64_t xs, const T* wp, int64_t k, int silu, const T* bias,
                        const T* res, int64_t rs, Y* y, int64_t ys, int64_t j0, int64_t cols,
                        int64_t rows, bool prefetch, const char* pf, int64_t pf_step) {
   if constexpr (R > 1) {
@@ -299,10 +313,10 @@ inline void rows_chunk(const T* x, int64_t xs, const T* wp, int64_t k, bool silu
 
 // Panels [p0, p1) for all m rows.
 template <typename T, typename Y>
-void gemm_panels(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, bool silu,
+void gemm_panels(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int silu,
                  const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
                  int64_t p0, int64_t p1) {
-  const int64_t cp = cols_per_panel(silu), pe = panel_elems<T>(k);
+  const int64_t cp = cols_per_panel(silu != 0), pe = panel_elems<T>(k);
   // The next panel streams from DRAM while this one computes: chunk c of n prefetches the
   // c-th n-th of it, so the read is spread over the whole panel's time, not bunched into
   // its first chunk (which then ran memory-bound). The thread's first panel prefetches
@@ -325,15 +339,16 @@ void gemm_panels(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, bool
 
 // This thread's share of the panels, for a team of nt threads.
 template <typename T, typename Y>
-void gemm_team(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, bool silu,
+void gemm_team(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int silu,
                const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m, int64_t t,
                int64_t nt) {
-  const int64_t np = panels(n, silu);
+  const int64_t np = panels(n, silu != 0);
   gemm_panels(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, np * t / nt, np * (t + 1) / nt);
 }
 
 bool bad_args(int64_t n, int64_t k, int silu, const void* bias, const void* res, int64_t m) {
-  return n < 0 || k < 0 || m < 0 || (silu != 0 && (bias != nullptr || res != nullptr));
+  return n < 0 || k < 0 || m < 0 || silu < 0 || silu > kSiluRoundedInputs ||
+         (silu != 0 && (bias != nullptr || res != nullptr));
 }
 
 template <typename T>
@@ -353,9 +368,10 @@ int gemm_own_region(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, i
                     const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
                     int threads) {
   if (bad_args(n, k, silu, bias, res, m) || threads < 1) return 1;
-  threads = static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, panels(n, silu))));
+  threads =
+      static_cast<int>(std::min<int64_t>(threads, std::max<int64_t>(1, panels(n, silu != 0))));
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  gemm_team(x, xs, wp, n, k, silu != 0, bias, res, rs, y, ys, m, omp_get_thread_num(),
+  gemm_team(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, omp_get_thread_num(),
             omp_get_num_threads());
   return 0;
 }
@@ -387,8 +403,8 @@ int pdserve_pack_bf16(const uint16_t* w, int64_t ws, int64_t n, int64_t k, int s
 }
 
 // y [m, n] (rows ys apart) = x [m, k] (rows xs apart) times the packed weight wp, + bias [n]
-// (may be null) + res [m, n] (rows rs apart; may be null); silu: y = silu(gate) * up of a
-// packed gate_up weight (no bias, no res). Opens its own parallel region of `threads`.
+// (may be null) + res [m, n] (rows rs apart; may be null); silu 1 or 2: y = silu(gate) *
+// up of a packed gate_up weight (no bias, no res; 2: gate and up rounded to T first). Opens its own parallel region of `threads`.
 // Returns 0, 1 on bad arguments (nothing written).
 int pdserve_gemm_packed(const float* x, int64_t xs, const float* wp, int64_t n, int64_t k,
                         int silu, const float* bias, const float* res, int64_t rs, float* y,
@@ -415,7 +431,7 @@ int pdserve_gemm_packed_team(const float* x, int64_t xs, const float* wp, int64_
                              int silu, const float* bias, const float* res, int64_t rs,
                              float* y, int64_t ys, int64_t m) {
   if (bad_args(n, k, silu, bias, res, m)) return 1;
-  gemm_team(x, xs, wp, n, k, silu != 0, bias, res, rs, y, ys, m, omp_get_thread_num(),
+  gemm_team(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, omp_get_thread_num(),
             omp_get_num_threads());
   return 0;
 }
@@ -425,7 +441,7 @@ int pdserve_gemm_packed_bf16_team(const uint16_t* x, int64_t xs, const uint16_t*
                                   const uint16_t* res, int64_t rs, uint16_t* y, int64_t ys,
                                   int64_t m) {
   if (bad_args(n, k, silu, bias, res, m)) return 1;
-  gemm_team(x, xs, wp, n, k, silu != 0, bias, res, rs, y, ys, m, omp_get_thread_num(),
+  gemm_team(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, omp_get_thread_num(),
             omp_get_num_threads());
   return 0;
 }
