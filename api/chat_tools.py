@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from api.protocol import ChatCompletionRequest
+from pdserve.api.protocol import ChatCompletionRequest
 
 
 def template_tools(

@@ -19,9 +19,8 @@ import hashlib
 import hmac
 import os
 
+from pdserve.api.http import error_response
 from starlette.types import Receive, Scope, Send
-
-from api.http import error_response
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 SECRET_FILE_ENV = "PDSERVE_CLUSTER_SECRET_FILE"

@@ -14,10 +14,9 @@ import logging
 import time
 from typing import Any, Literal
 
+from pdserve.api.errors import InvalidRequestError
+from pdserve.api.structured import DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from api.errors import InvalidRequestError
-from api.structured import DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from pdserve.api.protocol import ChatMessage, _TopRequest
 from pydantic import BaseModel
-
-from api.protocol import ChatMessage, _TopRequest
 
 
 class TokenizeRequest(_TopRequest):

@@ -7,10 +7,16 @@ import importlib
 
 # name -> (module, one-line help); modules are imported only when chosen
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("bench.serve", "load an OpenAI-compatible endpoint: TTFT, TPOT, ITL, goodput"),
-    "kv": ("bench.kv", "KV-block NIXL transfers between two processes or two hosts"),
-    "kv-store": ("bench.kv_store", "LMCache store/retrieve through Redis vs redis-py SET/GET"),
-    "compare": ("bench.compare", "two `bench serve` reports side by side"),
+    "serve": (
+        "pdserve.bench.serve",
+        "load an OpenAI-compatible endpoint: TTFT, TPOT, ITL, goodput",
+    ),
+    "kv": ("pdserve.bench.kv", "KV-block NIXL transfers between two processes or two hosts"),
+    "kv-store": (
+        "pdserve.bench.kv_store",
+        "LMCache store/retrieve through Redis vs redis-py SET/GET",
+    ),
+    "compare": ("pdserve.bench.compare", "two `bench serve` reports side by side"),
 }
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.report import compare_table
+from pdserve.bench.report import compare_table
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@
 
 The two sides share nothing but the address: the initiator (`--peer`, or this process in
 local mode, which starts a `--listen` child on a free loopback port) sends the geometry
-over a TCP control channel (`bench.kv_wire`), the listener allocates its KV tensor and
+over a TCP control channel (`pdserve.bench.kv_wire`), the listener allocates its KV tensor and
 answers with its NIXL metadata, and the initiator WRITEs into it. Afterwards the listener
 hashes the written blocks (a scattered WRITE into each of its two paged caches, layer-major
 and block-major) and the initiator checks them against its source bytes. UCX is
@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.kv_wire import (
+from pdserve.bench.kv_wire import (
     KVBye,
     KVChecksum,
     KVDigest,
@@ -110,7 +110,7 @@ def listen(addr: str, max_bytes: int, timeout_s: float) -> None:
 
     SystemExit if no initiator connects within `timeout_s`, or the connection breaks.
     """
-    from bench import kv_cases  # noqa: F401  torch + nixl loaded before any peer comes
+    from pdserve.bench import kv_cases  # noqa: F401  torch + nixl loaded before any peer comes
 
     host, port = parse_addr(addr)
     with socket.create_server((host, port)) as srv:
@@ -128,7 +128,7 @@ def listen(addr: str, max_bytes: int, timeout_s: float) -> None:
 
 
 def _serve_session(conn: socket.socket, peer_addr, max_bytes: int) -> None:
-    from bench import kv_cases
+    from pdserve.bench import kv_cases
 
     with conn:
         hello = recv(conn)
@@ -195,7 +195,7 @@ def _connect(addr: str, timeout_s: float) -> socket.socket:
 
 
 def initiate(args: argparse.Namespace, addr: str) -> dict:
-    from bench import kv_cases
+    from pdserve.bench import kv_cases
 
     item = kv_cases.DTYPES[args.dtype].itemsize
     block_bytes = BLOCK * KV_HEADS * HEAD_DIM * item
@@ -309,7 +309,7 @@ def _lmcache_rows(args: argparse.Namespace, report: dict) -> None:
     if args.lmcache == "off":
         return
     try:
-        from bench.kv_store import kv_table_rows
+        from pdserve.bench.kv_store import kv_table_rows
     except ImportError as e:
         if args.lmcache == "on":
             raise SystemExit(f"pdserve bench kv: --lmcache on needs lmcache: {e}") from None
@@ -366,7 +366,7 @@ def run(args: argparse.Namespace) -> None:
     print(format_table(report) + format_setup(report), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    from bench.plots import plot_kv
+    from pdserve.bench.plots import plot_kv
 
     png = plot_kv(report, args.out.with_suffix(".png"))
     logger.info("wrote %s and %s", args.out, png)

@@ -22,10 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-
-from bench.kv_wire import KVGeometry
-from kv_transfer.kv_layout import alloc_block_major
-from kv_transfer.nixl_transport import NixlTransport, TransferState
+from pdserve.bench.kv_wire import KVGeometry
+from pdserve.kv_transfer.kv_layout import alloc_block_major
+from pdserve.kv_transfer.nixl_transport import NixlTransport, TransferState
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ("memcpy", "nixl_flat", "paged_contig", "paged_scattered", "blockmajor_contig",

@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-
-from cluster.embedded_redis import EmbeddedRedis
-from engine.kv_tensor import allocate_kv_cache
-from kv_transfer.lmcache_store import LMCacheKVStore
+from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.engine.kv_tensor import allocate_kv_cache
+from pdserve.kv_transfer.lmcache_store import LMCacheKVStore
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-
-from bench.client import RequestRecord
+from pdserve.bench.client import RequestRecord
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LATENCIES = ("ttft", "tpot", "itl", "e2el")

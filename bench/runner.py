@@ -16,13 +16,12 @@ import time
 from dataclasses import asdict
 
 import aiohttp
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.client import EndpointConfig, RequestRecord, send_request
+from pdserve.bench.counters import delta, scrape
+from pdserve.bench.datasets import BenchRequest, Tokenizer
+from pdserve.bench.metrics import SLO, summarize
 from tqdm import tqdm
-
-from bench.arrivals import arrival_offsets
-from bench.client import EndpointConfig, RequestRecord, send_request
-from bench.counters import delta, scrape
-from bench.datasets import BenchRequest, Tokenizer
-from bench.metrics import SLO, summarize
 
 logger = logging.getLogger(__name__)
 

@@ -23,18 +23,17 @@ from importlib import metadata
 from pathlib import Path
 
 import httpx
-
-from bench.client import EndpointConfig
-from bench.datasets import (
+from pdserve.bench.client import EndpointConfig
+from pdserve.bench.datasets import (
     DatasetError,
     random_requests,
     resolve_tokenizer,
     shared_prefix_requests,
     sharegpt_requests,
 )
-from bench.metrics import parse_goodput
-from bench.report import format_summary
-from bench.runner import run_level
+from pdserve.bench.metrics import parse_goodput
+from pdserve.bench.report import format_summary
+from pdserve.bench.runner import run_level
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +179,7 @@ def run(args: argparse.Namespace) -> None:
     args.out.write_text(json.dumps(json_safe(report), indent=1))
     written = [str(args.out)]
     if not args.no_plots:
-        from bench.plots import plot_serve
+        from pdserve.bench.plots import plot_serve
 
         written += [str(p) for p in plot_serve(report, args.out.with_suffix(""))]
     logger.info("wrote %s", ", ".join(written))

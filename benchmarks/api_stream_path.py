@@ -24,15 +24,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from api.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
-from engine.async_llm import AsyncLLM  # noqa: E402
-from engine.messages import Ready  # noqa: E402
-from engine.model_files import resolve_model  # noqa: E402
-from engine.outputs import EngineCoreOutput  # noqa: E402
-from engine.tokenizer import load_tokenizer  # noqa: E402
-from node import openai_responses as responses  # noqa: E402
-from node.metrics import NodeMetrics  # noqa: E402
-from node.openai_serving import OpenAIServing  # noqa: E402
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pdserve.engine.async_llm import AsyncLLM  # noqa: E402
+from pdserve.engine.messages import Ready  # noqa: E402
+from pdserve.engine.model_files import resolve_model  # noqa: E402
+from pdserve.engine.outputs import EngineCoreOutput  # noqa: E402
+from pdserve.engine.tokenizer import load_tokenizer  # noqa: E402
+from pdserve.node import openai_responses as responses  # noqa: E402
+from pdserve.node.metrics import NodeMetrics  # noqa: E402
+from pdserve.node.openai_serving import OpenAIServing  # noqa: E402
 
 
 class StandInClient:

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.kv_cache_manager import KVCacheManager  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from kv_transfer.kv_layout import merge_runs  # noqa: E402
+from pdserve.engine.kv_cache_manager import KVCacheManager  # noqa: E402
+from pdserve.engine.request import Request  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.kv_transfer.kv_layout import merge_runs  # noqa: E402
 
 BLOCK = 16
 

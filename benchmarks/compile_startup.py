@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
 import sys, time
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype=sys.argv[2], enforce_eager=sys.argv[3] == "eager",
           compile_cache_dir=sys.argv[4], kv_cache_bytes=64 << 20)
 llm.generate([list(range(100, 116))], SamplingParams(temperature=0, max_tokens=1))
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/compile_startup.json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from engine.model_files import resolve_model
+    from pdserve.engine.model_files import resolve_model
 
     resolve_model(args.model)  # converted once, outside the timings
     with tempfile.TemporaryDirectory() as cache:

@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import LLM  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.compiled_model import CompiledDecode, warm_up_compiled  # noqa: E402
-from engine.models import cpu_linear  # noqa: E402
+from pdserve.engine import LLM  # noqa: E402
+from pdserve.engine.attention import AttentionMetadata  # noqa: E402
+from pdserve.engine.compiled_model import CompiledDecode, warm_up_compiled  # noqa: E402
+from pdserve.engine.models import cpu_linear  # noqa: E402
 
 STEPS = {"decode_1": 1, "decode_32": 32, "decode_30": 30}
 

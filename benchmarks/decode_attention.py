@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache  # noqa: E402
-from kernels import cpu_attention, native, reference  # noqa: E402
+from pdserve.engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache  # noqa: E402
+from pdserve.kernels import cpu_attention, native, reference  # noqa: E402
 
 CASES = {"32x150": [150] * 32, "32x1000": [1000] * 32, "1x2000": [2000]}
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30

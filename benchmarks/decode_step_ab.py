@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import LLM, SamplingParams  # noqa: E402
-from kernels.ops import CPU_ATTENTION_ENV  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.kernels.ops import CPU_ATTENTION_ENV  # noqa: E402
 
 DEFAULT_VARIANTS = "reference/layer_major,native/layer_major"
 

@@ -4,7 +4,7 @@
 
 One engine (SmolLM2-135M, fp32); its layers' kernel set is swapped between rounds:
 `reference` = the pure-torch RMSNorm, RoPE, SiLU*mul and KV store with the native paged
-decode attention (main before kernels/cpu_elementwise.py), `native` = kernels.cpu_ops.
+decode attention (main before kernels/cpu_elementwise.py), `native` = pdserve.kernels.cpu_ops.
 Each round times, per variant: workload A's decode (1 prompt of 32 tokens, prefix-cached,
 generate(max_tokens=N+1) minus generate(max_tokens=1), per step) and B's decode step (32
 prompts of 128 tokens, the same difference); `--prefill` also times a 4 x 512-token
@@ -28,10 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.warmup import dummy_batch  # noqa: E402
+from pdserve.kernels import cpu_ops, reference  # noqa: E402
+
 from benchmarks.engine_throughput import make_prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.warmup import dummy_batch  # noqa: E402
-from kernels import cpu_ops, reference  # noqa: E402
 
 _ELEMENTWISE = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "store_kv")
 

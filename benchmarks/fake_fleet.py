@@ -32,11 +32,10 @@ import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
+from pdserve.cluster.kv_index import KVIndexPublisher
+from pdserve.cluster.registry import ClusterKeys, NodeRecord
 from redis.asyncio import Redis
-
-from cluster.block_hash import hash_prompt_blocks, root_hash
-from cluster.kv_index import KVIndexPublisher
-from cluster.registry import ClusterKeys, NodeRecord
 
 
 @dataclass

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kv_transfer.nixl_transport import CONNECT_S, NixlTransport, TransferState  # noqa: E402
+from pdserve.kv_transfer.nixl_transport import CONNECT_S, NixlTransport, TransferState  # noqa: E402
 
 MODES = ("no_connect", "connect")
 SHAPE = (30, 2, 256, 16, 3, 64)  # layers, K/V, blocks, block size, kv heads, head dim

@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.models.cpu_linear import onednn_available  # noqa: E402
-from kernels import cpu_gemv  # noqa: E402
+from pdserve.engine.models.cpu_linear import onednn_available  # noqa: E402
+from pdserve.kernels import cpu_gemv  # noqa: E402
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LAYERS = 30

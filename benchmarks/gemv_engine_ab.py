@@ -5,7 +5,7 @@
 Workload A of benchmarks/engine_throughput.py (1 prompt x 32 tokens -> 128 new, greedy,
 EOS ignored, prefix cache reset so each run prefills), one engine per dtype; between runs
 the small-M dispatch of engine/models/cpu_linear.py is switched: `onednn` = every GEMM
-through the prepacked oneDNN weights (`kernels.cpu_gemv.MAX_ROWS = 0`, main before the
+through the prepacked oneDNN weights (`pdserve.kernels.cpu_gemv.MAX_ROWS = 0`, main before the
 GEMV), `gemv` = rows up to MAX_ROWS through kernels/csrc/gemv.cpp, `gemv_fused` = that and
 each norm with the projection after it and the gate_up GEMV with SiLU * up as one call
 (`cpu_ops.norm_linear`, `cpu_ops.gate_up_silu`), `fused_decode` = the whole decode forward
@@ -28,9 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.kernels import cpu_gemv, cpu_ops  # noqa: E402
+
 from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from kernels import cpu_gemv, cpu_ops  # noqa: E402
 
 
 def run(llm: LLM, prompts, new: int) -> tuple[float, float, list]:

@@ -44,7 +44,7 @@ def model_dir(ctx: dict, name: str) -> str:
 
 
 def make_llm(ctx: dict, name: str, **kw):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     kw.setdefault("max_num_batched_tokens", 256 if ctx["cuda"] else 32)
     kw.setdefault("num_blocks", 512 if ctx["cuda"] else 128)
@@ -55,7 +55,7 @@ class _SplitProbe:
     """Records the largest split-K count the decode kernel was launched with."""
 
     def __init__(self):
-        from kernels import triton_attention
+        from pdserve.kernels import triton_attention
 
         self.module = triton_attention
         self.original = triton_attention.default_num_splits
@@ -76,9 +76,8 @@ class _SplitProbe:
 
 def fp32_vs_hf(ctx: dict, name: str) -> dict:
     """Greedy tokens of the Triton engine == transformers', fp32 (TF32 off)."""
+    from pdserve.engine import SamplingParams
     from transformers import AutoModelForCausalLM
-
-    from engine import SamplingParams
 
     dev = ctx["device"]
     lengths = GPU_LENGTHS if ctx["cuda"] else DRY_LENGTHS
@@ -116,7 +115,7 @@ def fp32_vs_hf(ctx: dict, name: str) -> dict:
 
 def _first_step_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
     """The logits the engine sampled its first tokens from (all prompts in one step)."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     model = llm.engine.runner.model
     captured: list[torch.Tensor] = []
@@ -156,7 +155,7 @@ def bf16_backends(ctx: dict) -> dict:
 
 def seeded(ctx: dict) -> dict:
     """Seeded sampling on the device: reproducible alone and in a batch, seed-dependent."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     llm = make_llm(ctx, "hd64_gqa9to3", kernel_backend="triton")  # dtype: the default
     prompt = random_prompts([20], 512, seed=4)[0]
@@ -182,10 +181,10 @@ def load_memory(ctx: dict) -> dict:
     """Peak GPU memory while building and loading a bf16 model vs its weights' size."""
     if not ctx["cuda"]:
         raise Skip("dry run: needs CUDA memory statistics")
-    from engine.model_arch import ModelArch
-    from engine.model_runner import build_model
-    from engine.weights import load_model_weights
-    from kernels.ops import get_ops
+    from pdserve.engine.model_arch import ModelArch
+    from pdserve.engine.model_runner import build_model
+    from pdserve.engine.weights import load_model_weights
+    from pdserve.kernels.ops import get_ops
 
     path = model_dir(ctx, "hd128_gqa8to2")
     torch.cuda.synchronize()
@@ -208,7 +207,7 @@ def second_gpu(ctx: dict) -> dict:
         raise Skip("dry run: needs two GPUs")
     if torch.cuda.device_count() < 2:
         raise Skip(f"this machine has {torch.cuda.device_count()} GPU: cuda:1 not checkable")
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     path = model_dir(ctx, "hd64_gqa9to3")
     prompts = random_prompts([17, 300], 2048, seed=6)

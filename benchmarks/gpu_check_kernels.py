@@ -41,8 +41,8 @@ def _paged(batch: int, context: int, kv_heads: int, head_dim: int, bs: int, devi
 
 def decode_bandwidth(ctx: dict) -> dict:
     """Decode attention at large batch x context: achieved HBM bandwidth vs the peak."""
-    from kernels import reference
-    from kernels.triton_attention import decode_attention, default_num_splits
+    from pdserve.kernels import reference
+    from pdserve.kernels.triton_attention import decode_attention, default_num_splits
 
     cuda, dev = ctx["cuda"], ctx["device"]
     if cuda:
@@ -86,8 +86,8 @@ def decode_bandwidth(ctx: dict) -> dict:
 
 def prefill_timing(ctx: dict) -> dict:
     """Prefill attention over a cached prefix plus a chunk: time, TFLOP/s, error."""
-    from kernels import reference
-    from kernels.triton_ops import paged_prefill_attention
+    from pdserve.kernels import reference
+    from pdserve.kernels.triton_ops import paged_prefill_attention
 
     cuda, dev = ctx["cuda"], ctx["device"]
     if cuda:
@@ -121,8 +121,8 @@ def huge_cache(ctx: dict) -> dict:
     path and the KV store still address the right memory (64-bit offsets)."""
     if not ctx["cuda"]:
         raise Skip("dry run: needs 8 GiB of device memory (2 planes of 2^31 bf16 elements)")
-    from kernels import reference
-    from kernels import triton_ops as tri
+    from pdserve.kernels import reference
+    from pdserve.kernels import triton_ops as tri
 
     bs, kv_heads, d, heads = 16, 8, 128, 32
     num_blocks = 2**31 // (bs * kv_heads * d) + 64  # just past 2^31 elements per plane

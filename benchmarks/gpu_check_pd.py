@@ -39,7 +39,7 @@ def _need_nixl() -> None:
 
 
 def _config(ctx: dict, model_dir: str, **kv):
-    from engine.config import (
+    from pdserve.engine.config import (
         CacheConfig,
         EngineConfig,
         KVTransferConfig,
@@ -73,8 +73,8 @@ def _prefill_main(ctx: dict, model_dir: str, address: str, stop, results) -> Non
     """The prefill node: step its engine until told to stop, then report its PD stats."""
     if not ctx["cuda"]:
         os.environ["TRITON_INTERPRET"] = "1"
-    from engine.core import EngineCore
-    from node.roles import build_kv_role
+    from pdserve.engine.core import EngineCore
+    from pdserve.node.roles import build_kv_role
 
     cfg = _config(ctx, model_dir, role="prefill", node_id="gpucheck-p", control_address=address)
     core = EngineCore(cfg, build_kv_role(cfg))
@@ -92,10 +92,11 @@ def _prefill_main(ctx: dict, model_dir: str, address: str, stop, results) -> Non
 def pd_two_processes(ctx: dict) -> dict:
     """Prefill in a child process, decode here: tokens equal to a colocated engine's."""
     _need_nixl()
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.core import EngineCore
+    from pdserve.node.roles import build_kv_role
+
     from benchmarks.gpu_check_engine import model_dir as make_model
-    from engine import LLM, SamplingParams
-    from engine.core import EngineCore
-    from node.roles import build_kv_role
 
     model_dir = make_model(ctx, "hd64_gqa9to3")
     lengths = [17, 300, 1500] if ctx["cuda"] else [17, 36]
@@ -186,7 +187,7 @@ def _raw_mapping(num_blocks: int) -> tuple[list[int], list[int]]:
 
 
 def _raw_child(role: str, workdir: Path, cuda: bool) -> None:
-    from kv_transfer.nixl_transport import NixlTransport, TransferState
+    from pdserve.kv_transfer.nixl_transport import NixlTransport, TransferState
 
     device = "cuda" if cuda else "cpu"
     shape = _raw_shape(cuda)

@@ -173,7 +173,7 @@ def bench_http(args, prompts: list[list[int]]) -> dict:
 
 
 def bench_offline(args, prompts: list[list[int]]) -> dict:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(args.model, kv_cache_bytes=args.kv_cache_bytes, num_threads=args.num_threads)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

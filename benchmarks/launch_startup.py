@@ -35,7 +35,7 @@ def free_port() -> int:
 
 def port_overrides(config: Path) -> list[str]:
     sys.path.insert(0, str(ROOT))
-    from cluster.config_file import load_config
+    from pdserve.cluster.config_file import load_config
 
     cfg = load_config(config)
     sets = [f"router.port={free_port()}"]

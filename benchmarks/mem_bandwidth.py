@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cpu_gemv  # noqa: E402
+from pdserve.kernels import cpu_gemv  # noqa: E402
 
 A_BYTES_PER_TOKEN = 538e6
 

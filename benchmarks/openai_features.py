@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine.sampler as sampler_mod  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.sampler import sample  # noqa: E402
-from node.structured_output import json_grammar  # noqa: E402
+import pdserve.engine.sampler as sampler_mod  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.request import Request  # noqa: E402
+from pdserve.engine.sampler import sample  # noqa: E402
+from pdserve.node.structured_output import json_grammar  # noqa: E402
 
 SCHEMA = {
     "type": "object",

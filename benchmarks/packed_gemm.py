@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cpu_packed  # noqa: E402
+from pdserve.kernels import cpu_packed  # noqa: E402
 
 SHAPES = {  # name: (outputs, inputs, gate_up)
     "qkv": (960, 576, False),

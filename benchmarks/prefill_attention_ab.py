@@ -25,7 +25,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels import cpu_prefill, native  # noqa: E402
+from pdserve.kernels import cpu_prefill, native  # noqa: E402
 
 SRC = "kernels/csrc/prefill_attention.cpp"
 

@@ -26,11 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pdserve.engine import LLM  # noqa: E402
+from pdserve.engine.models import cpu_linear  # noqa: E402
+from pdserve.kernels import cpu_ops  # noqa: E402
+
 from benchmarks.engine_throughput import make_prompts  # noqa: E402
 from benchmarks.prefill_step_ab import fresh_batch, set_ops  # noqa: E402
-from engine import LLM  # noqa: E402
-from engine.models import cpu_linear  # noqa: E402
-from kernels import cpu_ops  # noqa: E402
 
 
 def main() -> None:
@@ -43,9 +44,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.heap == "default":
-        import engine.core
+        from pdserve.engine import core as engine_core
 
-        engine.core.keep_freed_memory = lambda: False
+        engine_core.keep_freed_memory = lambda: False
     llm = LLM(args.model, dtype=args.dtype, enforce_eager=True, num_blocks=1024,
               num_threads=args.threads)  # fmt: skip
     runner = llm.engine.runner

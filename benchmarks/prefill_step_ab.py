@@ -6,10 +6,10 @@ keeps its fastest of `--rounds`, and wall and process CPU time are both reported
     python benchmarks/prefill_step_ab.py --dtype float32 --out results/prefill_step_ab.json
 
 Variants (the engine's eager model, only the kernel module of some ops swapped):
-  reference: every op from kernels.reference (PDSERVE_CPU_ATTENTION=reference; the
+  reference: every op from pdserve.kernels.reference (PDSERVE_CPU_ATTENTION=reference; the
              prefill attention gathers K/V from the cache and runs SDPA's math path)
-  native:    kernels.cpu_ops, what `get_ops("torch")` serves (MLP in row tiles of
-             engine.models.llama.mlp_tile_rows)
+  native:    pdserve.kernels.cpu_ops, what `get_ops("torch")` serves (MLP in row tiles of
+             pdserve.engine.models.llama.mlp_tile_rows)
   native_tileN: native with the MLP in tiles of N rows (native_tile0: one untiled MLP
              call over the whole step, as main did before the tiling)
   ..._sdpa:  (suffix) fresh prompts' attention through torch's flash SDPA instead of
@@ -17,7 +17,7 @@ Variants (the engine's eager model, only the kernel module of some ops swapped):
              main before both changes
   ..._noglu: (suffix, before _sdpa) gate_up packed whole and SiLU * mul as its own
              native pass (what main did before PackedGateUp.silu_mul)
-  native_refprefill: kernels.cpu_ops with the reference's prefill attention (what main
+  native_refprefill: pdserve.kernels.cpu_ops with the reference's prefill attention (what main
              served before kernels/cpu_prefill.py)
   hf:        transformers' LlamaForCausalLM forward on the [32, 128] batch, logits of the
              last position only (what generate() computes for C)
@@ -38,14 +38,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pdserve.engine import LLM  # noqa: E402
+from pdserve.engine.attention import AttentionMetadata  # noqa: E402
+from pdserve.engine.models.cpu_linear import _packed, pack_weight  # noqa: E402
+from pdserve.engine.models.llama import LlamaMLP  # noqa: E402
+from pdserve.kernels import cpu_ops  # noqa: E402
+from pdserve.kernels import reference as ref  # noqa: E402
+from pdserve.kernels.cpu_prefill import PREFILL_ATTENTION_ENV  # noqa: E402
+
 from benchmarks.engine_throughput import DTYPES, make_prompts  # noqa: E402
-from engine import LLM  # noqa: E402
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.models.cpu_linear import _packed, pack_weight  # noqa: E402
-from engine.models.llama import LlamaMLP  # noqa: E402
-from kernels import cpu_ops  # noqa: E402
-from kernels import reference as ref  # noqa: E402
-from kernels.cpu_prefill import PREFILL_ATTENTION_ENV  # noqa: E402
 
 OP_MODULES = {
     "reference": ref,

@@ -21,17 +21,16 @@ import statistics
 import time
 from pathlib import Path
 
+from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
+from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.cluster.redis_client import connect
+from pdserve.cluster.registry import ClusterKeys, NodeRecord
+from pdserve.router.config import RouterConfig
+from pdserve.router.membership import Membership
+from pdserve.router.nodes import ClusterView
+from pdserve.router.policies import Context
+from pdserve.router.selector import Selector
 from redis.asyncio import Redis
-
-from cluster.block_hash import hash_prompt_blocks, root_hash
-from cluster.embedded_redis import EmbeddedRedis
-from cluster.redis_client import connect
-from cluster.registry import ClusterKeys, NodeRecord
-from router.config import RouterConfig
-from router.membership import Membership
-from router.nodes import ClusterView
-from router.policies import Context
-from router.selector import Selector
 
 MODEL, BS, PROMPT_BLOCKS = "bench", 16, 64
 

@@ -31,10 +31,9 @@ from pathlib import Path
 
 import httpx
 import msgspec
-
-from bench.arrivals import arrival_offsets
-from cluster.embedded_redis import EmbeddedRedis
-from router.node_http import NodePool
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.router.node_http import NodePool
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 import redis
+from pdserve.cluster.embedded_redis import EmbeddedRedis
 
 from benchmarks.router_fleet import (
     ROOT,
@@ -41,7 +42,6 @@ from benchmarks.router_fleet import (
     wait_until,
     write_tokenizerless_model,
 )
-from cluster.embedded_redis import EmbeddedRedis
 
 
 def wait_for_fake_node(redis_url: str) -> str:

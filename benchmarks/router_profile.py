@@ -30,33 +30,36 @@ import httpx
 
 # phase -> (module, attribute path): each is wrapped in the router process
 PHASES = {
-    "total_in_app": ("router.app", "RouterApp.__call__"),
-    "read_body": ("router.fast_path", "_read_body"),
-    "parse_validate": ("router.fast_path", "parse"),
-    "tokenize_and_model_check": ("router.serving", "RouterServing.completion_prompts"),
-    "chat_template_tokenize": ("router.serving", "RouterServing.chat_tokens"),
-    "prompt_checks": ("router.serving", "RouterServing.check_prompt"),
-    "sampling_checks": ("router.serving", "RouterServing.check_sampling"),
-    "body_finite_check": ("router.serving", "_check_finite"),
-    "body_encode": ("router.serving", "encode_body"),
-    "decision_total": ("router.selector", "Selector.select"),  # retries (and older code)
+    "total_in_app": ("pdserve.router.app", "RouterApp.__call__"),
+    "read_body": ("pdserve.router.fast_path", "_read_body"),
+    "parse_validate": ("pdserve.router.fast_path", "parse"),
+    "tokenize_and_model_check": ("pdserve.router.serving", "RouterServing.completion_prompts"),
+    "chat_template_tokenize": ("pdserve.router.serving", "RouterServing.chat_tokens"),
+    "prompt_checks": ("pdserve.router.serving", "RouterServing.check_prompt"),
+    "sampling_checks": ("pdserve.router.serving", "RouterServing.check_sampling"),
+    "body_finite_check": ("pdserve.router.serving", "_check_finite"),
+    "body_encode": ("pdserve.router.serving", "encode_body"),
+    "decision_total": ("pdserve.router.selector", "Selector.select"),  # retries (and older code)
     # attempt 0: candidates + lookup sent, then (after the sampling checks) reply + policies
-    "decision_begin": ("router.selector", "Selector.begin"),
-    "decision_finish": ("router.selector", "Selector.finish"),
-    "hash_chain": ("router.selector", "hash_prompt_blocks"),
-    "redis_lookup_round_trip": ("cluster.kv_index", "PrefixHits.__call__"),  # older code
+    "decision_begin": ("pdserve.router.selector", "Selector.begin"),
+    "decision_finish": ("pdserve.router.selector", "Selector.finish"),
+    "hash_chain": ("pdserve.router.selector", "hash_prompt_blocks"),
+    "redis_lookup_round_trip": ("pdserve.cluster.kv_index", "PrefixHits.__call__"),  # older code
     # the wait that is left once the sampling checks and the body ran meanwhile
-    "redis_lookup_wait_after_checks": ("cluster.kv_index", "PendingHits.result"),
-    "policy_kv_aware": ("router.policies", "KVAware.__call__"),
-    "policy_round_robin": ("router.policies", "RoundRobin.__call__"),
-    "metrics_decision": ("router.serving", "RouterServing._observe_decision"),
-    "metrics_count": ("router.serving", "RouterServing.count"),
-    "node_json_round_trip": ("router.serving", "send_json"),
-    "node_stream_to_first_token": ("router.serving", "open_stream"),
+    "redis_lookup_wait_after_checks": ("pdserve.cluster.kv_index", "PendingHits.result"),
+    "policy_kv_aware": ("pdserve.router.policies", "KVAware.__call__"),
+    "policy_round_robin": ("pdserve.router.policies", "RoundRobin.__call__"),
+    "metrics_decision": ("pdserve.router.serving", "RouterServing._observe_decision"),
+    "metrics_count": ("pdserve.router.serving", "RouterServing.count"),
+    "node_json_round_trip": ("pdserve.router.serving", "send_json"),
+    "node_stream_to_first_token": ("pdserve.router.serving", "open_stream"),
     # StreamingResponse subclasses have their own __call__: this times JSON answers only
     "response_write_json": ("starlette.responses", "Response.__call__"),
-    "response_stream_relay": ("api.http", "AbortOnDisconnectResponse.__call__"),  # older code
-    "response_stream_relay_watched": ("router.streamed", "RelayResponse.__call__"),
+    "response_stream_relay": (
+        "pdserve.api.http",
+        "AbortOnDisconnectResponse.__call__",
+    ),  # older code
+    "response_stream_relay_watched": ("pdserve.router.streamed", "RelayResponse.__call__"),
 }
 
 
@@ -140,6 +143,8 @@ def main() -> None:
     if args.child:
         child(args.child, rest)
         return
+    from pdserve.cluster.embedded_redis import EmbeddedRedis
+
     from benchmarks.router_fleet import (
         ROOT,
         free_port,
@@ -149,7 +154,6 @@ def main() -> None:
     )
     from benchmarks.router_fleet import write_tokenizerless_model as fake_model
     from benchmarks.router_overhead import cpu_ns, one, wait_for_fake_node
-    from cluster.embedded_redis import EmbeddedRedis
 
     root = Path(args.router_root).resolve() if args.router_root else ROOT
     results: dict = {"router_code": str(root)}

@@ -3,7 +3,7 @@
     python benchmarks/slot_copy.py --tokens 256 4096 --rounds 20 --out results/slot_copy.json
 
 What differs between the LMCache rows of `pdserve bench kv` for a layer-major and a
-block-major cache is only `kv_transfer.kv_slots.SlotRows`: a run of slots is one strided
+block-major cache is only `pdserve.kv_transfer.kv_slots.SlotRows`: a run of slots is one strided
 slice on a layer-major cache and one slice per block on a block-major one (a block holds
 every layer's K and V). This times `read` (cache -> chunk, what a store copies out) and
 `write` (chunk -> cache, what a retrieve copies in) for the same values in both layouts,
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engine.kv_tensor import allocate_kv_cache  # noqa: E402
-from kv_transfer.kv_slots import SlotRows  # noqa: E402
+from pdserve.engine.kv_tensor import allocate_kv_cache  # noqa: E402
+from pdserve.kv_transfer.kv_slots import SlotRows  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 LAYOUTS = ("layer_major", "block_major")

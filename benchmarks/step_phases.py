@@ -11,7 +11,7 @@ prefill row), spans around each phase:
   prepare    ModelRunner._execute minus forward, logits and sample (input tensors, metadata)
   forward    the model forward (embedding, 30 layers, final norm)
   logits     compute_logits (lm_head + fp32 copy)
-  sample     engine.sampler.sample
+  sample     pdserve.engine.sampler.sample
   update     EngineCore.step minus schedule and execute (update_from_output, outputs)
 
 (the spans wrap the real methods; nothing else changes). `--clock cpu` (the default
@@ -35,9 +35,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine.model_runner as model_runner  # noqa: E402
+import pdserve.engine.model_runner as model_runner  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+
 from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
 
 PHASES = ("frontend", "schedule", "prepare", "forward", "logits", "sample", "update")
 

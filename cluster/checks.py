@@ -10,8 +10,8 @@ import socket
 from pathlib import Path
 from typing import NamedTuple
 
-from cluster.nodes import cluster_nodes
-from cluster.schema import ClusterConfig, NodeGroup
+from pdserve.cluster.nodes import cluster_nodes
+from pdserve.cluster.schema import ClusterConfig, NodeGroup
 
 Problem = tuple[tuple[str | int, ...], str]
 WILDCARD = ("0.0.0.0", "")
@@ -125,7 +125,7 @@ def ports_in_use(cfg: ClusterConfig) -> list[Problem]:
 
 
 def _model_problems(cfg: ClusterConfig) -> list[Problem]:
-    from engine.model_files import BUILTIN_MODELS
+    from pdserve.engine.model_files import BUILTIN_MODELS
 
     name = cfg.model.name
     if name in BUILTIN_MODELS or cfg.launcher.kind == "ray":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.config_file import ConfigFileError, load_config
+from pdserve.cluster.config_file import ConfigFileError, load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if args.action == "docs":
-        from cluster.docs import reference, update_docs_file
+        from pdserve.cluster.docs import reference, update_docs_file
 
         if args.write:
             update_docs_file()
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> None:
     except ConfigFileError as e:
         print(f"{e}", file=sys.stderr)
         raise SystemExit(2) from None
-    from cluster.nodes import cluster_nodes
+    from pdserve.cluster.nodes import cluster_nodes
 
     nodes = cluster_nodes(cfg)
     print(

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pdserve.cluster.schema import ClusterConfig
 from pydantic import BaseModel, ValidationError
-
-from cluster.schema import ClusterConfig
 
 Path_ = tuple[str | int, ...]
 
@@ -172,7 +171,7 @@ def _validation_issues(source: Source, err: ValidationError) -> list[Issue]:
 
 
 def load_source(source: Source) -> ClusterConfig:
-    from cluster.checks import cross_checks
+    from pdserve.cluster.checks import cross_checks
 
     try:
         cfg = ClusterConfig.model_validate(source.data)

@@ -27,11 +27,10 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
+from pdserve.cluster.redis_client import LeanRedis, Pending
+from pdserve.cluster.registry import ClusterKeys, NodeRecord
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-
-from cluster.redis_client import LeanRedis, Pending
-from cluster.registry import ClusterKeys, NodeRecord
 
 logger = logging.getLogger(__name__)
 

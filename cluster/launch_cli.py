@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cluster.config_file import ConfigFileError, load_config
+from pdserve.cluster.config_file import ConfigFileError, load_config
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,12 +36,12 @@ def run(args: argparse.Namespace) -> None:
     try:
         cfg = load_config(args.config, args.set)
         if cfg.launcher.kind == "ray":
-            from cluster.launcher import run_cluster
-            from cluster.ray_launcher import ray_services
+            from pdserve.cluster.launcher import run_cluster
+            from pdserve.cluster.ray_launcher import ray_services
 
             code = run_cluster(cfg, args.config, args.set, build=ray_services)
         else:
-            from cluster.launcher import run_cluster
+            from pdserve.cluster.launcher import run_cluster
 
             code = run_cluster(cfg, args.config, args.set)
     except ConfigFileError as e:

@@ -20,14 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-
-from cluster.checks import ports_in_use
-from cluster.config_file import ConfigFileError, Issue
-from cluster.embedded_redis import EmbeddedRedis, _free_port
-from cluster.nodes import NodeSpec, cluster_nodes, router_argv, router_env, serve_argv
-from cluster.process import ManagedProcess
-from cluster.schema import ClusterConfig
-from cluster.supervisor import LaunchError, Service, Supervisor
+from pdserve.cluster.checks import ports_in_use
+from pdserve.cluster.config_file import ConfigFileError, Issue
+from pdserve.cluster.embedded_redis import EmbeddedRedis, _free_port
+from pdserve.cluster.nodes import NodeSpec, cluster_nodes, router_argv, router_env, serve_argv
+from pdserve.cluster.process import ManagedProcess
+from pdserve.cluster.schema import ClusterConfig
+from pdserve.cluster.supervisor import LaunchError, Service, Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +198,7 @@ def run_cluster(
     if cfg.launcher.kind == "local":
         busy = ports_in_use(cfg)
         if busy:
-            from cluster.config_file import dotted
+            from pdserve.cluster.config_file import dotted
 
             issues = [Issue(dotted(path), config_file, msg) for path, msg in busy]
             raise ConfigFileError(issues)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.schema import ClusterConfig, NodeGroup
+from pdserve.cluster.schema import ClusterConfig, NodeGroup
 
 ROLES = ("prefill", "decode")
 

@@ -22,11 +22,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cluster.launcher import ClusterState, http_healthy, redis_stage, router_stage
-from cluster.nodes import cluster_nodes, serve_argv
-from cluster.process import ManagedProcess
-from cluster.schema import ClusterConfig
-from cluster.supervisor import LaunchError, Service
+from pdserve.cluster.launcher import ClusterState, http_healthy, redis_stage, router_stage
+from pdserve.cluster.nodes import cluster_nodes, serve_argv
+from pdserve.cluster.process import ManagedProcess
+from pdserve.cluster.schema import ClusterConfig
+from pdserve.cluster.supervisor import LaunchError, Service
 
 PLACEMENT_TIMEOUT_S = 120.0
 # Environment a node process needs from the launcher (the actor's own may differ).
@@ -177,7 +177,7 @@ def ray_services(
             placed[f"{role}-{i}"][1]["ip"] if h == "auto" else h for i, h in enumerate(hosts)
         ]
         node_overrides.append(f"{role}.host=[{', '.join(resolved)}]")
-    from cluster.config_file import load_config
+    from pdserve.cluster.config_file import load_config
 
     resolved_cfg = load_config(config_file, node_overrides)
     nodes = cluster_nodes(resolved_cfg)

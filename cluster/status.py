@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> None:
     cluster, redis_url = args.cluster, args.redis_url
     run_root = Path(args.run_dir)
     if args.config:
-        from cluster.config_file import ConfigFileError, load_config
+        from pdserve.cluster.config_file import ConfigFileError, load_config
 
         try:
             cfg = load_config(args.config)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cluster.schema import RestartSection
+from pdserve.cluster.schema import RestartSection
 
 logger = logging.getLogger(__name__)
 

@@ -17,16 +17,15 @@ import time
 from collections.abc import Callable
 
 import msgspec
-
-from engine.core import EngineCore
-from engine.kv_cache_manager import HoldKey
-from engine.model_runner import kv_bytes_per_block
-from engine.outputs import EngineCoreOutput
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
-from kv_transfer.base import DecodeConnector, RecvDone, RecvFailed, Released
-from kv_transfer.messages import PrefillOrder
+from pdserve.engine.core import EngineCore
+from pdserve.engine.kv_cache_manager import HoldKey
+from pdserve.engine.model_runner import kv_bytes_per_block
+from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kv_transfer.base import DecodeConnector, RecvDone, RecvFailed, Released
+from pdserve.kv_transfer.messages import PrefillOrder
 
 logger = logging.getLogger(__name__)
 

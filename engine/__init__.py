@@ -7,7 +7,7 @@ chained-hash prefix cache; the `ModelRunner` executes one flattened variable-len
 `EngineCore.step()` ties these together. `LLM` is the offline API on top.
 """
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 
@@ -15,7 +15,7 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str):
     # LLM pulls in torch and transformers; import it lazily so light users stay light.
     if name == "LLM":
-        from engine.llm import LLM
+        from pdserve.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

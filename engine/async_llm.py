@@ -14,15 +14,15 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.core_client import EngineCoreClient
-from engine.core_proc import KVFactory
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
-from engine.messages import EngineAddresses, Ready
-from engine.outputs import RequestTimings, TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import load_tokenizer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core_client import EngineCoreClient
+from pdserve.engine.core_proc import KVFactory
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.messages import EngineAddresses, Ready
+from pdserve.engine.outputs import RequestTimings, TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ forward compiles to one graph (engine/compiled_model.py).
 Contract: the same as `PagedAttention.__call__` with the metadata unpacked into tensors
 (the op stores this step's K/V into the caches in place, then attends). The number of
 decode rows is `decode_block_tables.shape[0]`, so no Python int of the step's metadata
-reaches the graph. `backend` names the kernel module (`kernels.cpu_ops`,
-`kernels.reference`, `kernels.triton_ops`): the op runs whatever `PagedAttention.ops` is.
+reaches the graph. `backend` names the kernel module (`pdserve.kernels.cpu_ops`,
+`pdserve.kernels.reference`, `pdserve.kernels.triton_ops`): the op runs whatever `PagedAttention.ops` is.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import functools
 import importlib
 
 import torch
-
-from engine.attention import AttentionMetadata, PagedAttention
+from pdserve.engine.attention import AttentionMetadata, PagedAttention
 
 
 @torch.library.custom_op("pdserve::paged_attention", mutates_args=("k_cache", "v_cache"))

@@ -34,8 +34,7 @@ import os
 import time
 
 import torch
-
-from engine.attention import AttentionMetadata
+from pdserve.engine.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +152,7 @@ def compiled_graph_count() -> int:
 def warm_up_compiled(compiled: CompiledDecode, kv_cache: torch.Tensor, block_size: int) -> None:
     """Compile (or load from the disk cache) every bucket's graph: one dummy decode step
     per bucket, whose KV slots are -1 (the cache is untouched)."""
-    from engine.warmup import dummy_batch
+    from pdserve.engine.warmup import dummy_batch
 
     t0 = time.perf_counter()
     logger.info(

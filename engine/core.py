@@ -9,23 +9,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
-from cluster.block_hash import root_hash
-from engine.config import EngineConfig
-from engine.cpu_heap import keep_freed_memory
-from engine.errors import ConfigError, InvalidRequestError
-from engine.grammar import GrammarCompiler, PendingGrammars
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_role import KVRole
-from engine.kv_store import KVStore
-from engine.model_arch import ModelArch
-from engine.model_files import resolve_model
-from engine.model_runner import ModelRunner, kv_bytes_per_block
-from engine.outputs import EngineCoreOutput, EngineStats, RequestTimings, TokenLogprobs
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.store_driver import StoreDriver
+from pdserve.cluster.block_hash import root_hash
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.cpu_heap import keep_freed_memory
+from pdserve.engine.errors import ConfigError, InvalidRequestError
+from pdserve.engine.grammar import GrammarCompiler, PendingGrammars
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_role import KVRole
+from pdserve.engine.kv_store import KVStore
+from pdserve.engine.model_arch import ModelArch
+from pdserve.engine.model_files import resolve_model
+from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pdserve.engine.outputs import EngineCoreOutput, EngineStats, RequestTimings, TokenLogprobs
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.store_driver import StoreDriver
 
 logger = logging.getLogger(__name__)
 

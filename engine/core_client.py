@@ -23,11 +23,10 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
-
-from engine.config import EngineConfig
-from engine.core_proc import KVFactory, run_engine_core
-from engine.errors import InvalidRequestError
-from engine.messages import (
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core_proc import KVFactory, run_engine_core
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,
     CheckIntegrity,
@@ -43,8 +42,8 @@ from engine.messages import (
     Shutdown,
     UtilityResult,
 )
-from engine.outputs import EngineCoreOutput, EngineStats
-from engine.sampling_params import SamplingParams
+from pdserve.engine.outputs import EngineCoreOutput, EngineStats
+from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

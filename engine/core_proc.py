@@ -25,13 +25,12 @@ import traceback
 from collections.abc import Callable
 
 import zmq
-
-from engine.config import EngineConfig
-from engine.core import EngineCore
-from engine.errors import InvalidRequestError
-from engine.kv_role import KVRole
-from engine.kv_store import KVStore
-from engine.messages import (
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.kv_role import KVRole
+from pdserve.engine.kv_store import KVStore
+from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,
     CheckIntegrity,
@@ -48,7 +47,7 @@ from engine.messages import (
     Shutdown,
     UtilityResult,
 )
-from engine.outputs import EngineCoreOutput
+from pdserve.engine.outputs import EngineCoreOutput
 
 # Builds the node's PD role and its prefix store (either may be None) from one config.
 KVFactory = Callable[[EngineConfig], tuple[KVRole | None, KVStore | None]]

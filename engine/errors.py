@@ -1,6 +1,6 @@
 """Errors the engine raises for bad input or bad configuration, each naming its cause."""
 
-from api.errors import InvalidRequestError
+from pdserve.api.errors import InvalidRequestError
 
 __all__ = ["ConfigError", "InvalidRequestError"]
 

@@ -5,7 +5,7 @@ torch, transformers and triton of its own choosing; outlines-core precompiles an
 over the whole vocabulary per schema, seconds for a large one), it computes each token
 mask lazily in tens of microseconds on the CPU with no per-schema warm-up, and it takes
 JSON schemas, Lark and regexes through one grammar format. The mask is a bitmask the
-sampler unpacks for just the constrained rows (`engine.logits_processors`).
+sampler unpacks for just the constrained rows (`pdserve.engine.logits_processors`).
 
 `GrammarCompiler` compiles on a worker thread, with a cache keyed by grammar, so the engine
 loop keeps stepping while a new schema (or, the first time, the tokenizer view: about a
@@ -21,9 +21,8 @@ from collections import OrderedDict
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
-
-from engine.errors import InvalidRequestError
-from engine.request import Request
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +99,7 @@ class GrammarCompiler:
     def _llg_tokenizer(self):
         if self._tokenizer is None:
             import llguidance.hf
-
-            from engine.tokenizer import load_tokenizer
+            from pdserve.engine.tokenizer import load_tokenizer
 
             hf = load_tokenizer(self.model_dir)
             if hf is None:

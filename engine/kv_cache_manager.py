@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from engine.block_pool import BlockPool, BlockPoolError, KVBlock
-from engine.request import Request
+from pdserve.engine.block_pool import BlockPool, BlockPoolError, KVBlock
+from pdserve.engine.request import Request
 
 HoldKey = tuple[str, int]  # (request id, transfer attempt)
 

@@ -12,11 +12,11 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.core import EngineCore
-    from engine.kv_cache_manager import HoldKey
-    from engine.outputs import EngineCoreOutput
-    from engine.request import Request
-    from engine.scheduler import SchedulerOutput
+    from pdserve.engine.core import EngineCore
+    from pdserve.engine.kv_cache_manager import HoldKey
+    from pdserve.engine.outputs import EngineCoreOutput
+    from pdserve.engine.request import Request
+    from pdserve.engine.scheduler import SchedulerOutput
 
 
 class KVRole(Protocol):

@@ -1,6 +1,6 @@
 """The hooks through which the engine reuses prompt KV from a shared store (prefix store).
 
-A node with a store (e.g. LMCache over Redis, `kv_transfer.prefix_store`) does two
+A node with a store (e.g. LMCache over Redis, `pdserve.kv_transfer.prefix_store`) does two
 things, both off the engine loop:
 
 * Load: when the scheduler first admits a prompt whose uncached part is at least a

@@ -20,8 +20,7 @@ What differs is the storage behind it (`cache.layout`):
 from __future__ import annotations
 
 import torch
-
-from kernels import hugepages
+from pdserve.kernels import hugepages
 
 LAYER_MAJOR = "layer_major"
 BLOCK_MAJOR = "block_major"

@@ -5,15 +5,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
 from tqdm import tqdm
-
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.core import EngineCore
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequestError
-from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template, load_tokenizer
 
 
 @dataclass

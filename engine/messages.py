@@ -14,9 +14,8 @@ Nothing is pickled: decoding is typed, so a malformed frame raises instead of ru
 from __future__ import annotations
 
 import msgspec
-
-from engine.outputs import EngineCoreOutput, EngineStats
-from engine.sampling_params import SamplingParams
+from pdserve.engine.outputs import EngineCoreOutput, EngineStats
+from pdserve.engine.sampling_params import SamplingParams
 
 # -- frontend -> engine -------------------------------------------------------------------
 

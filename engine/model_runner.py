@@ -17,24 +17,23 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.errors import ConfigError
+from pdserve.engine.kv_tensor import allocate_kv_cache
+from pdserve.engine.model_arch import ModelArch
+from pdserve.engine.model_files import default_cache_dir
+from pdserve.engine.models import get_model_class
+from pdserve.engine.models.cpu_linear import onednn_available
+from pdserve.engine.models.fused_decode import FusedDecode
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampled, prompt_logprobs, sample
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.warmup import warm_up_kernels
+from pdserve.engine.weights import load_model_weights
+from pdserve.kernels import cpu_gemv, hugepages
+from pdserve.kernels.ops import default_backend, get_ops, unsupported_head_dim
 from torch.profiler import record_function
-
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
-from engine.errors import ConfigError
-from engine.kv_tensor import allocate_kv_cache
-from engine.model_arch import ModelArch
-from engine.model_files import default_cache_dir
-from engine.models import get_model_class
-from engine.models.cpu_linear import onednn_available
-from engine.models.fused_decode import FusedDecode
-from engine.request import Request
-from engine.sampler import Sampled, prompt_logprobs, sample
-from engine.scheduler import SchedulerOutput
-from engine.warmup import warm_up_kernels
-from engine.weights import load_model_weights
-from kernels import cpu_gemv, hugepages
-from kernels.ops import default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +163,11 @@ class ModelRunner:
     def _compile(self, config: EngineConfig, max_model_len: int) -> None:
         """Compile the decode step per batch bucket and warm it up (or load it from the
         disk cache); on any failure serve eager."""
-        from engine.compiled_model import CompiledDecode, set_compile_cache_dir, warm_up_compiled
+        from pdserve.engine.compiled_model import (
+            CompiledDecode,
+            set_compile_cache_dir,
+            warm_up_compiled,
+        )
 
         cache_dir = config.model.compile_cache_dir or str(default_cache_dir() / "compile")
         t0 = time.perf_counter()

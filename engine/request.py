@@ -7,13 +7,12 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-
-from cluster.block_hash import hash_block_tokens, root_hash
-from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from pdserve.cluster.block_hash import hash_block_tokens, root_hash
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.grammar import Grammar
+    from pdserve.engine.grammar import Grammar
 
 
 class RequestStatus(enum.Enum):

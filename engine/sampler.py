@@ -11,12 +11,11 @@ import logging
 from typing import NamedTuple
 
 import torch
-
-from engine.logits_processors import process_logits
-from engine.outputs import TokenLogprobs
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from kernels.cpu_argmax import argmax_rows
+from pdserve.engine.logits_processors import process_logits
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kernels.cpu_argmax import argmax_rows
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.outputs import TokenLogprobs
-from engine.request import Request, RequestStatus
-from engine.sampler import Sampled
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import Sampled
 
 
 @dataclass

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone
+from pdserve.engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone
 
 if TYPE_CHECKING:
-    from engine.kv_cache_manager import KVCacheManager
-    from engine.scheduler import Scheduler, SchedulerOutput
+    from pdserve.engine.kv_cache_manager import KVCacheManager
+    from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 
 
 class StoreDriver:

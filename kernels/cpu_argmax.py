@@ -13,8 +13,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
-from kernels.native import load_library
+from pdserve.kernels.native import load_library
 
 _fn = None
 

@@ -1,6 +1,6 @@
 """Paged decode attention on CPU that reads the KV blocks in place (kernels/csrc/paged_decode.cpp).
 
-Same contract as `kernels.reference.paged_decode_attention`; the reference gathers every
+Same contract as `pdserve.kernels.reference.paged_decode_attention`; the reference gathers every
 sequence's blocks into a contiguous K/V (`aten::index`) and runs SDPA, this kernel walks
 the block table instead. Inputs it does not handle (a non-CPU device, a dtype other than
 fp32/bf16, a cache whose blocks are not each contiguous) and a machine where the kernel
@@ -13,9 +13,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
-from kernels import reference
-from kernels.native import load_library
+from pdserve.kernels import reference
+from pdserve.kernels.native import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIN_SPLIT_KEYS = 128  # a key split gets at least this many keys

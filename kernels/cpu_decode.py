@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import ctypes
 
-from kernels import cpu_attention, cpu_elementwise
-from kernels.native import load_library
+from pdserve.kernels import cpu_attention, cpu_elementwise
+from pdserve.kernels.native import load_library
 
 _p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 

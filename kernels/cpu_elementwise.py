@@ -1,7 +1,7 @@
 """A decoder layer's elementwise ops on CPU, one native call each (kernels/csrc/elementwise.cpp).
 
 rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul and store_kv, with the
-contracts of `kernels.reference`. The reference runs each as 4-26 eager torch ops; on a
+contracts of `pdserve.kernels.reference`. The reference runs each as 4-26 eager torch ops; on a
 one-row decode step that dispatch overhead (a few microseconds per op, ~2,000 ops a step)
 is a large part of everything that is not a GEMM. Here each is one ctypes call.
 
@@ -17,10 +17,9 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
-from kernels import reference
-from kernels.cpu_attention import blocks_contiguous
-from kernels.native import load_library
+from pdserve.kernels import reference
+from pdserve.kernels.cpu_attention import blocks_contiguous
+from pdserve.kernels.native import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PARALLEL_MIN_ELEMENTS = 1 << 16

@@ -22,8 +22,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
-from kernels.native import load_library
+from pdserve.kernels.native import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROWS = 8  # above this the prepacked oneDNN GEMM (docs/benchmarks.md, gemv_ab.py)

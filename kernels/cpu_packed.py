@@ -18,9 +18,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
-
-from kernels import hugepages
-from kernels.native import load_library
+from pdserve.kernels import hugepages
+from pdserve.kernels.native import load_library
 
 _p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _GEMM_ARGTYPES = [_p, _i64, _p, _i64, _i64, _int, _p, _p, _i64, _p, _i64, _i64, _int]

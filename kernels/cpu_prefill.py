@@ -1,7 +1,7 @@
 """Prefill (extend) attention on CPU through torch's flash SDPA kernel, without gathering
 fresh prompts' K/V back out of the paged cache.
 
-Same contract as `kernels.reference.paged_prefill_attention`, plus `new_kv`: this step's
+Same contract as `pdserve.kernels.reference.paged_prefill_attention`, plus `new_kv`: this step's
 K/V rows (the ones just stored, same rows as `q`). The reference gathers every
 sequence's context from the cache (`aten::index`) and calls SDPA on 3-D tensors, which
 torch runs through its unfused math path (materialised scores, mask built with `tril`,
@@ -34,9 +34,8 @@ import os
 
 import torch
 import torch.nn.functional as F
-
-from kernels.native import load_library
-from kernels.reference import _gather_kv
+from pdserve.kernels.native import load_library
+from pdserve.kernels.reference import _gather_kv
 
 PREFILL_ATTENTION_ENV = "PDSERVE_PREFILL_ATTENTION"  # "native" (default) or "sdpa"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

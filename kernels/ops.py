@@ -1,10 +1,10 @@
 """One registry of kernel implementations: `get_ops("torch")` or `get_ops("triton")`.
 
 Every backend exposes the same functions with the contracts documented in
-`kernels.reference`: store_kv, paged_decode_attention, paged_prefill_attention, rms_norm,
+`pdserve.kernels.reference`: store_kv, paged_decode_attention, paged_prefill_attention, rms_norm,
 fused_add_rms_norm, rotary_embedding, silu_and_mul.
 
-`torch` on CPU is `kernels.cpu_ops`: the reference plus native ops (paged decode attention
+`torch` on CPU is `pdserve.kernels.cpu_ops`: the reference plus native ops (paged decode attention
 reading the KV blocks in place, fused elementwise ops), built with the system C++ compiler
 on first use (the reference if none). `PDSERVE_CPU_ATTENTION=reference` selects the pure reference instead.
 """
@@ -32,17 +32,17 @@ def get_ops(name: str) -> ModuleType:
                 f"{CPU_ATTENTION_ENV}={choice!r}; expected one of {CPU_ATTENTION_CHOICES}"
             )
         if choice == "reference":
-            from kernels import reference
+            from pdserve.kernels import reference
 
             return reference
-        from kernels import cpu_attention, cpu_elementwise, cpu_ops, cpu_prefill
+        from pdserve.kernels import cpu_attention, cpu_elementwise, cpu_ops, cpu_prefill
 
         cpu_attention.available()  # build (or load) the kernels now, not in the first step
         cpu_elementwise.available()
         cpu_prefill.available()
         return cpu_ops
     if name == "triton":
-        from kernels import triton_ops
+        from pdserve.kernels import triton_ops
 
         return triton_ops
     raise ValueError(f"unknown kernel backend {name!r}; expected one of {BACKENDS}")

@@ -1,7 +1,7 @@
 """Triton paged attention: decode (one query per sequence, split-K) and prefill/extend.
 
 Both read K/V through block tables from the paged cache `[N, bs, Hkv, D]` described in
-`kernels.reference` (blocks contiguous, the stride between them passed in, so a
+`pdserve.kernels.reference` (blocks contiguous, the stride between them passed in, so a
 block-major cache's layer view works as is), with the same contracts as `paged_decode_attention` and
 `paged_prefill_attention` there. Softmax is the online (flash) form in fp32, with the
 scale folded into a base-2 exponent. Keys are visited in tiles of BLOCK_N positions; each
@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.ops import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_KEYS, PREFILL_BLOCK_M
+from pdserve.kernels.ops import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_KEYS, PREFILL_BLOCK_M
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = DECODE_MAX_SPLITS

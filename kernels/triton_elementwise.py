@@ -1,7 +1,7 @@
 """Triton kernels for the per-token ops: KV store, RMSNorm, rotary embedding, SiLU-and-mul.
 
 Each kernel sits beside a thin wrapper with the contract of its namesake in
-`kernels.reference`; the wrapper checks shapes, dtypes and strides before launching.
+`pdserve.kernels.reference`; the wrapper checks shapes, dtypes and strides before launching.
 Tensors may be row views into a wider buffer (e.g. q, k and v sliced from one qkv
 projection): the leading stride is free, the innermost dimensions must be contiguous.
 

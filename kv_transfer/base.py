@@ -47,9 +47,8 @@ from collections.abc import Callable
 
 import msgspec
 import torch
-
-from engine.outputs import TokenLogprobs
-from kv_transfer.messages import PrefillOrder
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.kv_transfer.messages import PrefillOrder
 
 TransferKey = tuple[str, int]  # (request id, attempt)
 
@@ -189,9 +188,9 @@ def register_connector(name: str):
 
 def create_connector(name: str, **kwargs) -> DecodeConnector | PrefillConnector:
     if name == "nixl":
-        import kv_transfer.nixl_connector  # noqa: F401  (registers itself)
+        import pdserve.kv_transfer.nixl_connector  # noqa: F401  (registers itself)
     elif name == "lmcache":
-        import kv_transfer.lmcache_connector  # noqa: F401  (registers itself)
+        import pdserve.kv_transfer.lmcache_connector  # noqa: F401  (registers itself)
     if name not in _REGISTRY:
         raise ValueError(f"unknown KV connector {name!r}; known: nixl, lmcache")
     return _REGISTRY[name](**kwargs)  # type: ignore[return-value]

@@ -1,7 +1,7 @@
 """The PD control channel over ZMQ: sockets, bounded non-blocking sends, peer liveness.
 
 Reusable by any connector whose data moves elsewhere (NIXL, LMCache): it carries the
-typed messages of `kv_transfer.messages` and knows nothing about blocks.
+typed messages of `pdserve.kv_transfer.messages` and knows nothing about blocks.
 
 Decode side (`DecodeControl`): one DEALER per prefill node, created on first use, at most
 `max_peers` at once; a peer with nothing outstanding is closed after `idle_close_s`.
@@ -36,11 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.control_pump import ControlPump
+from pdserve.kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
 from zmq.utils import z85
-
-from kv_transfer import messages as m
-from kv_transfer.control_pump import ControlPump
-from kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
 
 logger = logging.getLogger(__name__)
 

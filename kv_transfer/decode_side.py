@@ -28,9 +28,8 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
-
-from kv_transfer import messages as m
-from kv_transfer.base import (
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.base import (
     DecodeConnector,
     DecodeEvent,
     RecvDone,
@@ -38,9 +37,9 @@ from kv_transfer.base import (
     Released,
     TransferKey,
 )
-from kv_transfer.done_check import done_problem
-from kv_transfer.frame_auth import UnauthenticatedFrame
-from kv_transfer.transfer_types import DataPlane, DataPlaneOwner
+from pdserve.kv_transfer.done_check import done_problem
+from pdserve.kv_transfer.frame_auth import UnauthenticatedFrame
+from pdserve.kv_transfer.transfer_types import DataPlane, DataPlaneOwner
 
 logger = logging.getLogger(__name__)
 

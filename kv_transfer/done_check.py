@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 
-from api.sampling_rules import MAX_LOGPROBS
-from engine.outputs import TokenLogprobs
-from kv_transfer.messages import PrefillDone, PrefillOrder
+from pdserve.api.sampling_rules import MAX_LOGPROBS
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.kv_transfer.messages import PrefillDone, PrefillOrder
 
 
 def done_problem(order: PrefillOrder, done: PrefillDone) -> str | None:

@@ -30,8 +30,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 import torch
-
-from engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache
+from pdserve.engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",

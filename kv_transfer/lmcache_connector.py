@@ -1,8 +1,8 @@
 """The LMCache KV connector: PD through the shared store instead of point-to-point WRITEs.
 
-The same PD contract as the NIXL connector (`kv_transfer.base`), the same control channel
+The same PD contract as the NIXL connector (`pdserve.kv_transfer.base`), the same control channel
 and the same state machines (`DecodeSide`, `PrefillSide`); only the data moves another
-way (`kv_transfer.lmcache_transport`):
+way (`pdserve.kv_transfer.lmcache_transport`):
 
     decode                                   prefill
     PeerHello (layout only), PrefillOrder -> compute the prompt (chunk-aligned start);
@@ -34,9 +34,8 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
-
-from kv_transfer import messages as m
-from kv_transfer.base import (
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.base import (
     DecodeEvent,
     NewOrder,
     PrefillEvent,
@@ -46,11 +45,11 @@ from kv_transfer.base import (
     TransferKey,
     register_connector,
 )
-from kv_transfer.control_channel import DecodeControl, PrefillControl
-from kv_transfer.decode_side import DecodeSide, RecvState, _Attempt
-from kv_transfer.frame_auth import FrameAuth
-from kv_transfer.prefill_side import PrefillSide, SendState, _Send
-from kv_transfer.transfer_types import TransferHandle, TransferState
+from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
+from pdserve.kv_transfer.decode_side import DecodeSide, RecvState, _Attempt
+from pdserve.kv_transfer.frame_auth import FrameAuth
+from pdserve.kv_transfer.prefill_side import PrefillSide, SendState, _Send
+from pdserve.kv_transfer.transfer_types import TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +64,9 @@ class LMCacheSettings:
 
 def _data_factory(node_id: str, s: LMCacheSettings):
     def build(kv_cache: torch.Tensor):
-        from kv_transfer.lmcache_store import LMCacheKVStore
-        from kv_transfer.lmcache_transport import LMCacheDataPlane
-        from kv_transfer.prefix_store import redis_health_check
+        from pdserve.kv_transfer.lmcache_store import LMCacheKVStore
+        from pdserve.kv_transfer.lmcache_transport import LMCacheDataPlane
+        from pdserve.kv_transfer.prefix_store import redis_health_check
 
         def backend(cache):
             return LMCacheKVStore(

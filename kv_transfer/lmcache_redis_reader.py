@@ -22,8 +22,7 @@ import warnings
 from collections.abc import Iterable
 
 import torch
-
-from kv_transfer.kv_slots import SlotRows
+from pdserve.kv_transfer.kv_slots import SlotRows
 
 logger = logging.getLogger(__name__)
 

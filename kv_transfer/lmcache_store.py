@@ -7,14 +7,14 @@ any node can read. A chunk's tensor is laid out `[2, num_layers, tokens, heads *
 
     kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
-(layer-major, or a block-major view: `kv_transfer.kv_slots.SlotRows` copies slot runs in
+(layer-major, or a block-major view: `pdserve.kv_transfer.kv_slots.SlotRows` copies slot runs in
 either layout, and the chunks are the same bytes) through a slot mapping (slot =
 block_id * block_size + offset, one per token; -1 means "leave this token alone"). It
 works for CPU and CUDA caches alike (chunk tensors on the CPU).
 
 `LMCacheKVStore` wraps one LMCache engine: `store`, `retrieve`, `lookup`, `close`. Every
 call blocks (Redis round trips), so callers run them off the engine loop
-(`kv_transfer.prefix_store`). Chunk keys hash the token ids with keyed-free blake2b
+(`pdserve.kv_transfer.prefix_store`). Chunk keys hash the token ids with keyed-free blake2b
 (not Python's `hash`, whose collisions are easy to construct), under a namespace that
 names the model, dtype and KV shape. LMCache's usage telemetry is switched off before it
 is imported, and `close` is bounded: LMCache's own close can hang with a Redis backend.
@@ -31,9 +31,8 @@ import threading
 import time
 
 import torch
-
-from kv_transfer.kv_layout import KVLayout
-from kv_transfer.kv_slots import SlotRows
+from pdserve.kv_transfer.kv_layout import KVLayout
+from pdserve.kv_transfer.kv_slots import SlotRows
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class LMCacheKVStore:
         self._kv_cache = kv_cache
         self._reader = None  # chunks only in Redis are read directly (lmcache_redis_reader)
         if remote_url is not None and fast_retrieve:
-            from kv_transfer.lmcache_redis_reader import RedisChunkReader
+            from pdserve.kv_transfer.lmcache_redis_reader import RedisChunkReader
 
             self._reader = RedisChunkReader(remote_url, SlotRows(kv_cache))
         self._closed = False

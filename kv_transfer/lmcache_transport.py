@@ -15,7 +15,7 @@ the job ends, so the connector keeps the blocks it touches out of circulation un
 Peers exchange `PeerMetadata` (no NIXL bytes) only to check that their KV shapes and
 dtypes match: chunks stored by one node are loaded bit for bit into the other's blocks.
 The storage order may differ (a block-major prefill node, a layer-major decode node):
-chunks are the same bytes from either (`kv_transfer.kv_slots`).
+chunks are the same bytes from either (`pdserve.kv_transfer.kv_slots`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 import torch
-
-from kv_transfer.kv_layout import KVLayout
-from kv_transfer.transfer_types import PeerMetadata, TransferHandle, TransferState, TransferStats
+from pdserve.kv_transfer.kv_layout import KVLayout
+from pdserve.kv_transfer.transfer_types import (
+    PeerMetadata,
+    TransferHandle,
+    TransferState,
+    TransferStats,
+)
 
 logger = logging.getLogger(__name__)
 

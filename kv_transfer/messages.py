@@ -26,9 +26,8 @@ node reuses the blocks of an attempt it never heard an end of at `expires_at + g
 from __future__ import annotations
 
 import msgspec
-
-from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
 
 
 class PeerHello(msgspec.Struct, tag=True, kw_only=True):

@@ -37,9 +37,8 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-
-from engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone, StoreEvent
-from kv_transfer.base import DecodeConnector, PrefillConnector
+from pdserve.engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone, StoreEvent
+from pdserve.kv_transfer.base import DecodeConnector, PrefillConnector
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """The NIXL KV connector: prefill WRITEs paged blocks straight into the decode node's blocks.
 
-Assembled from three parts: the ZMQ control channel (`kv_transfer.control_channel`:
+Assembled from three parts: the ZMQ control channel (`pdserve.kv_transfer.control_channel`:
 sockets, bounded non-blocking sends, peer liveness), the NIXL data plane
-(`kv_transfer.nixl_transport`), and the side's protocol logic (`kv_transfer.decode_side`
-or `kv_transfer.prefill_side`, each an explicit state machine). The prefill node binds
+(`pdserve.kv_transfer.nixl_transport`), and the side's protocol logic (`pdserve.kv_transfer.decode_side`
+or `pdserve.kv_transfer.prefill_side`, each an explicit state machine). The prefill node binds
 a ROUTER at its control address; each decode node connects a DEALER and introduces itself
 once with its NIXL metadata (`PeerHello`), so afterwards only block ids travel per
 request. Blocks are pushed as chunks finish; the request's last WRITE is posted only
 after every earlier one is DONE and carries `PrefillDone` as its notification, so the
-decode node hears "done" only once all blocks have landed. See `kv_transfer.base`.
+decode node hears "done" only once all blocks have landed. See `pdserve.kv_transfer.base`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ import os
 import uuid
 
 import torch
-
-from kv_transfer.base import register_connector
-from kv_transfer.control_channel import DecodeControl, PrefillControl
-from kv_transfer.decode_side import DecodeSide
-from kv_transfer.frame_auth import FrameAuth
-from kv_transfer.prefill_side import PrefillSide
+from pdserve.kv_transfer.base import register_connector
+from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
+from pdserve.kv_transfer.decode_side import DecodeSide
+from pdserve.kv_transfer.frame_auth import FrameAuth
+from pdserve.kv_transfer.prefill_side import PrefillSide
 
 
 def _nixl_factory(node_id: str, net_devices: str | None, warmup_timeout_s: float | None = None):
     def build(kv_cache: torch.Tensor):
-        from kv_transfer.nixl_transport import NixlTransport
+        from pdserve.kv_transfer.nixl_transport import NixlTransport
 
         if net_devices:  # UCX reads it when the agent starts: listen only on these
             os.environ["UCX_NET_DEVICES"] = net_devices

@@ -3,7 +3,7 @@
 Contract
 --------
 * One `NixlTransport` per node process owns one NIXL agent and registers the node's whole
-  KV tensor (`kv_transfer.kv_layout` describes its shape) once: DRAM for a CPU tensor,
+  KV tensor (`pdserve.kv_transfer.kv_layout` describes its shape) once: DRAM for a CPU tensor,
   VRAM for a CUDA tensor. The tensor must outlive the transport and must not be resized.
 * Peers are introduced out of band: `local_metadata()` gives msgpack bytes (NIXL agent
   metadata + `KVLayout`, no pickle) that the other side passes to `add_peer()`. Only the
@@ -59,11 +59,10 @@ import msgspec
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
-
-from kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs, storage_of
-from kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
-from kv_transfer.nixl_warmup import WARMUP_TIMEOUT_S, PeerWarmups
-from kv_transfer.transfer_types import (
+from pdserve.kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs, storage_of
+from pdserve.kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
+from pdserve.kv_transfer.nixl_warmup import WARMUP_TIMEOUT_S, PeerWarmups
+from pdserve.kv_transfer.transfer_types import (
     PeerMetadata,
     TransferHandle,
     TransferState,

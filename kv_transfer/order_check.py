@@ -7,7 +7,7 @@ sampling parameters are checked by the engine's own request validation afterward
 
 from __future__ import annotations
 
-from kv_transfer.messages import PrefillOrder
+from pdserve.kv_transfer.messages import PrefillOrder
 
 MAX_ORDER_TTL_S = 3600.0  # an order may not claim a deadline further away than this
 MAX_ATTEMPT = 2**62

@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-
-from kv_transfer import messages as m
-from kv_transfer.base import (
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.base import (
     NewOrder,
     OrderAborted,
     PrefillConnector,
@@ -38,8 +37,8 @@ from kv_transfer.base import (
     SendFailed,
     TransferKey,
 )
-from kv_transfer.order_check import order_problem
-from kv_transfer.transfer_types import (
+from pdserve.kv_transfer.order_check import order_problem
+from pdserve.kv_transfer.transfer_types import (
     DataPlane,
     DataPlaneOwner,
     TransferHandle,

@@ -11,8 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
-
-from kv_transfer.kv_layout import KVLayout
+from pdserve.kv_transfer.kv_layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -78,7 +77,7 @@ class TransferHandle:
 
 class DataPlane(Protocol):
     """What a connector side needs from its data transport (`NixlTransport`, or the
-    simulator's in-memory one); see `kv_transfer.nixl_transport` for the semantics."""
+    simulator's in-memory one); see `pdserve.kv_transfer.nixl_transport` for the semantics."""
 
     name: str
     layout: KVLayout

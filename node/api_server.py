@@ -17,11 +17,10 @@ import anyio
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-
-from api.body_deadline import DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware
-from api.cluster_secret import NodeKeyMiddleware
-from api.errors import InvalidRequestError
-from api.http import (
+from pdserve.api.body_deadline import DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware
+from pdserve.api.cluster_secret import NodeKeyMiddleware
+from pdserve.api.errors import InvalidRequestError
+from pdserve.api.http import (
     DEFAULT_MAX_BODY_BYTES,
     AbortOnDisconnectResponse,
     BodySizeLimitMiddleware,
@@ -30,28 +29,28 @@ from api.http import (
     trace_id,
     until_disconnect,
 )
-from api.protocol import (
+from pdserve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
     ModelList,
 )
-from api.tokenize import (
+from pdserve.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
-from engine.async_llm import AsyncLLM, RequestFailedError
-from engine.config import EngineConfig
-from engine.core_client import EngineDeadError
-from engine.messages import EngineAddresses, OutputBatch
-from node import openai_responses as responses
-from node.cluster_agent import ClusterAgent, ClusterOptions
-from node.metrics import NodeMetrics
-from node.openai_serving import ModelNotFoundError, OpenAIServing
-from node.prefill_nodes import PrefillNodes
-from node.roles import build_kv
+from pdserve.engine.async_llm import AsyncLLM, RequestFailedError
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.core_client import EngineDeadError
+from pdserve.engine.messages import EngineAddresses, OutputBatch
+from pdserve.node import openai_responses as responses
+from pdserve.node.cluster_agent import ClusterAgent, ClusterOptions
+from pdserve.node.metrics import NodeMetrics
+from pdserve.node.openai_serving import ModelNotFoundError, OpenAIServing
+from pdserve.node.prefill_nodes import PrefillNodes
+from pdserve.node.roles import build_kv
 
 logger = logging.getLogger(__name__)
 

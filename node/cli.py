@@ -14,10 +14,10 @@ import logging
 import shutil
 import tempfile
 
-from api.body_deadline import DEFAULT_BODY_TIMEOUT_S
-from api.cluster_secret import load_cluster_secret
-from api.http import DEFAULT_MAX_BODY_BYTES
-from engine.config import (
+from pdserve.api.body_deadline import DEFAULT_BODY_TIMEOUT_S
+from pdserve.api.cluster_secret import load_cluster_secret
+from pdserve.api.http import DEFAULT_MAX_BODY_BYTES
+from pdserve.engine.config import (
     KV_LAYOUTS,
     CacheConfig,
     EngineConfig,
@@ -27,9 +27,9 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from engine.errors import ConfigError
-from engine.messages import EngineAddresses
-from node.cluster_agent import ClusterOptions
+from pdserve.engine.errors import ConfigError
+from pdserve.engine.messages import EngineAddresses
+from pdserve.node.cluster_agent import ClusterOptions
 
 logger = logging.getLogger(__name__)
 
@@ -291,8 +291,8 @@ def parse_backends(specs: list[str], redis_url: str | None) -> tuple[KVBackendCo
 
 
 def serve(args: argparse.Namespace) -> None:
-    from api.drain import serve as serve_draining
-    from node.api_server import build_app
+    from pdserve.api.drain import serve as serve_draining
+    from pdserve.node.api_server import build_app
 
     if not args.body_timeout_s > 0:
         raise ConfigError("--body-timeout-s", f"must be > 0, got {args.body_timeout_s}")
@@ -353,8 +353,8 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     """Defaults, then the node's settings from `--config` (if any), then the flags given."""
     values = dict(args.serve_defaults)
     if args.config:
-        from cluster.config_file import load_config
-        from cluster.nodes import find_node, node_settings
+        from pdserve.cluster.config_file import load_config
+        from pdserve.cluster.nodes import find_node, node_settings
 
         if not args.node:
             raise ConfigError("--node", "--config needs --node NAME (e.g. decode-0)")
@@ -372,7 +372,7 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> None:
-    from cluster.config_file import ConfigFileError
+    from pdserve.cluster.config_file import ConfigFileError
 
     try:
         serve(resolve_settings(args))

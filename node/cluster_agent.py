@@ -17,17 +17,16 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.cluster.kv_index import KVIndexPublisher
+from pdserve.cluster.registry import ClusterKeys, NodeRecord, read_nodes
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.messages import OutputBatch
+from pdserve.node.roles import store_index_id
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from cluster.kv_index import KVIndexPublisher
-from cluster.registry import ClusterKeys, NodeRecord, read_nodes
-from engine.config import EngineConfig
-from engine.messages import OutputBatch
-from node.roles import store_index_id
-
 if TYPE_CHECKING:  # the CLI imports this module for ClusterOptions: keep it light
-    from engine.async_llm import AsyncLLM
+    from pdserve.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 

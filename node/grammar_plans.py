@@ -14,8 +14,8 @@ import asyncio
 import json
 from collections import OrderedDict
 
-from engine.errors import InvalidRequestError
-from node import structured_output as structured
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.node import structured_output as structured
 
 PLAN_DEADLINE_S = 10.0
 

@@ -3,8 +3,8 @@ per-token objects). Token strings come from the tokenizer, one token at a time."
 
 from __future__ import annotations
 
-from api.protocol import ChatLogprobs, ChatLogprobToken, CompletionLogprobs, TopLogprob
-from engine.outputs import TokenLogprobs
+from pdserve.api.protocol import ChatLogprobs, ChatLogprobToken, CompletionLogprobs, TopLogprob
+from pdserve.engine.outputs import TokenLogprobs
 
 
 class LogprobsFormatter:

@@ -1,5 +1,5 @@
 """Response bodies and SSE streams of the generation endpoints, from prepared requests
-(`node.openai_serving.Prepared`) and what their choices produced."""
+(`pdserve.node.openai_serving.Prepared`) and what their choices produced."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from api.protocol import (
+from pdserve.api.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -24,11 +24,11 @@ from api.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from api.structured import DeltaToolCall
-from engine.async_llm import RequestDelta, RequestFailedError
-from engine.outputs import TokenLogprobs
-from node import structured_output as structured
-from node.openai_serving import Choice, Generation, OpenAIServing, Prepared
+from pdserve.api.structured import DeltaToolCall
+from pdserve.engine.async_llm import RequestDelta, RequestFailedError
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.node import structured_output as structured
+from pdserve.node.openai_serving import Choice, Generation, OpenAIServing, Prepared
 
 logger = logging.getLogger(__name__)
 

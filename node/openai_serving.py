@@ -23,20 +23,19 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import msgspec
-
-from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.sampling_rules import INT64_MIN
-from engine.async_llm import AsyncLLM, RequestDelta
-from engine.config import KVTransferConfig
-from engine.errors import InvalidRequestError
-from engine.outputs import RequestTimings, TokenLogprobs
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
-from node import structured_output as structured
-from node.grammar_plans import GrammarPlans
-from node.logprobs_format import LogprobsFormatter
-from node.metrics import NodeMetrics
-from node.prefill_nodes import PrefillNodes
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.api.sampling_rules import INT64_MIN
+from pdserve.engine.async_llm import AsyncLLM, RequestDelta
+from pdserve.engine.config import KVTransferConfig
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.outputs import RequestTimings, TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import apply_chat_template
+from pdserve.node import structured_output as structured
+from pdserve.node.grammar_plans import GrammarPlans
+from pdserve.node.logprobs_format import LogprobsFormatter
+from pdserve.node.metrics import NodeMetrics
+from pdserve.node.prefill_nodes import PrefillNodes
 
 logger = logging.getLogger(__name__)
 

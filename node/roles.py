@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 
-from engine.config import EngineConfig, KVBackendConfig
-from engine.kv_role import KVRole
-from engine.kv_store import KVStore
-from kv_transfer.base import DecodeConnector, PrefillConnector, create_connector
-from kv_transfer.multi_connector import MultiConnector, StoreBackend
+from pdserve.engine.config import EngineConfig, KVBackendConfig
+from pdserve.engine.kv_role import KVRole
+from pdserve.engine.kv_store import KVStore
+from pdserve.kv_transfer.base import DecodeConnector, PrefillConnector, create_connector
+from pdserve.kv_transfer.multi_connector import MultiConnector, StoreBackend
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _transfer_connector(
     cfg = config.kv_transfer
     extra: dict = {"net_devices": cfg.net_devices}
     if b.kind == "lmcache":  # PD through a shared store
-        from kv_transfer.lmcache_connector import LMCacheSettings
+        from pdserve.kv_transfer.lmcache_connector import LMCacheSettings
 
         st = config.kv_store
         url = b.remote_url or st.remote_url
@@ -87,10 +87,10 @@ def _transfer_connector(
 def _role(config: EngineConfig, connector: DecodeConnector | PrefillConnector) -> KVRole:
     cfg = config.kv_transfer
     if cfg.role == "prefill":
-        from prefill.role import PrefillRole
+        from pdserve.prefill.role import PrefillRole
 
         return PrefillRole(connector)  # type: ignore[arg-type]
-    from decode.role import DecodeRole
+    from pdserve.decode.role import DecodeRole
 
     return DecodeRole(
         connector,  # type: ignore[arg-type]
@@ -110,7 +110,7 @@ def store_index_id(config: EngineConfig) -> str:
 
 def _prefix_store(config: EngineConfig, b: KVBackendConfig) -> KVStore:
     """One LMCache prefix store (its own worker thread and local tier) for backend `b`."""
-    from kv_transfer.prefix_store import PrefixStore, redis_health_check
+    from pdserve.kv_transfer.prefix_store import PrefixStore, redis_health_check
 
     cfg = config.kv_store
     url = b.remote_url or cfg.remote_url
@@ -118,7 +118,7 @@ def _prefix_store(config: EngineConfig, b: KVBackendConfig) -> KVStore:
     namespace = cfg.namespace or config.model.model
 
     def backend(kv_cache):
-        from kv_transfer.lmcache_store import LMCacheKVStore
+        from pdserve.kv_transfer.lmcache_store import LMCacheKVStore
 
         return LMCacheKVStore(
             kv_cache,

@@ -21,10 +21,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from api import chat_tools
-from api.protocol import ChatCompletionRequest
-from api.structured import FunctionCall, ToolCall
-from engine.errors import InvalidRequestError
+from pdserve.api import chat_tools
+from pdserve.api.protocol import ChatCompletionRequest
+from pdserve.api.structured import FunctionCall, ToolCall
+from pdserve.engine.errors import InvalidRequestError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -96,7 +96,7 @@ def _call_schema(fn) -> dict[str, Any]:
 
 
 def template_tools(req: ChatCompletionRequest, tokenizer) -> tuple[list[dict], dict]:
-    """(messages, extra template kwargs) for this node's tokenizer (`api.chat_tools`)."""
+    """(messages, extra template kwargs) for this node's tokenizer (`pdserve.api.chat_tools`)."""
     return chat_tools.template_tools(req, getattr(tokenizer, "chat_template", None))
 
 

@@ -13,12 +13,18 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("node.cli", "serve one model over HTTP (colocated, prefill or decode node)"),
-    "bench": ("bench.cli", "benchmarks: serve (any OpenAI endpoint), kv (NIXL transfers), compare"),
-    "launch": ("cluster.launch_cli", "launch a whole cluster from one YAML file"),
-    "config": ("cluster.config_cli", "check a cluster config file, or print its reference"),
-    "status": ("cluster.status", "show a running cluster (processes, health, registry)"),
-    "router": ("router.cli", "the cluster's front door: OpenAI API over prefill/decode nodes"),
+    "serve": ("pdserve.node.cli", "serve one model over HTTP (colocated, prefill or decode node)"),
+    "bench": (
+        "pdserve.bench.cli",
+        "benchmarks: serve (any OpenAI endpoint), kv (NIXL transfers), compare",
+    ),
+    "launch": ("pdserve.cluster.launch_cli", "launch a whole cluster from one YAML file"),
+    "config": ("pdserve.cluster.config_cli", "check a cluster config file, or print its reference"),
+    "status": ("pdserve.cluster.status", "show a running cluster (processes, health, registry)"),
+    "router": (
+        "pdserve.router.cli",
+        "the cluster's front door: OpenAI API over prefill/decode nodes",
+    ),
 }
 
 

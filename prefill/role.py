@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from engine.core import EngineCore
-from engine.kv_cache_manager import HoldKey
-from engine.outputs import EngineCoreOutput
-from engine.request import Request, RequestStatus
-from engine.scheduler import SchedulerOutput
-from kv_transfer.base import (
+from pdserve.engine.core import EngineCore
+from pdserve.engine.kv_cache_manager import HoldKey
+from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.kv_transfer.base import (
     NewOrder,
     OrderAborted,
     PrefillConnector,

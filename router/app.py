@@ -18,21 +18,20 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from pdserve.api.body_deadline import BodyDeadlineMiddleware
+from pdserve.api.errors import InvalidRequestError
+from pdserve.api.http import BodySizeLimitMiddleware, add_error_handlers, error_response
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.router.config import RouterConfig
+from pdserve.router.fast_path import FastGeneration
+from pdserve.router.membership import Membership
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.nodes import ClusterView
+from pdserve.router.selector import Selector
+from pdserve.router.serving import ModelNotFoundError, NoNodeError, RouterServing
+from pdserve.router.token_budget import TokenLimitExceeded, client_key
+from pdserve.router.tokenizer import RouterTokenizer, load_router_tokenizer, resolve_model_dir
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from api.body_deadline import BodyDeadlineMiddleware
-from api.errors import InvalidRequestError
-from api.http import BodySizeLimitMiddleware, add_error_handlers, error_response
-from api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from router.config import RouterConfig
-from router.fast_path import FastGeneration
-from router.membership import Membership
-from router.metrics import RouterMetrics
-from router.nodes import ClusterView
-from router.selector import Selector
-from router.serving import ModelNotFoundError, NoNodeError, RouterServing
-from router.token_budget import TokenLimitExceeded, client_key
-from router.tokenizer import RouterTokenizer, load_router_tokenizer, resolve_model_dir
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import argparse
 import logging
 import os
 
-from api.cluster_secret import load_cluster_secret
-from router.config import POLICIES, RouterConfig, RouterConfigError
+from pdserve.api.cluster_secret import load_cluster_secret
+from pdserve.router.config import POLICIES, RouterConfig, RouterConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -147,8 +147,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def run(args: argparse.Namespace) -> None:
-    from api.drain import serve as serve_draining
-    from router.app import build_app
+    from pdserve.api.drain import serve as serve_draining
+    from pdserve.router.app import build_app
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe otherwise
     try:

@@ -18,13 +18,12 @@ import logging
 
 import aiohttp
 import msgspec
+from pdserve.cluster.redis_client import LeanRedis, connect, lean_client
+from pdserve.cluster.registry import ClusterKeys, NodeRecord, read_nodes
+from pdserve.router.config import RouterConfig
+from pdserve.router.nodes import ClusterView, NodeState
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
-
-from cluster.redis_client import LeanRedis, connect, lean_client
-from cluster.registry import ClusterKeys, NodeRecord, read_nodes
-from router.config import RouterConfig
-from router.nodes import ClusterView, NodeState
 
 logger = logging.getLogger(__name__)
 

@@ -20,12 +20,11 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
-
-from api.cluster_secret import NODE_KEY_HEADER, node_key
-from cluster.registry import NodeRecord
-from router.breaker import CircuitBreaker
-from router.config import RouterConfig
-from router.node_http import NodePool
+from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
+from pdserve.cluster.registry import NodeRecord
+from pdserve.router.breaker import CircuitBreaker
+from pdserve.router.config import RouterConfig
+from pdserve.router.node_http import NodePool
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ import math
 import random
 from collections.abc import Callable
 
-from router.nodes import NodeState
+from pdserve.router.nodes import NodeState
 
 Policy = Callable[[list[NodeState], "Context"], NodeState]
 

@@ -23,9 +23,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
-
-from router.node_http import NodeResponse
-from router.nodes import NodeState
+from pdserve.router.node_http import NodeResponse
+from pdserve.router.nodes import NodeState
 
 # What a failed exchange with a node raises (connection, protocol, deadline).
 NODE_ERRORS = (OSError, asyncio.TimeoutError)

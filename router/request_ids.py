@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import secrets
 
-from api.http import trace_id
+from pdserve.api.http import trace_id
 
 
 class RequestIds:

@@ -16,15 +16,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
+from pdserve.cluster.kv_index import PendingHits, PrefixHits
+from pdserve.cluster.registry import NodeRecord
+from pdserve.router.config import RouterConfig
+from pdserve.router.membership import Membership
+from pdserve.router.nodes import ClusterView, NodeState
+from pdserve.router.policies import Context, make_policy
 from redis.exceptions import RedisError
-
-from cluster.block_hash import hash_prompt_blocks, root_hash
-from cluster.kv_index import PendingHits, PrefixHits
-from cluster.registry import NodeRecord
-from router.config import RouterConfig
-from router.membership import Membership
-from router.nodes import ClusterView, NodeState
-from router.policies import Context, make_policy
 
 logger = logging.getLogger(__name__)
 

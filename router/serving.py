@@ -19,16 +19,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
-
-from api.chat_tools import template_tools
-from api.errors import InvalidRequestError
-from api.http import error_response, until_disconnect
-from api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
-from api.sampling_rules import INT32_MAX, check_sampling_values
-from router.client_watch import ClientWatch
-from router.config import RouterConfig
-from router.metrics import RouterMetrics
-from router.relay import (
+from pdserve.api.chat_tools import template_tools
+from pdserve.api.errors import InvalidRequestError
+from pdserve.api.http import error_response, until_disconnect
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from pdserve.api.sampling_rules import INT32_MAX, check_sampling_values
+from pdserve.router.client_watch import ClientWatch
+from pdserve.router.config import RouterConfig
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.relay import (
     DONE,
     NODE_ERRORS,
     AttemptFailed,
@@ -40,11 +39,11 @@ from router.relay import (
     open_stream,
     send_json,
 )
-from router.request_ids import RequestIds
-from router.selector import Decision, Selector
-from router.streamed import WATCH, Relayed, RelayResponse, Release
-from router.token_budget import TokenBudget, client_key
-from router.tokenizer import RouterTokenizer
+from pdserve.router.request_ids import RequestIds
+from pdserve.router.selector import Decision, Selector
+from pdserve.router.streamed import WATCH, Relayed, RelayResponse, Release
+from pdserve.router.token_budget import TokenBudget, client_key
+from pdserve.router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from api.http import AbortOnDisconnectResponse
-from router.client_watch import ClientWatch
-from router.relay import OpenStream
-from router.selector import Decision
+from pdserve.api.http import AbortOnDisconnectResponse
+from pdserve.router.client_watch import ClientWatch
+from pdserve.router.relay import OpenStream
+from pdserve.router.selector import Decision
 
 WATCH = "pdserve.client_watch"  # the scope key of the lean path's ClientWatch
 

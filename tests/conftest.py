@@ -64,7 +64,7 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 @pytest.fixture
 def redis_server():
     """A real redis-server on a free loopback port, stopped after the test."""
-    from cluster.embedded_redis import EmbeddedRedis
+    from pdserve.cluster.embedded_redis import EmbeddedRedis
 
     with EmbeddedRedis() as server:
         yield server

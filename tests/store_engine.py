@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from engine.config import (
+from pdserve.engine.config import (
     CacheConfig,
     EngineConfig,
     KVBackendConfig,
@@ -13,9 +13,9 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from node.roles import build_kv
+from pdserve.engine.core import EngineCore
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.roles import build_kv
 
 BS, CHUNK = 4, 16  # block size, LMCache chunk (4 blocks)
 NUM_BLOCKS = 64

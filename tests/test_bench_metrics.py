@@ -9,18 +9,18 @@ import sys
 
 import numpy as np
 import pytest
-
-from bench.arrivals import arrival_offsets
-from bench.client import RequestRecord
-from bench.datasets import (
+from pdserve.bench.arrivals import arrival_offsets
+from pdserve.bench.client import RequestRecord
+from pdserve.bench.datasets import (
     DatasetError,
     Tokenizer,
     random_requests,
     shared_prefix_requests,
     sharegpt_requests,
 )
-from bench.metrics import parse_goodput, summarize
-from bench.report import compare_table
+from pdserve.bench.metrics import parse_goodput, summarize
+from pdserve.bench.report import compare_table
+
 from tests.servers import ROOT
 
 
@@ -164,7 +164,7 @@ def test_compare_table_pairs_runs_with_ratios():
 
 def test_serve_benchmark_does_not_import_torch():
     code = (
-        "import sys; import bench.cli, bench.serve, bench.runner, bench.plots, bench.compare;"
+        "import sys; import pdserve.bench.cli, pdserve.bench.serve, pdserve.bench.runner, pdserve.bench.plots, pdserve.bench.compare;"
         "import pdserve.cli; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)

@@ -19,9 +19,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 
-from engine.kv_tensor import BLOCK_MAJOR, LAYER_MAJOR, allocate_kv_cache, layout_of  # noqa: E402
-from kernels import cpu_attention, native  # noqa: E402
-from kernels import reference as ref  # noqa: E402
+from pdserve.engine.kv_tensor import BLOCK_MAJOR, LAYER_MAJOR, allocate_kv_cache, layout_of  # noqa: E402
+from pdserve.kernels import cpu_attention, native  # noqa: E402
+from pdserve.kernels import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 
@@ -32,11 +32,11 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2
 def _backends() -> dict[str, object]:
     out: dict[str, object] = {"reference": ref}
     if native.find_compiler() is not None and cpu_attention.available():
-        from kernels import cpu_ops
+        from pdserve.kernels import cpu_ops
 
         out["native"] = cpu_ops
     try:
-        from kernels import triton_ops
+        from pdserve.kernels import triton_ops
 
         out["triton"] = triton_ops
     except ImportError:

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
+from pdserve.engine.kv_tensor import allocate_kv_cache
+from pdserve.engine.sampling_params import SamplingParams
 
-from engine.kv_tensor import allocate_kv_cache
-from engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, load_hf
 from tests.store_engine import BS, CHUNK, NUM_BLOCKS, run, store_core
 
@@ -46,7 +46,7 @@ def rows(cache: torch.Tensor, slots: list[int]) -> torch.Tensor:
     ],
 )
 def test_chunks_round_trip_bit_exact_between_layouts(src_layout, dst_layout, fast, redis_server):
-    from kv_transfer.lmcache_store import LMCacheKVStore
+    from pdserve.kv_transfer.lmcache_store import LMCacheKVStore
 
     def cache(layout: str) -> torch.Tensor:
         return allocate_kv_cache(layout, LAYERS, BLOCKS, BS, HEADS, HEAD_DIM, dtype=torch.float32)
@@ -81,7 +81,7 @@ def test_chunks_round_trip_bit_exact_between_layouts(src_layout, dst_layout, fas
 def test_runs_inside_and_across_blocks_copy_exact_rows():
     """SlotRows on a block-major cache: runs that start mid-block, span whole blocks (one
     copy) and end mid-block; -1 slots left alone on write and refused on read."""
-    from kv_transfer.kv_slots import SlotRows
+    from pdserve.kv_transfer.kv_slots import SlotRows
 
     bm = allocate_kv_cache("block_major", LAYERS, 8, BS, HEADS, HEAD_DIM, dtype=torch.float32)
     bm.copy_(torch.randn(bm.shape))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from pdserve.engine.kv_tensor import BLOCK_MAJOR, LAYER_MAJOR
 
-from engine.kv_tensor import BLOCK_MAJOR, LAYER_MAJOR
 from tests.hf_reference import hf_greedy, load_hf
 from tests.servers import free_port, kill_server, start_server, wait_idle
 from tests.test_pd_engine import GREEDY, Pair, prompts_of, tokens
@@ -92,7 +92,7 @@ def completion_tokens(url: str, prompt: list[int]) -> list[int]:
 
 @pytest.mark.slow
 def test_1p1d_nodes_on_block_major_equal_colocated(tiny_llama_dir):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     ctl = f"tcp://127.0.0.1:{free_port()}"
     args = node_args(tiny_llama_dir, BLOCK_MAJOR)

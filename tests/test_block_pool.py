@@ -1,12 +1,11 @@
 """BlockPool and KVCacheManager: references, prefix cache, LRU eviction, integrity."""
 
 import pytest
-
-from cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
-from engine.block_pool import BlockPool, BlockPoolError
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
+from pdserve.engine.block_pool import BlockPool, BlockPoolError
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 ROOT = root_hash("test", 4)
 

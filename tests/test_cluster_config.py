@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from pdserve.cluster.config_file import ConfigFileError, load_config
+from pdserve.cluster.nodes import cluster_nodes, find_node, node_settings
 
-from cluster.config_file import ConfigFileError, load_config
-from cluster.nodes import cluster_nodes, find_node, node_settings
 from tests.servers import ROOT
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -186,7 +186,7 @@ def test_launch_refuses_a_port_already_in_use(tmp_path):
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from node.cli import add_arguments
+    from pdserve.node.cli import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -195,7 +195,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def node_engine_config(argv: list[str]):
     """The EngineConfig `pdserve serve ARGV` would run (flags, or a node of a --config file)."""
-    from node.cli import engine_config_from_args, resolve_settings
+    from pdserve.node.cli import engine_config_from_args, resolve_settings
 
     return engine_config_from_args(resolve_settings(serve_parser().parse_args(argv)))
 
@@ -212,7 +212,7 @@ def test_every_node_flag_can_live_in_yaml(tmp_path):
 
 
 def test_serve_config_node_takes_the_yaml_and_flags_win(tmp_path):
-    from node.cli import resolve_settings
+    from pdserve.node.cli import resolve_settings
 
     path = write(tmp_path, GOOD.replace("  port: 9301", "  port: 9301\n  num_threads: 2"))
     parser = serve_parser()
@@ -229,7 +229,7 @@ def test_serve_config_node_takes_the_yaml_and_flags_win(tmp_path):
 
 
 def test_kv_store_section_points_nodes_at_the_cluster_redis(tmp_path):
-    from node.cli import engine_config_from_args, resolve_settings
+    from pdserve.node.cli import engine_config_from_args, resolve_settings
 
     text = GOOD + "kv_store: {backend: lmcache, chunk_size: 64, local_cpu_bytes: 64MiB}\n"
     path = write(tmp_path, text)
@@ -252,7 +252,7 @@ def test_kv_store_section_points_nodes_at_the_cluster_redis(tmp_path):
 
 
 def test_lmcache_connector_moves_kv_through_the_cluster_redis(tmp_path):
-    from node.cli import engine_config_from_args, resolve_settings
+    from pdserve.node.cli import engine_config_from_args, resolve_settings
 
     text = GOOD.replace("{kind: nixl}", "{kind: lmcache}") + "kv_store: {chunk_size: 64}\n"
     path = write(tmp_path, text)
@@ -266,7 +266,7 @@ def test_lmcache_connector_moves_kv_through_the_cluster_redis(tmp_path):
 
 
 def test_kv_backends_list_becomes_the_nodes_composed_connector(tmp_path):
-    from node.cli import engine_config_from_args, resolve_settings
+    from pdserve.node.cli import engine_config_from_args, resolve_settings
 
     backends = (
         "  kv_backends:\n"
@@ -314,15 +314,15 @@ def test_kv_backends_list_becomes_the_nodes_composed_connector(tmp_path):
 
 
 def test_docs_reference_is_up_to_date():
-    from cluster.docs import DOCS_FILE, updated_text
+    from pdserve.cluster.docs import DOCS_FILE, updated_text
 
     text = DOCS_FILE.read_text()
     assert updated_text(text) == text, "run: pdserve config docs --write"
 
 
 def test_every_router_flag_comes_from_yaml(tmp_path, monkeypatch):
-    from cluster.nodes import router_argv, router_env
-    from router.cli import API_KEY_ENV, add_arguments, config_from_args
+    from pdserve.cluster.nodes import router_argv, router_env
+    from pdserve.router.cli import API_KEY_ENV, add_arguments, config_from_args
 
     router = (
         "router:\n  port: 9000\n  prefill_policy: round_robin\n  decode_policy: least_loaded\n"

@@ -5,14 +5,15 @@ equal to Hugging Face greedy."""
 
 import logging
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
+
 from tests.hf_reference import hf_greedy, load_hf
 
 
 def test_unusable_compile_cache_dir_logs_and_serves_eager(tiny_llama_dir, tmp_path, caplog):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory would go")
-    with caplog.at_level(logging.ERROR, logger="engine.model_runner"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.engine.model_runner"):
         llm = LLM(
             tiny_llama_dir,
             block_size=4,

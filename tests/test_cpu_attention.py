@@ -12,10 +12,9 @@ import logging
 
 import pytest
 import torch
-
-from kernels import cpu_attention, cpu_ops, native
-from kernels import reference as ref
-from kernels.ops import CPU_ATTENTION_ENV, get_ops
+from pdserve.kernels import cpu_attention, cpu_ops, native
+from pdserve.kernels import reference as ref
+from pdserve.kernels.ops import CPU_ATTENTION_ENV, get_ops
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 
@@ -123,7 +122,7 @@ def test_no_compiler_falls_back_to_the_reference_with_a_log_line(monkeypatch, tm
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path / "cache"))
     native.load_library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.kernels.native"):
             assert not cpu_attention.available()
         assert "no C++ compiler" in caplog.text and "pure-torch reference" in caplog.text
         args = make_case([37, 5], 9, 3, 64, 16, torch.float32)
@@ -162,7 +161,8 @@ def test_get_ops_torch_selects_native_unless_reference_is_asked_for(monkeypatch)
 
 @pytest.mark.parametrize("mode", ["native", "reference"])
 def test_engine_greedy_equals_hugging_face_with_either_kernel(mode, tiny_llama_dir, monkeypatch):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
+
     from tests.hf_reference import hf_greedy, load_hf
 
     monkeypatch.setenv(CPU_ATTENTION_ENV, mode)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kernels import cpu_elementwise as ew
-from kernels import native
-from kernels import reference as ref
+from pdserve.kernels import cpu_elementwise as ew
+from pdserve.kernels import native
+from pdserve.kernels import reference as ref
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 

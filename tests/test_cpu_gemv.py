@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from pdserve.kernels import cpu_gemv, native
 
-from kernels import cpu_gemv, native
 from tests.conftest import skip_in_isa_view
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
@@ -99,7 +99,7 @@ def test_refuses_what_it_does_not_take():
 def test_packed_linear_takes_decode_rows_through_the_gemv(monkeypatch):
     """engine/models/cpu_linear.linear: up to MAX_ROWS rows go to the GEMV, which gives the
     same as F.linear; with MAX_ROWS 0 the same rows take the oneDNN/F.linear path."""
-    from engine.models.cpu_linear import linear
+    from pdserve.engine.models.cpu_linear import linear
 
     w = rand(960, 576, dtype=torch.float32, seed=5)
     x = rand(1, 576, dtype=torch.float32, seed=6)
@@ -116,7 +116,7 @@ def test_packed_linear_takes_decode_rows_through_the_gemv(monkeypatch):
 _OTHER_BUILD = """
 import torch
 import torch.nn.functional as F
-from kernels import cpu_gemv
+from pdserve.kernels import cpu_gemv
 from tests.test_cpu_gemv import check
 assert cpu_gemv.isa() == {isa}, cpu_gemv.isa()
 torch.set_num_threads(2)
@@ -156,7 +156,7 @@ def test_gate_up_silu_equals_linear_then_silu_and_mul(dtype, i, k, threads):
     """One call for a gate_up projection and SiLU(gate) * up: the unfused reference's
     result (fp32: to summation order; bf16: rounded at the same three places, so within a
     bf16 ulp or two)."""
-    from kernels import reference
+    from pdserve.kernels import reference
 
     w = rand(2 * i, k, dtype=dtype, seed=i) * 0.5
     for m in (1, 2, 5):
@@ -177,7 +177,7 @@ def test_norm_linear_equals_norm_then_projection(dtype, silu, threads):
     """(Residual add +) RMSNorm and the projection after it in one call: the residual
     sum is the reference's exactly; the projection equals the reference norm's output
     through F.linear (or SiLU * up) to fp32 summation order (bf16: a few ulps)."""
-    from kernels import reference
+    from pdserve.kernels import reference
 
     k, n = 131, 74
     w = rand(n, k, dtype=dtype, seed=7) * 0.2

@@ -13,7 +13,7 @@ import pytest
 
 _CHILD = """
 import ctypes, sys, torch
-from engine.cpu_heap import keep_freed_memory
+from pdserve.engine.cpu_heap import keep_freed_memory
 class Info(ctypes.Structure):  # glibc's struct mallinfo2
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                 "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

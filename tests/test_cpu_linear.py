@@ -8,16 +8,15 @@ import gc
 
 import pytest
 import torch
-
-from engine.models import cpu_linear
-from engine.models.cpu_linear import (
+from pdserve.engine.models import cpu_linear
+from pdserve.engine.models.cpu_linear import (
     PackedGateUp,
     PackedLinear,
     linear,
     onednn_available,
     pack_weight,
 )
-from kernels import reference
+from pdserve.kernels import reference
 
 pytestmark = [
     pytest.mark.isa,  # scripts/avx2_view.sh runs it as an AVX2-only CPU
@@ -120,7 +119,7 @@ def test_a_row_gets_the_same_bits_alone_or_with_others(dtype, monkeypatch):
     request twice gives different logprobs. (oneDNN computes a lone row with its M = 1
     kernel, another summation order: SmolLM2's down projection, K = 1536, differed.)
     bf16 without native bf16: nothing packed, torch's own bf16 GEMM, the same promise."""
-    from kernels import cpu_gemv
+    from pdserve.kernels import cpu_gemv
 
     monkeypatch.setattr(cpu_gemv, "_prompt_step", True)  # a prompt step: no decode GEMV
     torch.manual_seed(0)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from pdserve.kernels import cpu_ops, cpu_packed
 
-from kernels import cpu_ops, cpu_packed
 from tests.conftest import skip_in_isa_view
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def test_other_builds(tmp_path, march, bits):
     env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(ROOT))
     env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
     code = (
-        "from kernels import cpu_packed\n"
+        "from pdserve.kernels import cpu_packed\n"
         f"assert cpu_packed._lib().pdserve_gemm_packed_isa() == {bits}\n"
         "import torch\nfrom tests.test_cpu_packed import check_all\n"
         "check_all()\ncheck_all(torch.bfloat16)\n"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from pdserve.kernels import cpu_prefill
+from pdserve.kernels import reference as ref
 from torch.profiler import profile
 
-from kernels import cpu_prefill
-from kernels import reference as ref
 from tests.conftest import skip_in_isa_view
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
@@ -89,8 +89,8 @@ def test_prefill_equals_reference(chunks, h, hkv, d, bs, dtype, path):
 
 _OTHER_BUILD = """
 import os, torch
-from kernels import cpu_prefill
-from kernels import reference as ref
+from pdserve.kernels import cpu_prefill
+from pdserve.kernels import reference as ref
 from tests.test_cpu_prefill import CASES, TOL, make_step
 assert cpu_prefill.available()
 torch.set_num_threads(2)

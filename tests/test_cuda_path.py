@@ -18,14 +18,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.errors import ConfigError  # noqa: E402
-from engine.model_arch import ModelArch  # noqa: E402
-from engine.model_runner import build_model  # noqa: E402
-from engine.models.rope import build_cos_sin_cache  # noqa: E402
-from engine.request import Request  # noqa: E402
-from kernels.ops import DECODE_MAX_SPLITS, get_ops  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.config import ModelConfig  # noqa: E402
+from pdserve.engine.errors import ConfigError  # noqa: E402
+from pdserve.engine.model_arch import ModelArch  # noqa: E402
+from pdserve.engine.model_runner import build_model  # noqa: E402
+from pdserve.engine.models.rope import build_cos_sin_cache  # noqa: E402
+from pdserve.engine.request import Request  # noqa: E402
+from pdserve.kernels.ops import DECODE_MAX_SPLITS, get_ops  # noqa: E402
+
 from tests.conftest import make_tiny_llama  # noqa: E402
 from tests.hf_reference import hf_greedy, load_hf  # noqa: E402
 
@@ -152,7 +153,7 @@ def test_missing_gpu_is_refused_at_load_naming_the_field(tiny_llama_dir):
 
 def test_decode_launches_compile_two_variants_at_most():
     pytest.importorskip("triton")
-    from kernels.triton_attention import decode_constexprs, decode_split, default_num_splits
+    from pdserve.kernels.triton_attention import decode_constexprs, decode_split, default_num_splits
 
     variants, splits_seen = set(), set()
     for batch in (1, 2, 3, 5, 8, 13, 32, 64, 200):

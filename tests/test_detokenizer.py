@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -15,8 +14,8 @@ TEXT = "Grüße aus Köln! 日本語のテキスト 🎉🦜 naïve café — fi
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.model_files import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from pdserve.engine.model_files import resolve_model
+    from pdserve.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model("smollm2-135m-instruct"))
 

@@ -7,11 +7,10 @@ import math
 
 import msgspec
 import pytest
-
-from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
-from kv_transfer import messages as m
-from kv_transfer.done_check import done_problem
+from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.done_check import done_problem
 
 PROMPT = [5, 6, 7, 8]
 

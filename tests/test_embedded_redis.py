@@ -6,8 +6,7 @@ import os
 
 import pytest
 import redis
-
-from cluster.embedded_redis import EmbeddedRedis, RedisUnavailableError
+from pdserve.cluster.embedded_redis import EmbeddedRedis, RedisUnavailableError
 
 
 def test_serves_and_stops_without_leftovers(redis_server):

@@ -14,10 +14,11 @@ import signal
 import subprocess
 import sys
 
-from engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
-from engine.core_client import EngineCoreClient
-from engine.messages import EngineAddresses
-from node.roles import build_kv
+from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig
+from pdserve.engine.core_client import EngineCoreClient
+from pdserve.engine.messages import EngineAddresses
+from pdserve.node.roles import build_kv
+
 from tests.servers import ROOT, free_port, wait_healthy
 
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 pytest.importorskip("triton")
 
-from engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPTS = [

@@ -4,9 +4,8 @@ replay and a stale frame are all refused; without a secret frames pass unchanged
 from __future__ import annotations
 
 import pytest
-
-from kv_transfer import messages as m
-from kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
 
 SECRET = b"0123456789abcdef-cluster"
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.models.fused_decode import FusedDecode
 
-from engine import LLM, SamplingParams
-from engine.attention import AttentionMetadata
-from engine.models.fused_decode import FusedDecode
 from tests.conftest import make_tiny_llama, skip_in_isa_view
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_compiled_model import _decode_inputs
@@ -223,9 +223,9 @@ def test_batched_bf16_rounds_as_the_unfused_per_op_mlp(tiny_llama_dir, monkeypat
     to the per-op path as where oneDNN fuses SiLU * up. (It kept the fused rounding and
     matched a quarter of the elements on AVX2.) The GEMMs' summation order is torch's on
     such a CPU, hence "close", not equal (scripts/avx2_view.sh runs this on AVX2 itself)."""
-    import engine.model_runner
+    from pdserve.engine import model_runner
 
-    monkeypatch.setattr(engine.model_runner, "onednn_available", lambda device, dtype: False)
+    monkeypatch.setattr(model_runner, "onednn_available", lambda device, dtype: False)
     llm = LLM(tiny_llama_dir, dtype="bfloat16", block_size=4, num_blocks=512)
     runner = llm.engine.runner
     assert runner.model.fused_decode._model.silu_mode == 2
@@ -279,8 +279,8 @@ def test_batched_lm_head(tiny_llama_dir, dtype):
     oneDNN's; bf16: fp32 holding bf16 values, as the model's own bf16 logits turned
     float); any other call (a second one, prompt steps, other row counts) keeps the
     model's own GEMMs."""
-    from engine.models.cpu_linear import linear
-    from kernels import cpu_gemv
+    from pdserve.engine.models.cpu_linear import linear
+    from pdserve.kernels import cpu_gemv
 
     llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
     runner = llm.engine.runner
@@ -360,12 +360,12 @@ def test_no_fused_decode_with_reference_kernels(tiny_llama_dir, monkeypatch):
 
 _OTHER_BUILD = """
 import torch
-from engine import LLM
+from pdserve.engine import LLM
 from tests.test_fused_decode import _decode_inputs, _per_op_and_fused, _same_layout_cache
-from kernels import cpu_gemv
+from pdserve.kernels import cpu_gemv
 assert cpu_gemv.isa() == 256, cpu_gemv.isa()
 from tests.test_fused_decode import _batched_close_to_per_op
-from engine.models.fused_decode import FusedDecode
+from pdserve.engine.models.fused_decode import FusedDecode
 for dtype in ("float32", "bfloat16"):
     llm = LLM({path!r}, dtype=dtype, block_size=4, num_blocks=256)
     runner = llm.engine.runner
@@ -422,7 +422,7 @@ def test_a_prompt_step_does_not_outlive_its_step(tiny_llama_dir):
     the mark ends with the step. A generate whose last step was a prompt step (one token
     to generate) left it set: every later decode GEMV or fused call outside the runner's
     steps (another engine's model, a test, a benchmark) silently took the per-op path."""
-    from kernels import cpu_gemv
+    from pdserve.kernels import cpu_gemv
 
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)

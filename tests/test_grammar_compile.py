@@ -12,10 +12,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-from engine.grammar import GrammarCompiler, PendingGrammars
-from engine.sampling_params import SamplingParams
-from node.structured_output import json_grammar
+from pdserve.engine.grammar import GrammarCompiler, PendingGrammars
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.structured_output import json_grammar
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +44,7 @@ class GatedExecutor(ThreadPoolExecutor):
 
 @pytest.fixture(scope="module")
 def llm():
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM("smollm2-135m-instruct", kv_cache_bytes=64 << 20, num_threads=1)
 

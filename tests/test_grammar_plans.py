@@ -6,10 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from api.protocol import ChatCompletionRequest, CompletionRequest
-from engine.errors import InvalidRequestError
-from node.grammar_plans import GrammarPlans
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.node.grammar_plans import GrammarPlans
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from kernels import hugepages
+from pdserve.kernels import hugepages
 
 
 def test_empty_is_a_usable_tensor(monkeypatch):
@@ -33,7 +32,7 @@ def test_switched_off(monkeypatch):
 
 
 def test_kv_cache_is_zeroed_on_huge_pages():
-    from engine.kv_tensor import allocate_kv_cache
+    from pdserve.engine.kv_tensor import allocate_kv_cache
 
     for layout in ("layer_major", "block_major"):
         kv = allocate_kv_cache(layout, 2, 64, 16, 2, 64, dtype=torch.float32, device="cpu")
@@ -41,7 +40,7 @@ def test_kv_cache_is_zeroed_on_huge_pages():
 
 
 def test_model_weights_moved_keep_their_values(tiny_llama_dir):
-    from engine import LLM
+    from pdserve.engine import LLM
 
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
     model = llm.engine.runner.model
@@ -101,7 +100,7 @@ def test_populate_faults_every_page_in_and_keeps_the_zeros():
 
 
 def test_engine_populates_its_kv_cache_unless_told_not_to(tiny_llama_dir, monkeypatch):
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     monkeypatch.delenv("PDSERVE_KV_POPULATE")  # conftest turns it off for the other tests
     kw = dict(block_size=4, num_blocks=4096)  # 4096 blocks: several MiB of KV

@@ -1,4 +1,4 @@
-"""Every Triton kernel equals its pure-torch reference (`kernels.reference`).
+"""Every Triton kernel equals its pure-torch reference (`pdserve.kernels.reference`).
 
 Without CUDA the kernels run under the Triton interpreter on CPU, so shapes are small.
 Tolerances: fp32 atol 1e-5 / rtol 1e-4; bf16 and fp16 atol 2e-2 / rtol 2e-2 (the
@@ -20,10 +20,10 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 pytest.importorskip("triton")
 
-from kernels import reference as ref  # noqa: E402
-from kernels import triton_ops as tri  # noqa: E402
-from kernels.ops import get_ops  # noqa: E402
-from kernels.triton_attention import decode_attention  # noqa: E402
+from pdserve.kernels import reference as ref  # noqa: E402
+from pdserve.kernels import triton_ops as tri  # noqa: E402
+from pdserve.kernels.ops import get_ops  # noqa: E402
+from pdserve.kernels.triton_attention import decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 

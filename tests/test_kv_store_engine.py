@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
+from pdserve.engine.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.roles import build_kv_store
 
-from engine.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from node.roles import build_kv_store
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("lmcache")
@@ -109,7 +109,7 @@ def test_redis_down_computes_locally(tiny_llama_dir, hf_model, redis_server, cap
     node = make_node(tiny_llama_dir, url, retry_after_s=0.0)
     try:
         p = prompt(30, seed=4)
-        with caplog.at_level("WARNING", logger="kv_transfer.prefix_store"):
+        with caplog.at_level("WARNING", logger="pdserve.kv_transfer.prefix_store"):
             out, cached = run(node, p, "r", max_s=60.0)
         assert out == hf_greedy(hf_model, p, GREEDY.max_tokens)
         assert cached == 0
@@ -173,9 +173,8 @@ def test_store_round_trip_scattered_blocks_and_skip(redis_server):
     """Chunks written from one paged cache land bit-exact in scattered blocks of another
     (through Redis: the reader's own tier is empty); skipped tokens stay untouched."""
     import torch
-
-    from kv_transfer.kv_slots import runs as _runs
-    from kv_transfer.lmcache_store import LMCacheKVStore
+    from pdserve.kv_transfer.kv_slots import runs as _runs
+    from pdserve.kv_transfer.lmcache_store import LMCacheKVStore
 
     assert _runs(torch.tensor([-1, 0, 1, 7, 8])) == [(0, 1, -1), (1, 3, 0), (3, 5, 7)]
     shape = (2, 2, 32, BS, 2, 8)  # [layers, 2, blocks, block_size, heads, head_dim]

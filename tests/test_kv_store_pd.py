@@ -9,14 +9,20 @@ import random
 import time
 
 import pytest
+from pdserve.decode.role import DecodeRole
+from pdserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KVStoreConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from pdserve.engine.core import EngineCore
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.nixl_connector import nixl_connector
+from pdserve.node.roles import build_kv_store
+from pdserve.prefill.role import PrefillRole
 
-from decode.role import DecodeRole
-from engine.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig, SchedulerConfig
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
-from kv_transfer.nixl_connector import nixl_connector
-from node.roles import build_kv_store
-from prefill.role import PrefillRole
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("nixl")

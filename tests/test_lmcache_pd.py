@@ -11,9 +11,8 @@ import random
 import time
 
 import pytest
-
-from decode.role import DecodeRole
-from engine.config import (
+from pdserve.decode.role import DecodeRole
+from pdserve.engine.config import (
     CacheConfig,
     EngineConfig,
     KVStoreConfig,
@@ -21,11 +20,12 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from engine.core import EngineCore
-from engine.errors import ConfigError
-from engine.sampling_params import SamplingParams
-from kv_transfer.lmcache_connector import LMCacheSettings, lmcache_connector
-from prefill.role import PrefillRole
+from pdserve.engine.core import EngineCore
+from pdserve.engine.errors import ConfigError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.lmcache_connector import LMCacheSettings, lmcache_connector
+from pdserve.prefill.role import PrefillRole
+
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("lmcache")

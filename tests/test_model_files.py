@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-from engine import model_files
-from engine.model_files import BUILTIN_MODELS, default_cache_dir, resolve_model
+from pdserve.engine import model_files
+from pdserve.engine.model_files import BUILTIN_MODELS, default_cache_dir, resolve_model
 
 BUILTIN = "smollm2-135m-instruct"
 

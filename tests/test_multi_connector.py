@@ -15,9 +15,8 @@ import time
 
 import pytest
 import redis
-
-from cluster.embedded_redis import EmbeddedRedis
-from engine.config import (
+from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.engine.config import (
     CacheConfig,
     EngineConfig,
     KVBackendConfig,
@@ -26,10 +25,11 @@ from engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from engine.core import EngineCore
-from engine.errors import ConfigError
-from engine.sampling_params import SamplingParams
-from node.roles import build_kv
+from pdserve.engine.core import EngineCore
+from pdserve.engine.errors import ConfigError
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.roles import build_kv
+
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("nixl")
@@ -136,7 +136,7 @@ def test_load_from_first_store_that_has_it_save_to_all_fall_back_when_redis_dies
         #    and the second serves; the prefill node's save to the dead one fails alone.
         ra.stop()
         d4, p4 = decode_node(), prompt()
-        with caplog.at_level(logging.WARNING, logger="kv_transfer.multi_connector"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.kv_transfer.multi_connector"):
             t = time.monotonic()
             assert run(d4, prefill, "r4", p4) == hf_greedy(hf, p4, 6)
             took = time.monotonic() - t

@@ -9,8 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
-
-from kernels import native
+from pdserve.kernels import native
 
 TIMEOUT_ENV = "PDSERVE_CXX_VERSION_TIMEOUT_S"
 
@@ -29,7 +28,7 @@ def fresh_cache(monkeypatch, tmp_path):
 
 
 def load_uncached(name: str, caplog) -> object:
-    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels.native"):
         return native.load_library.__wrapped__(name)
 
 

@@ -22,8 +22,8 @@ import torch
 
 pytest.importorskip("nixl")
 
-from kv_transfer.kv_layout import alloc_block_major  # noqa: E402
-from kv_transfer.nixl_transport import (  # noqa: E402
+from pdserve.kv_transfer.kv_layout import alloc_block_major  # noqa: E402
+from pdserve.kv_transfer.nixl_transport import (  # noqa: E402
     NixlTransport,
     PeerMetadata,
     TransferState,

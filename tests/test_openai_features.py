@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 import torch
+from pdserve.engine.sampling_params import SamplingParams
 
-from engine.sampling_params import SamplingParams
 from tests.hf_reference import load_hf
 from tests.servers import engine_state, kill_server, start_server, wait_idle
 
@@ -41,7 +41,7 @@ def client(url) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline():
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM(MODEL, kv_cache_bytes=KV_BYTES, num_threads=1)
 

@@ -17,10 +17,10 @@ import time
 
 import httpx
 import pytest
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
+from pdserve.kv_transfer.frame_auth import FrameAuth
 
-from kv_transfer import messages as m
-from kv_transfer.control_channel import DecodeControl, PrefillControl
-from kv_transfer.frame_auth import FrameAuth
 from tests.servers import (
     ROOT,
     descendants,
@@ -115,8 +115,8 @@ def test_answers_read_after_a_long_decode_step_still_count():
 
 PREFILL_PROCESS = """
 import sys, time
-from kv_transfer.control_channel import PrefillControl
-from kv_transfer.frame_auth import FrameAuth
+from pdserve.kv_transfer.control_channel import PrefillControl
+from pdserve.kv_transfer.frame_auth import FrameAuth
 pc = PrefillControl(sys.argv[1], auth=FrameAuth(sys.argv[2].encode()))
 print("ready", flush=True)
 while True:  # an engine loop whose every step takes 10 s

@@ -12,13 +12,13 @@ import time
 import msgspec
 import pytest
 import torch
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.control_channel import DecodeControl
+from pdserve.kv_transfer.decode_side import DecodeSide, RecvState
+from pdserve.kv_transfer.prefill_side import SendState
+from pdserve.kv_transfer.transfer_types import PeerMetadata
 
-from engine.sampling_params import SamplingParams
-from kv_transfer import messages as m
-from kv_transfer.control_channel import DecodeControl
-from kv_transfer.decode_side import DecodeSide, RecvState
-from kv_transfer.prefill_side import SendState
-from kv_transfer.transfer_types import PeerMetadata
 from tests.pd_sim.cluster import Cluster, Timing
 from tests.pd_sim.stub_model import expected_output
 from tests.pd_sim.world import Faults, SimData, SimDealerLink, World
@@ -202,7 +202,7 @@ def test_5_hostile_peer_is_rejected_and_prefill_keeps_serving(what, dst, block_s
 
 
 def test_5_prefill_node_takes_a_bounded_number_of_decode_peers(monkeypatch):
-    import kv_transfer.prefill_side as ps
+    import pdserve.kv_transfer.prefill_side as ps
 
     monkeypatch.setattr(ps, "MAX_DECODE_PEERS", 2)
     c = Cluster(num_prefill=1)

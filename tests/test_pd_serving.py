@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 import torch
+from pdserve.engine.sampling_params import SamplingParams
 
-from engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, load_hf
 from tests.servers import (
     engine_state,
@@ -73,7 +73,7 @@ def decode_url(prefill_node):
 
 @pytest.fixture(scope="module")
 def offline():
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM(MODEL, kv_cache_bytes=KV_BYTES, num_threads=1)
 

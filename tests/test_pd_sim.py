@@ -1,5 +1,5 @@
 """The PD protocol under a seeded simulator: real DecodeRole/PrefillRole, real schedulers,
-KV cache managers and connector sides (`kv_transfer.decode_side`/`prefill_side`, the real
+KV cache managers and connector sides (`pdserve.kv_transfer.decode_side`/`prefill_side`, the real
 `DecodeControl` liveness and queues) over an in-memory transport that delays, reorders
 and drops control messages, delays and fails WRITEs, stalls and kills prefill nodes, and
 aborts and retries requests at random points (tests/pd_sim/).
@@ -17,7 +17,8 @@ import logging
 import os
 import time
 
-from kv_transfer.base import RecvDone
+from pdserve.kv_transfer.base import RecvDone
+
 from tests.pd_sim.cluster import Cluster
 from tests.pd_sim.scenario import run_seed
 

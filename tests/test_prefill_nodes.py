@@ -1,9 +1,8 @@
 """A client never chooses where a decode node connects (node/prefill_nodes.py)."""
 
 import pytest
-
-from api.errors import InvalidRequestError
-from node.prefill_nodes import PARAM, PrefillNodes
+from pdserve.api.errors import InvalidRequestError
+from pdserve.node.prefill_nodes import PARAM, PrefillNodes
 
 A, B = "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"
 

@@ -13,10 +13,9 @@ import time
 
 import pytest
 import redis
+from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.cluster.redis_client import LeanRedis, lean_client
 from redis.exceptions import ConnectionError, ResponseError, TimeoutError
-
-from cluster.embedded_redis import EmbeddedRedis
-from cluster.redis_client import LeanRedis, lean_client
 
 
 def test_lean_client_only_for_plain_redis_urls():
@@ -199,8 +198,8 @@ def test_password_and_database_apply(redis_server):
 
 
 def test_read_nodes_gives_the_same_records_through_both_clients(redis_server):
-    from cluster.redis_client import connect
-    from cluster.registry import ClusterKeys, NodeRecord, read_nodes
+    from pdserve.cluster.redis_client import connect
+    from pdserve.cluster.registry import ClusterKeys, NodeRecord, read_nodes
 
     keys = ClusterKeys("t")
     recs = [NodeRecord(node_id=f"n{i}", role=("prefill", "decode")[i % 2], url=f"http://h:{i}",

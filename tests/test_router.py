@@ -61,7 +61,7 @@ def stream_text(url: str, path: str, body: dict) -> tuple[list[str], bytes]:
 
 def test_router_imports_no_engine_torch_or_kernels():
     code = (
-        "import sys, router.app, router.cli, router.tokenizer, router.selector\n"
+        "import sys, pdserve.router.app, pdserve.router.cli, pdserve.router.tokenizer, pdserve.router.selector\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
         "('torch', 'engine', 'kernels', 'transformers', 'prefill', 'decode', 'node'))\n"
         "print(','.join(bad))\n"

@@ -6,8 +6,8 @@ Hugging Face's, for chat and completions, streamed and not.
 from __future__ import annotations
 
 import pytest
+from pdserve.cluster.embedded_redis import EmbeddedRedis
 
-from cluster.embedded_redis import EmbeddedRedis
 from tests.hf_reference import hf_greedy, load_hf
 from tests.servers import free_port, kill_server, launch_server, start_server, wait_healthy
 
@@ -81,8 +81,8 @@ def test_openai_client_through_router_equals_colocated_and_hf(cluster):
     )
     assert comp.choices[0].text == comp_local.choices[0].text
     # Hugging Face's greedy continuation of the same prompt ids, token for token
-    from engine.model_files import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from pdserve.engine.model_files import resolve_model
+    from pdserve.engine.tokenizer import load_tokenizer
 
     model_dir = resolve_model(MODEL)
     tok = load_tokenizer(model_dir)
@@ -151,8 +151,8 @@ def test_batch_prompts_through_the_router_equal_the_node(cluster):
     assert [c["index"] for c in routed["choices"]] == list(range(6))
     assert [c["text"] for c in routed["choices"]] == [c["text"] for c in local["choices"]]
     assert routed["usage"] == local["usage"] and routed["usage"]["completion_tokens"] == 48
-    from engine.model_files import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from pdserve.engine.model_files import resolve_model
+    from pdserve.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(MODEL))
     ids = [tok.encode(p, add_special_tokens=False) for p in BATCH]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from engine.tokenizer import apply_chat_template, load_tokenizer
-from router.tokenizer import RouterTokenizer, resolve_model_dir
+from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
+from pdserve.router.tokenizer import RouterTokenizer, resolve_model_dir
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -8,14 +8,13 @@ import time
 from collections import Counter
 
 import pytest
-
-from cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
-from cluster.registry import NodeRecord
-from router.breaker import CircuitBreaker
-from router.config import RouterConfig, RouterConfigError
-from router.nodes import NodeState
-from router.policies import Context, KVAware, LeastLoaded, RoundRobin
-from router.relay import SSESplitter, decode_event
+from pdserve.cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
+from pdserve.cluster.registry import NodeRecord
+from pdserve.router.breaker import CircuitBreaker
+from pdserve.router.config import RouterConfig, RouterConfigError
+from pdserve.router.nodes import NodeState
+from pdserve.router.policies import Context, KVAware, LeastLoaded, RoundRobin
+from pdserve.router.relay import SSESplitter, decode_event
 
 
 def node(url: str, role: str = "prefill", **load) -> NodeState:
@@ -140,9 +139,9 @@ def test_prompt_chain_equals_the_engine_block_by_block_chain():
 
 
 def test_prefix_hits_counts_leading_blocks_per_node_in_one_script(redis_server):
-    from cluster.kv_index import PrefixHits
-    from cluster.redis_client import connect
-    from cluster.registry import ClusterKeys
+    from pdserve.cluster.kv_index import PrefixHits
+    from pdserve.cluster.redis_client import connect
+    from pdserve.cluster.registry import ClusterKeys
 
     keys = ClusterKeys("t")
     chain = [bytes([i]) * 16 for i in range(1, 41)]  # a 40-block prompt
@@ -168,9 +167,8 @@ def test_prefix_hits_counts_leading_blocks_per_node_in_one_script(redis_server):
 def test_open_stream_keeps_every_event_of_the_read_that_brings_the_first_token():
     """A node may flush several events at once (one read): none may be lost."""
     from aiohttp import web
-
-    from router.node_http import NodePool
-    from router.relay import open_stream
+    from pdserve.router.node_http import NodePool
+    from pdserve.router.relay import open_stream
 
     events = [b'data: {"choices": [{"text": "%d"}]}\n\n' % i for i in range(4)] + [
         b"data: [DONE]\n\n"

@@ -16,8 +16,8 @@ import time
 import httpx
 import openai
 import pytest
+from pdserve.engine.sampling_params import SamplingParams
 
-from engine.sampling_params import SamplingParams
 from tests.servers import (
     alive,
     descendants,
@@ -54,7 +54,7 @@ def url(server) -> str:
 
 @pytest.fixture(scope="module")
 def offline():
-    from engine import LLM
+    from pdserve.engine import LLM
 
     return LLM(MODEL, kv_cache_bytes=KV_BYTES, num_threads=THREADS)
 

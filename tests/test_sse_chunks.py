@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from api.protocol import (
+from pdserve.api.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
 )
-from node.openai_responses import TextChunk
+from pdserve.node.openai_responses import TextChunk
 
 TEXTS = [
     "",

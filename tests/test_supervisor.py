@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+from pdserve.cluster.process import ManagedProcess
+from pdserve.cluster.schema import RestartSection
+from pdserve.cluster.supervisor import LaunchError, Service, Supervisor
 
-from cluster.process import ManagedProcess
-from cluster.schema import RestartSection
-from cluster.supervisor import LaunchError, Service, Supervisor
 from tests.servers import ROOT, alive
 
 
@@ -106,7 +106,7 @@ def test_children_die_with_a_killed_launcher(tmp_path):
     launcher_code = (
         "import sys, time\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "from cluster.process import ManagedProcess\n"
+        "from pdserve.cluster.process import ManagedProcess\n"
         "child = ManagedProcess([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
         f"                     {str(tmp_path / 'child.log')!r})\n"
         "child.start()\n"

@@ -1,6 +1,6 @@
 """Model implementations, registered by Hugging Face architecture name."""
 
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -25,7 +25,7 @@ slots or context lengths out of range, token ids too for the one-call path (the 
 path then raises or handles them as it always has; nothing was written).
 
 `build` returns None (per-op path always) off CPU, outside the native op set
-(kernels.cpu_ops), for dtypes other than fp32/bf16, head dims the attention kernel lacks,
+(pdserve.kernels.cpu_ops), for dtypes other than fp32/bf16, head dims the attention kernel lacks,
 norms with different eps, a RoPE table that is not [max_pos, head_dim] fp32, or where a
 native library cannot be built. The plan keeps every tensor it points into alive. Results
 equal the per-op path's bit for bit: the same kernels run with the same arguments
@@ -38,10 +38,9 @@ import ctypes
 import logging
 
 import torch
-
-from engine.models.cpu_linear import linear, silu_fused
-from engine.models.llama import mlp_tile_rows
-from kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops, cpu_packed
+from pdserve.engine.models.cpu_linear import linear, silu_fused
+from pdserve.engine.models.llama import mlp_tile_rows
+from pdserve.kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops, cpu_packed
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The Llama family (Llama, Mistral, Qwen2, SmolLM2) over a paged KV cache.
 
 Merged projections: q/k/v -> `qkv_proj`, gate/up -> `gate_up_proj`. Qwen2 adds a bias
-to qkv. Every op goes through the kernel backend (`kernels.reference` or Triton), so the
+to qkv. Every op goes through the kernel backend (`pdserve.kernels.reference` or Triton), so the
 model code is the same on CPU and GPU.
 """
 
@@ -11,18 +11,17 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
-from torch import nn
-
-from engine.attention import AttentionMetadata, PagedAttention
-from engine.model_arch import ModelArch
-from engine.models.cpu_linear import (
+from pdserve.engine.attention import AttentionMetadata, PagedAttention
+from pdserve.engine.model_arch import ModelArch
+from pdserve.engine.models.cpu_linear import (
     PackedGateUp,
     PackedLinear,
     linear,
     pack_linears,
     pack_weight,
 )
-from engine.models.rope import build_cos_sin_cache
+from pdserve.engine.models.rope import build_cos_sin_cache
+from torch import nn
 
 _STACKED = {  # HF name fragment -> (merged name, shard index)
     "q_proj": ("qkv_proj", 0),

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from engine.model_arch import ModelArch
+from pdserve.engine.model_arch import ModelArch
 
 
 def build_cos_sin_cache(arch: ModelArch) -> torch.Tensor:

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from decode.role import DecodeRole
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from engine.core import EngineCore
-from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
-from kv_transfer.control_channel import DecodeControl, PrefillControl
-from kv_transfer.decode_side import DecodeSide
-from kv_transfer.prefill_side import PrefillSide
-from prefill.role import PrefillRole
+from pdserve.decode.role import DecodeRole
+from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.engine.core import EngineCore
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
+from pdserve.kv_transfer.decode_side import DecodeSide
+from pdserve.kv_transfer.prefill_side import PrefillSide
+from pdserve.prefill.role import PrefillRole
+
 from tests.pd_sim.stub_model import StubRunner, expected_output, stub_arch
 from tests.pd_sim.world import Faults, SimData, SimDealerLink, SimRouterLink, SimWrite, World
 

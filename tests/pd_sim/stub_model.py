@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from engine.config import EngineConfig
-from engine.model_arch import ModelArch
-from engine.sampler import Sampled
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_arch import ModelArch
+from pdserve.engine.sampler import Sampled
 
 VOCAB = 512
 EOS = 2

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
-
-from kv_transfer.kv_layout import KVLayout
-from kv_transfer.transfer_types import (
+from pdserve.kv_transfer.kv_layout import KVLayout
+from pdserve.kv_transfer.transfer_types import (
     PeerMetadata,
     TransferHandle,
     TransferState,
