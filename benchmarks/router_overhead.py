@@ -27,12 +27,17 @@ import json
 import os
 import random
 import statistics
+import sys  # noqa: E402
 import time
 from pathlib import Path
 
 import httpx
 import redis
 from pdserve.cluster.embedded_redis import EmbeddedRedis
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent.parent)
+)  # run as a script: benchmarks/ is not installed
 
 from benchmarks.router_fleet import (
     ROOT,

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import httpx
 
+# run as a script: benchmarks/ is not installed, the repository root holds it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 # phase -> (module, attribute path): each is wrapped in the router process
 PHASES = {
     "total_in_app": ("pdserve.router.app", "RouterApp.__call__"),
