@@ -17,9 +17,10 @@ import asyncio
 import logging
 
 from fastapi.responses import JSONResponse
-from pdserve.api.protocol import ErrorInfo, ErrorResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.api.protocol import ErrorInfo, ErrorResponse
 
 DEFAULT_BODY_TIMEOUT_S = 30.0
 logger = logging.getLogger(__name__)

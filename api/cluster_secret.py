@@ -19,8 +19,9 @@ import hashlib
 import hmac
 import os
 
-from pdserve.api.http import error_response
 from starlette.types import Receive, Scope, Send
+
+from pdserve.api.http import error_response
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 SECRET_FILE_ENV = "PDSERVE_CLUSTER_SECRET_FILE"

@@ -16,8 +16,9 @@ import logging
 import threading
 import time
 
-from pdserve.api.http import error_response
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdserve.api.http import error_response
 
 logger = logging.getLogger(__name__)
 

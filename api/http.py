@@ -15,11 +15,12 @@ from typing import TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import Message, Receive, Scope, Send
+
 from pdserve.api.body_deadline import BodyTimeout, body_timeout_response
 from pdserve.api.errors import InvalidRequestError
 from pdserve.api.protocol import ErrorInfo, ErrorResponse
-from starlette.exceptions import HTTPException
-from starlette.types import Message, Receive, Scope, Send
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")

@@ -14,9 +14,10 @@ import logging
 import time
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from pdserve.api.errors import InvalidRequestError
 from pdserve.api.structured import DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger(__name__)
 

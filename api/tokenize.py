@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pdserve.api.protocol import ChatMessage, _TopRequest
 from pydantic import BaseModel
+
+from pdserve.api.protocol import ChatMessage, _TopRequest
 
 
 class TokenizeRequest(_TopRequest):

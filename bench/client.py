@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
+
 from pdserve.bench.datasets import BenchRequest, Tokenizer
 
 ROUTER_WAIT_HEADER = "x-pdserve-router-wait-s"

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
 from pdserve.bench.kv_wire import KVGeometry
 from pdserve.kv_transfer.kv_layout import alloc_block_major
 from pdserve.kv_transfer.nixl_transport import NixlTransport, TransferState

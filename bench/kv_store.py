@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.engine.kv_tensor import allocate_kv_cache
 from pdserve.kv_transfer.lmcache_store import LMCacheKVStore

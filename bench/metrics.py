@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+
 from pdserve.bench.client import RequestRecord
 
 SLO_METRICS = ("ttft", "tpot", "e2el")

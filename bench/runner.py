@@ -16,12 +16,13 @@ import time
 from dataclasses import asdict
 
 import aiohttp
+from tqdm import tqdm
+
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import EndpointConfig, RequestRecord, send_request
 from pdserve.bench.counters import delta, scrape
 from pdserve.bench.datasets import BenchRequest, Tokenizer
 from pdserve.bench.metrics import SLO, summarize
-from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 

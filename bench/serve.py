@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 import httpx
+
 from pdserve.bench.client import EndpointConfig
 from pdserve.bench.datasets import (
     DatasetError,

@@ -25,10 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.decode_parts import capture_decode_step  # noqa: E402
 from pdserve.engine import LLM  # noqa: E402
 from pdserve.engine.models.fused_decode import FusedDecode  # noqa: E402
-
-from benchmarks.decode_parts import capture_decode_step  # noqa: E402
 
 
 def main() -> None:

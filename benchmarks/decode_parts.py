@@ -40,11 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import pdserve.engine.models.cpu_linear as cpu_linear  # noqa: E402
 import pdserve.engine.models.fused_decode as fused_decode  # noqa: E402
 import pdserve.engine.models.llama as llama  # noqa: E402
+from benchmarks.engine_throughput import make_prompts  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.kernels import cpu_attention, cpu_elementwise, cpu_ops, native  # noqa: E402
 from pdserve.kernels.cpu_argmax import argmax_rows  # noqa: E402
-
-from benchmarks.engine_throughput import make_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # the fused per-layer decode loop (engine/models/fused_decode.py): SiLU * up inside the

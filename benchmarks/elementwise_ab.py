@@ -28,11 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine_throughput import make_prompts  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.warmup import dummy_batch  # noqa: E402
 from pdserve.kernels import cpu_ops, reference  # noqa: E402
-
-from benchmarks.engine_throughput import make_prompts  # noqa: E402
 
 _ELEMENTWISE = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "store_kv")
 

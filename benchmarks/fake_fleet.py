@@ -32,10 +32,11 @@ import msgspec
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from redis.asyncio import Redis
+
 from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.kv_index import KVIndexPublisher
 from pdserve.cluster.registry import ClusterKeys, NodeRecord
-from redis.asyncio import Redis
 
 
 @dataclass

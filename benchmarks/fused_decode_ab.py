@@ -30,11 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.kernels import cpu_gemv  # noqa: E402
-
 from benchmarks.decode_parts import build_at_ref  # noqa: E402
 from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.kernels import cpu_gemv  # noqa: E402
 
 
 def install_gemv(fused, fns) -> None:

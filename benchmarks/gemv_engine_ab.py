@@ -28,10 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.kernels import cpu_gemv, cpu_ops  # noqa: E402
-
-from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
 
 
 def run(llm: LLM, prompts, new: int) -> tuple[float, float, list]:

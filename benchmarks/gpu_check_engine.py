@@ -76,8 +76,9 @@ class _SplitProbe:
 
 def fp32_vs_hf(ctx: dict, name: str) -> dict:
     """Greedy tokens of the Triton engine == transformers', fp32 (TF32 off)."""
-    from pdserve.engine import SamplingParams
     from transformers import AutoModelForCausalLM
+
+    from pdserve.engine import SamplingParams
 
     dev = ctx["device"]
     lengths = GPU_LENGTHS if ctx["cuda"] else DRY_LENGTHS

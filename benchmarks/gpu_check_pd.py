@@ -92,11 +92,10 @@ def _prefill_main(ctx: dict, model_dir: str, address: str, stop, results) -> Non
 def pd_two_processes(ctx: dict) -> dict:
     """Prefill in a child process, decode here: tokens equal to a colocated engine's."""
     _need_nixl()
+    from benchmarks.gpu_check_engine import model_dir as make_model
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.core import EngineCore
     from pdserve.node.roles import build_kv_role
-
-    from benchmarks.gpu_check_engine import model_dir as make_model
 
     model_dir = make_model(ctx, "hd64_gqa9to3")
     lengths = [17, 300, 1500] if ctx["cuda"] else [17, 36]

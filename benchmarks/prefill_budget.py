@@ -26,12 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine_throughput import make_prompts  # noqa: E402
+from benchmarks.prefill_step_ab import fresh_batch, set_ops  # noqa: E402
 from pdserve.engine import LLM  # noqa: E402
 from pdserve.engine.models import cpu_linear  # noqa: E402
 from pdserve.kernels import cpu_ops  # noqa: E402
-
-from benchmarks.engine_throughput import make_prompts  # noqa: E402
-from benchmarks.prefill_step_ab import fresh_batch, set_ops  # noqa: E402
 
 
 def main() -> None:

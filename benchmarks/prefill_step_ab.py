@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.engine_throughput import DTYPES, make_prompts  # noqa: E402
 from pdserve.engine import LLM  # noqa: E402
 from pdserve.engine.attention import AttentionMetadata  # noqa: E402
 from pdserve.engine.models.cpu_linear import _packed, pack_weight  # noqa: E402
@@ -45,8 +46,6 @@ from pdserve.engine.models.llama import LlamaMLP  # noqa: E402
 from pdserve.kernels import cpu_ops  # noqa: E402
 from pdserve.kernels import reference as ref  # noqa: E402
 from pdserve.kernels.cpu_prefill import PREFILL_ATTENTION_ENV  # noqa: E402
-
-from benchmarks.engine_throughput import DTYPES, make_prompts  # noqa: E402
 
 OP_MODULES = {
     "reference": ref,

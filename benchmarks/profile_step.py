@@ -25,9 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdserve.engine import LLM, SamplingParams  # noqa: E402
-
 from benchmarks.engine_throughput import make_prompts  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 GEMM_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear")
 

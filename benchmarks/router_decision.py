@@ -21,6 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
+from redis.asyncio import Redis
+
 from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.cluster.redis_client import connect
@@ -30,7 +32,6 @@ from pdserve.router.membership import Membership
 from pdserve.router.nodes import ClusterView
 from pdserve.router.policies import Context
 from pdserve.router.selector import Selector
-from redis.asyncio import Redis
 
 MODEL, BS, PROMPT_BLOCKS = "bench", 16, 64
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.router.node_http import NodePool

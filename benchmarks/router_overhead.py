@@ -33,11 +33,11 @@ from pathlib import Path
 
 import httpx
 import redis
+
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent.parent)
-)  # run as a script: benchmarks/ is not installed
+# run as a script: benchmarks/ is not installed, the repository root holds it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.router_fleet import (
     ROOT,

@@ -146,8 +146,6 @@ def main() -> None:
     if args.child:
         child(args.child, rest)
         return
-    from pdserve.cluster.embedded_redis import EmbeddedRedis
-
     from benchmarks.router_fleet import (
         ROOT,
         free_port,
@@ -157,6 +155,7 @@ def main() -> None:
     )
     from benchmarks.router_fleet import write_tokenizerless_model as fake_model
     from benchmarks.router_overhead import cpu_ns, one, wait_for_fake_node
+    from pdserve.cluster.embedded_redis import EmbeddedRedis
 
     root = Path(args.router_root).resolve() if args.router_root else ROOT
     results: dict = {"router_code": str(root)}

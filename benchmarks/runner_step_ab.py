@@ -28,9 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdserve.engine import LLM, SamplingParams  # noqa: E402
-
 from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 
 def module_at(ref: str, path: str, name: str):

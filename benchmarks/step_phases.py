@@ -36,9 +36,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pdserve.engine.model_runner as model_runner  # noqa: E402
-from pdserve.engine import LLM, SamplingParams  # noqa: E402
-
 from benchmarks.engine_throughput import WORKLOADS, make_prompts  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 PHASES = ("frontend", "schedule", "prepare", "forward", "logits", "sample", "update")
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pdserve.cluster.schema import ClusterConfig
 from pydantic import BaseModel, ValidationError
+
+from pdserve.cluster.schema import ClusterConfig
 
 Path_ = tuple[str | int, ...]
 

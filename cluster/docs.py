@@ -11,9 +11,10 @@ import types
 import typing
 from pathlib import Path
 
-from pdserve.cluster.schema import ClusterConfig
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
+
+from pdserve.cluster.schema import ClusterConfig
 
 BEGIN = "<!-- BEGIN cluster config reference (pdserve config docs --write) -->"
 END = "<!-- END cluster config reference -->"

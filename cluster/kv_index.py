@@ -27,10 +27,11 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from pdserve.cluster.redis_client import LeanRedis, Pending
-from pdserve.cluster.registry import ClusterKeys, NodeRecord
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
+
+from pdserve.cluster.redis_client import LeanRedis, Pending
+from pdserve.cluster.registry import ClusterKeys, NodeRecord
 
 logger = logging.getLogger(__name__)
 

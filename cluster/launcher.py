@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
 from pdserve.cluster.checks import ports_in_use
 from pdserve.cluster.config_file import ConfigFileError, Issue
 from pdserve.cluster.embedded_redis import EmbeddedRedis, _free_port

@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 
 import msgspec
-from pdserve.cluster.redis_client import LeanRedis
 from redis.asyncio import Redis
+
+from pdserve.cluster.redis_client import LeanRedis
 
 logger = logging.getLogger(__name__)
 

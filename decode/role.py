@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import msgspec
+
 from pdserve.engine.core import EngineCore
 from pdserve.engine.kv_cache_manager import HoldKey
 from pdserve.engine.model_runner import kv_bytes_per_block

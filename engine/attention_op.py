@@ -19,6 +19,7 @@ import functools
 import importlib
 
 import torch
+
 from pdserve.engine.attention import AttentionMetadata, PagedAttention
 
 

@@ -34,6 +34,7 @@ import os
 import time
 
 import torch
+
 from pdserve.engine.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)

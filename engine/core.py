@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from pdserve.cluster.block_hash import root_hash
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_heap import keep_freed_memory

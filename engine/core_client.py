@@ -23,6 +23,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core_proc import KVFactory, run_engine_core
 from pdserve.engine.errors import InvalidRequestError

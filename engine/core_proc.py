@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Callable
 
 import zmq
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.errors import InvalidRequestError

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
+
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.request import Request
 
@@ -99,6 +100,7 @@ class GrammarCompiler:
     def _llg_tokenizer(self):
         if self._tokenizer is None:
             import llguidance.hf
+
             from pdserve.engine.tokenizer import load_tokenizer
 
             hf = load_tokenizer(self.model_dir)

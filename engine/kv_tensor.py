@@ -20,6 +20,7 @@ What differs is the storage behind it (`cache.layout`):
 from __future__ import annotations
 
 import torch
+
 from pdserve.kernels import hugepages
 
 LAYER_MAJOR = "layer_major"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -12,7 +14,6 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
-from tqdm import tqdm
 
 
 @dataclass

@@ -11,6 +11,7 @@ gathers just those rows and applies, in order: the repetition penalty (transform
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.request import Request
 
 _BIT = None  # torch.arange(32) as int32, built on first use per device

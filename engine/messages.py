@@ -14,6 +14,7 @@ Nothing is pickled: decoding is typed, so a malformed frame raises instead of ru
 from __future__ import annotations
 
 import msgspec
+
 from pdserve.engine.outputs import EngineCoreOutput, EngineStats
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -17,6 +17,8 @@ from types import ModuleType
 
 import numpy as np
 import torch
+from torch.profiler import record_function
+
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.errors import ConfigError
@@ -33,7 +35,6 @@ from pdserve.engine.warmup import warm_up_kernels
 from pdserve.engine.weights import load_model_weights
 from pdserve.kernels import cpu_gemv, hugepages
 from pdserve.kernels.ops import default_backend, get_ops, unsupported_head_dim
-from torch.profiler import record_function
 
 logger = logging.getLogger(__name__)
 

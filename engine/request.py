@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+
 from pdserve.cluster.block_hash import hash_block_tokens, root_hash
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams

@@ -11,6 +11,7 @@ import logging
 from typing import NamedTuple
 
 import torch
+
 from pdserve.engine.logits_processors import process_logits
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.request import Request

@@ -10,6 +10,7 @@ applies the same ones. To add a sampling field: add it here and give it a rule t
 from __future__ import annotations
 
 import msgspec
+
 from pdserve.api.sampling_rules import check_sampling_values
 
 # Below this temperature sampling is greedy: dividing logits by it would overflow.

@@ -9,6 +9,7 @@ query tiles, and the elementwise kernels. Three dummy steps reach them all.
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.kernels.ops import DECODE_MIN_SPLIT_KEYS, PREFILL_BLOCK_M
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
 from pdserve.kernels import reference
 from pdserve.kernels.native import load_library
 

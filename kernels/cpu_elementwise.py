@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
 from pdserve.kernels import reference
 from pdserve.kernels.cpu_attention import blocks_contiguous
 from pdserve.kernels.native import load_library

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
 from pdserve.kernels.native import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

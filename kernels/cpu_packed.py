@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
 from pdserve.kernels import hugepages
 from pdserve.kernels.native import load_library
 

@@ -34,6 +34,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+
 from pdserve.kernels.native import load_library
 from pdserve.kernels.reference import _gather_kv
 

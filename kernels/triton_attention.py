@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from pdserve.kernels.ops import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_KEYS, PREFILL_BLOCK_M
 
 _LOG2E = 1.4426950408889634

@@ -47,6 +47,7 @@ from collections.abc import Callable
 
 import msgspec
 import torch
+
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.kv_transfer.messages import PrefillOrder
 

@@ -36,10 +36,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils import z85
+
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.control_pump import ControlPump
 from pdserve.kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
-from zmq.utils import z85
 
 logger = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
+
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.base import (
     DecodeConnector,

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import msgspec
 import numpy as np
 import torch
+
 from pdserve.engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache
 
 _DTYPES: dict[torch.dtype, str] = {

@@ -22,6 +22,7 @@ import warnings
 from collections.abc import Iterable
 
 import torch
+
 from pdserve.kv_transfer.kv_slots import SlotRows
 
 logger = logging.getLogger(__name__)

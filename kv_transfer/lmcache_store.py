@@ -31,6 +31,7 @@ import threading
 import time
 
 import torch
+
 from pdserve.kv_transfer.kv_layout import KVLayout
 from pdserve.kv_transfer.kv_slots import SlotRows
 

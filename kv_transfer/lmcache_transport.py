@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 import torch
+
 from pdserve.kv_transfer.kv_layout import KVLayout
 from pdserve.kv_transfer.transfer_types import (
     PeerMetadata,

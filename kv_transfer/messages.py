@@ -26,6 +26,7 @@ node reuses the blocks of an attempt it never heard an end of at `expires_at + g
 from __future__ import annotations
 
 import msgspec
+
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 

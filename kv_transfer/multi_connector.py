@@ -37,6 +37,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+
 from pdserve.engine.kv_store import KVStore, LoadDone, LoadSettled, SaveDone, StoreEvent
 from pdserve.kv_transfer.base import DecodeConnector, PrefillConnector
 

@@ -17,6 +17,7 @@ import os
 import uuid
 
 import torch
+
 from pdserve.kv_transfer.base import register_connector
 from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
 from pdserve.kv_transfer.decode_side import DecodeSide

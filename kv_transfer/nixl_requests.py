@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import msgspec
 from nixl import _bindings as nixl_bindings
 from nixl._api import nixl_xfer_handle
+
 from pdserve.kv_transfer.transfer_types import (
     TransferHandle,
     TransferState,

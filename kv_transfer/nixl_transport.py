@@ -59,6 +59,7 @@ import msgspec
 import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
+
 from pdserve.kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs, storage_of
 from pdserve.kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
 from pdserve.kv_transfer.nixl_warmup import WARMUP_TIMEOUT_S, PeerWarmups

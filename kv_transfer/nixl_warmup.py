@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from nixl._api import nixl_agent
+
 from pdserve.kv_transfer.kv_layout import KVLayout
 from pdserve.kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
 from pdserve.kv_transfer.transfer_types import (

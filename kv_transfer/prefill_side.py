@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.base import (
     NewOrder,

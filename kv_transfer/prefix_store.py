@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from pdserve.engine.kv_store import LoadDone, LoadSettled, SaveDone, StoreEvent
 
 logger = logging.getLogger(__name__)

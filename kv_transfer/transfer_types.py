@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
+
 from pdserve.kv_transfer.kv_layout import KVLayout
 
 if TYPE_CHECKING:

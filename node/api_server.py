@@ -17,6 +17,7 @@ import anyio
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
 from pdserve.api.body_deadline import DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware
 from pdserve.api.cluster_secret import NodeKeyMiddleware
 from pdserve.api.errors import InvalidRequestError

@@ -17,13 +17,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
 from pdserve.cluster.kv_index import KVIndexPublisher
 from pdserve.cluster.registry import ClusterKeys, NodeRecord, read_nodes
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import OutputBatch
 from pdserve.node.roles import store_index_id
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 if TYPE_CHECKING:  # the CLI imports this module for ClusterOptions: keep it light
     from pdserve.engine.async_llm import AsyncLLM

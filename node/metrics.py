@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from pdserve.engine.outputs import EngineStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pdserve.engine.outputs import EngineStats
 
 _LATENCY_BUCKETS = (
     0.005,

@@ -23,6 +23,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import msgspec
+
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.api.sampling_rules import INT64_MIN
 from pdserve.engine.async_llm import AsyncLLM, RequestDelta

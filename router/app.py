@@ -18,6 +18,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from pdserve.api.body_deadline import BodyDeadlineMiddleware
 from pdserve.api.errors import InvalidRequestError
 from pdserve.api.http import BodySizeLimitMiddleware, add_error_handlers, error_response
@@ -31,7 +33,6 @@ from pdserve.router.selector import Selector
 from pdserve.router.serving import ModelNotFoundError, NoNodeError, RouterServing
 from pdserve.router.token_budget import TokenLimitExceeded, client_key
 from pdserve.router.tokenizer import RouterTokenizer, load_router_tokenizer, resolve_model_dir
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 

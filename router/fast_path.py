@@ -28,15 +28,16 @@ import logging
 from collections.abc import Callable
 
 import msgspec
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from pdserve.api.body_deadline import BodyTimeout, body_timeout_response
 from pdserve.api.http import error_response
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.client_watch import ClientWatch
 from pdserve.router.streamed import WATCH
-from pydantic import BaseModel
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 

@@ -18,12 +18,13 @@ import logging
 
 import aiohttp
 import msgspec
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
 from pdserve.cluster.redis_client import LeanRedis, connect, lean_client
 from pdserve.cluster.registry import ClusterKeys, NodeRecord, read_nodes
 from pdserve.router.config import RouterConfig
 from pdserve.router.nodes import ClusterView, NodeState
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 logger = logging.getLogger(__name__)
 

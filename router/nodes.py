@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+
 from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
 from pdserve.cluster.registry import NodeRecord
 from pdserve.router.breaker import CircuitBreaker

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import msgspec
+
 from pdserve.router.node_http import NodeResponse
 from pdserve.router.nodes import NodeState
 

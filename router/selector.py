@@ -16,6 +16,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from redis.exceptions import RedisError
+
 from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.kv_index import PendingHits, PrefixHits
 from pdserve.cluster.registry import NodeRecord
@@ -23,7 +25,6 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.membership import Membership
 from pdserve.router.nodes import ClusterView, NodeState
 from pdserve.router.policies import Context, make_policy
-from redis.exceptions import RedisError
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
+
 from pdserve.api.chat_tools import template_tools
 from pdserve.api.errors import InvalidRequestError
 from pdserve.api.http import error_response, until_disconnect

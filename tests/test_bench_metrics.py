@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from pdserve.bench.arrivals import arrival_offsets
 from pdserve.bench.client import RequestRecord
 from pdserve.bench.datasets import (
@@ -20,7 +21,6 @@ from pdserve.bench.datasets import (
 )
 from pdserve.bench.metrics import parse_goodput, summarize
 from pdserve.bench.report import compare_table
-
 from tests.servers import ROOT
 
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
+
 from pdserve.engine.kv_tensor import allocate_kv_cache
 from pdserve.engine.sampling_params import SamplingParams
-
 from tests.hf_reference import hf_greedy, load_hf
 from tests.store_engine import BS, CHUNK, NUM_BLOCKS, run, store_core
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from pdserve.engine.kv_tensor import BLOCK_MAJOR, LAYER_MAJOR
 
+from pdserve.engine.kv_tensor import BLOCK_MAJOR, LAYER_MAJOR
 from tests.hf_reference import hf_greedy, load_hf
 from tests.servers import free_port, kill_server, start_server, wait_idle
 from tests.test_pd_engine import GREEDY, Pair, prompts_of, tokens

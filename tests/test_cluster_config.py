@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pdserve.cluster.config_file import ConfigFileError, load_config
 from pdserve.cluster.nodes import cluster_nodes, find_node, node_settings
-
 from tests.servers import ROOT
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

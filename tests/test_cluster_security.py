@@ -20,11 +20,11 @@ import time
 import httpx
 import pytest
 import zmq
+
 from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.control_channel import curve_server_keys
 from pdserve.kv_transfer.frame_auth import FrameAuth
-
 from tests.servers import ROOT, descendants, free_port, kill_server, wait_healthy
 
 pytestmark = pytest.mark.slow

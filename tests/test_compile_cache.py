@@ -6,7 +6,6 @@ equal to Hugging Face greedy."""
 import logging
 
 from pdserve.engine import LLM, SamplingParams
-
 from tests.hf_reference import hf_greedy, load_hf
 
 

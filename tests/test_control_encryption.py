@@ -10,11 +10,11 @@ import threading
 import time
 
 import pytest
+
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
 from pdserve.kv_transfer.frame_auth import FrameAuth
-
 from tests.servers import free_port
 
 SECRET = b"encryption-test-secret-0123456789"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pdserve.kernels import cpu_argmax, native
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU

@@ -12,6 +12,7 @@ import logging
 
 import pytest
 import torch
+
 from pdserve.kernels import cpu_attention, cpu_ops, native
 from pdserve.kernels import reference as ref
 from pdserve.kernels.ops import CPU_ATTENTION_ENV, get_ops
@@ -162,7 +163,6 @@ def test_get_ops_torch_selects_native_unless_reference_is_asked_for(monkeypatch)
 @pytest.mark.parametrize("mode", ["native", "reference"])
 def test_engine_greedy_equals_hugging_face_with_either_kernel(mode, tiny_llama_dir, monkeypatch):
     from pdserve.engine import LLM, SamplingParams
-
     from tests.hf_reference import hf_greedy, load_hf
 
     monkeypatch.setenv(CPU_ATTENTION_ENV, mode)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from pdserve.kernels import cpu_gemv, native
 
+from pdserve.kernels import cpu_gemv, native
 from tests.conftest import skip_in_isa_view
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU

@@ -8,6 +8,7 @@ import gc
 
 import pytest
 import torch
+
 from pdserve.engine.models import cpu_linear
 from pdserve.engine.models.cpu_linear import (
     PackedGateUp,
@@ -45,8 +46,9 @@ def test_packed_linear_bf16():
     x = torch.randn(32, 576, dtype=torch.bfloat16)
     with torch.no_grad():
         ref = torch.nn.functional.linear(x.float(), m.weight.float())
-        assert m.pack() == onednn_available(torch.device("cpu"), torch.bfloat16)
-        assert (cpu_linear._packed(m.weight) is not None) == m.pack()
+        packed = m.pack()
+        assert packed == onednn_available(torch.device("cpu"), torch.bfloat16)
+        assert (cpu_linear._packed(m.weight) is not None) == packed
         out = m(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pdserve.kernels import cpu_ops, cpu_packed
 
+from pdserve.kernels import cpu_ops, cpu_packed
 from tests.conftest import skip_in_isa_view
 
 ROOT = Path(__file__).resolve().parent.parent

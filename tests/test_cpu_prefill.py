@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from pdserve.kernels import cpu_prefill
-from pdserve.kernels import reference as ref
 from torch.profiler import profile
 
+from pdserve.kernels import cpu_prefill
+from pdserve.kernels import reference as ref
 from tests.conftest import skip_in_isa_view
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU

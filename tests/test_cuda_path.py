@@ -26,7 +26,6 @@ from pdserve.engine.model_runner import build_model  # noqa: E402
 from pdserve.engine.models.rope import build_cos_sin_cache  # noqa: E402
 from pdserve.engine.request import Request  # noqa: E402
 from pdserve.kernels.ops import DECODE_MAX_SPLITS, get_ops  # noqa: E402
-
 from tests.conftest import make_tiny_llama  # noqa: E402
 from tests.hf_reference import hf_greedy, load_hf  # noqa: E402
 

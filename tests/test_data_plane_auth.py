@@ -18,12 +18,12 @@ import time
 
 import pytest
 import torch
+
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.base import NewOrder, RecvDone
 from pdserve.kv_transfer.frame_auth import FrameAuth
 from pdserve.kv_transfer.nixl_connector import nixl_connector
-
 from tests.servers import free_port
 
 pytest.importorskip("nixl")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow

@@ -7,6 +7,7 @@ import math
 
 import msgspec
 import pytest
+
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import messages as m

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import redis
+
 from pdserve.cluster.embedded_redis import EmbeddedRedis, RedisUnavailableError
 
 

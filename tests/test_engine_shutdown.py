@@ -18,7 +18,6 @@ from pdserve.engine.config import CacheConfig, EngineConfig, KVTransferConfig, M
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.messages import EngineAddresses
 from pdserve.node.roles import build_kv
-
 from tests.servers import ROOT, free_port, wait_healthy
 
 

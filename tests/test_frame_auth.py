@@ -4,6 +4,7 @@ replay and a stale frame are all refused; without a secret frames pass unchanged
 from __future__ import annotations
 
 import pytest
+
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
 

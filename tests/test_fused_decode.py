@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.models.fused_decode import FusedDecode
-
 from tests.conftest import make_tiny_llama, skip_in_isa_view
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_compiled_model import _decode_inputs

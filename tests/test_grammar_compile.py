@@ -12,6 +12,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from pdserve.engine.grammar import GrammarCompiler, PendingGrammars
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.structured_output import json_grammar

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.node.grammar_plans import GrammarPlans

@@ -3,10 +3,10 @@ redis-server): its blocks stay parked until the load settles, then go back to th
 and the engine goes idle, also when no load job runs (store down, save-only backend)."""
 
 import pytest
+
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.engine.core import EngineCore
 from pdserve.engine.request import RequestStatus
-
 from tests.store_engine import BS, PARAMS, run_idle, store_core
 
 pytest.importorskip("lmcache")

@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
+
 from pdserve.engine.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.roles import build_kv_store
-
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("lmcache")
@@ -173,6 +173,7 @@ def test_store_round_trip_scattered_blocks_and_skip(redis_server):
     """Chunks written from one paged cache land bit-exact in scattered blocks of another
     (through Redis: the reader's own tier is empty); skipped tokens stay untouched."""
     import torch
+
     from pdserve.kv_transfer.kv_slots import runs as _runs
     from pdserve.kv_transfer.lmcache_store import LMCacheKVStore
 

@@ -9,6 +9,7 @@ import random
 import time
 
 import pytest
+
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import (
     CacheConfig,
@@ -22,7 +23,6 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.nixl_connector import nixl_connector
 from pdserve.node.roles import build_kv_store
 from pdserve.prefill.role import PrefillRole
-
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("nixl")

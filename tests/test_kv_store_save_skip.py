@@ -5,9 +5,9 @@ the prompt to a node that loads from it alone; that holds too when the load brou
 whole prompt, and the backend that served it answers its save at once."""
 
 import pytest
+
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.engine.core import EngineCore
-
 from tests.store_engine import NUM_BLOCKS, run, store_core
 
 pytest.importorskip("lmcache")

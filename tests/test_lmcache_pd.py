@@ -11,6 +11,7 @@ import random
 import time
 
 import pytest
+
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import (
     CacheConfig,
@@ -25,7 +26,6 @@ from pdserve.engine.errors import ConfigError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.lmcache_connector import LMCacheSettings, lmcache_connector
 from pdserve.prefill.role import PrefillRole
-
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("lmcache")

@@ -6,8 +6,8 @@ HTTP), checked against the offline colocated engine and Hugging Face.
 from __future__ import annotations
 
 import pytest
-from pdserve.engine.sampling_params import SamplingParams
 
+from pdserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, load_hf
 from tests.servers import free_port, kill_server, start_server, wait_idle
 from tests.test_pd_serving import COMMON, LONG_TEXT, complete, text_prompt

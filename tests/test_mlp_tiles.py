@@ -12,12 +12,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.model_arch import ModelArch
 from pdserve.engine.models.cpu_linear import onednn_available
 from pdserve.engine.models.llama import LlamaMLP, mlp_tile_rows
 from pdserve.kernels import cpu_ops
-
 from tests.hf_reference import hf_greedy, load_hf
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
 from pdserve.engine import model_files
 from pdserve.engine.model_files import BUILTIN_MODELS, default_cache_dir, resolve_model
 

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import redis
+
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.engine.config import (
     CacheConfig,
@@ -29,7 +30,6 @@ from pdserve.engine.core import EngineCore
 from pdserve.engine.errors import ConfigError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.roles import build_kv
-
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("nixl")

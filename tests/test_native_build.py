@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from pdserve.kernels import native
 
 TIMEOUT_ENV = "PDSERVE_CXX_VERSION_TIMEOUT_S"

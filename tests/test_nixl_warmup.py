@@ -23,7 +23,6 @@ from pdserve.kv_transfer.kv_layout import storage_of  # noqa: E402
 from pdserve.kv_transfer.nixl_connector import nixl_connector  # noqa: E402
 from pdserve.kv_transfer.nixl_transport import NixlTransport, PeerMetadata, TransferState  # noqa: E402
 from pdserve.kv_transfer.transfer_types import WarmupTimedOut  # noqa: E402
-
 from tests.servers import free_port  # noqa: E402
 from tests.test_nixl_transport import SENTINEL, SMALL, Cmd, Peer, _kv  # noqa: E402
 

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 import torch
-from pdserve.engine.sampling_params import SamplingParams
 
+from pdserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import load_hf
 from tests.servers import engine_state, kill_server, start_server, wait_idle
 

@@ -8,13 +8,13 @@ import random
 import time
 
 import pytest
+
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.nixl_connector import nixl_connector
 from pdserve.prefill.role import PrefillRole
-
 from tests.hf_reference import hf_greedy, load_hf
 
 pytest.importorskip("nixl")
@@ -206,6 +206,7 @@ def test_hostile_decode_peer_is_rejected_over_real_nixl(tiny_llama_dir, hf_model
     with another KV layout, and orders with out-of-range or duplicate block ids."""
     import torch
     import zmq
+
     from pdserve.kv_transfer import messages as m
     from pdserve.kv_transfer.nixl_transport import NixlTransport
 

@@ -17,10 +17,10 @@ import time
 
 import httpx
 import pytest
+
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
 from pdserve.kv_transfer.frame_auth import FrameAuth
-
 from tests.servers import (
     ROOT,
     descendants,

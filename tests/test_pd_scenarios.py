@@ -12,13 +12,13 @@ import time
 import msgspec
 import pytest
 import torch
+
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.control_channel import DecodeControl
 from pdserve.kv_transfer.decode_side import DecodeSide, RecvState
 from pdserve.kv_transfer.prefill_side import SendState
 from pdserve.kv_transfer.transfer_types import PeerMetadata
-
 from tests.pd_sim.cluster import Cluster, Timing
 from tests.pd_sim.stub_model import expected_output
 from tests.pd_sim.world import Faults, SimData, SimDealerLink, World

@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 import torch
-from pdserve.engine.sampling_params import SamplingParams
 
+from pdserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, load_hf
 from tests.servers import (
     engine_state,

@@ -18,7 +18,6 @@ import os
 import time
 
 from pdserve.kv_transfer.base import RecvDone
-
 from tests.pd_sim.cluster import Cluster
 from tests.pd_sim.scenario import run_seed
 

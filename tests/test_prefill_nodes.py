@@ -1,6 +1,7 @@
 """A client never chooses where a decode node connects (node/prefill_nodes.py)."""
 
 import pytest
+
 from pdserve.api.errors import InvalidRequestError
 from pdserve.node.prefill_nodes import PARAM, PrefillNodes
 

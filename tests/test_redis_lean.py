@@ -13,9 +13,10 @@ import time
 
 import pytest
 import redis
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
+
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.cluster.redis_client import LeanRedis, lean_client
-from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 
 def test_lean_client_only_for_plain_redis_urls():

@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
-
 from tests.hf_reference import hf_greedy, load_hf
 
 HOSTILE = [

@@ -18,10 +18,10 @@ import time
 import httpx
 import pytest
 import redis
+
 from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.cluster.registry import ClusterKeys, NodeRecord
-
 from tests.servers import (
     engine_state,
     free_port,

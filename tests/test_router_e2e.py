@@ -6,8 +6,8 @@ Hugging Face's, for chat and completions, streamed and not.
 from __future__ import annotations
 
 import pytest
-from pdserve.cluster.embedded_redis import EmbeddedRedis
 
+from pdserve.cluster.embedded_redis import EmbeddedRedis
 from tests.hf_reference import hf_greedy, load_hf
 from tests.servers import free_port, kill_server, launch_server, start_server, wait_healthy
 

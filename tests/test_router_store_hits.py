@@ -12,9 +12,9 @@ from __future__ import annotations
 import httpx
 import pytest
 import redis
+
 from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.registry import NodeRecord
-
 from tests.servers import engine_state, kill_server, start_server
 from tests.test_router_cluster import (
     KEYS,

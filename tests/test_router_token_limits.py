@@ -17,8 +17,8 @@ import time
 
 import httpx
 import pytest
-from pdserve.router.token_budget import TokenBudget, TokenLimitExceeded
 
+from pdserve.router.token_budget import TokenBudget, TokenLimitExceeded
 from tests.servers import ROOT, free_port, kill_server, start_server
 
 NODE_ARGS = ["--num-threads", "1", "--log-level", "warning", "--num-blocks", "64"]
@@ -185,9 +185,10 @@ def test_router_refuses_half_a_tls_config(tiny_llama_dir, tmp_path):
 
 
 def test_cluster_config_passes_limits_and_tls_to_the_router(tmp_path):
+    from pydantic import ValidationError
+
     from pdserve.cluster.nodes import router_argv
     from pdserve.cluster.schema import ClusterConfig
-    from pydantic import ValidationError
 
     base = {"model": {"name": "tiny"}, "decode": {"port": 9100}}
     router = {"ssl_certfile": "c.pem", "ssl_keyfile": "k.pem", "max_prompt_tokens_per_request": 50,

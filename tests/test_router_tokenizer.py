@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
 from pdserve.router.tokenizer import RouterTokenizer, resolve_model_dir
 

@@ -8,6 +8,7 @@ import time
 from collections import Counter
 
 import pytest
+
 from pdserve.cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
 from pdserve.cluster.registry import NodeRecord
 from pdserve.router.breaker import CircuitBreaker
@@ -167,6 +168,7 @@ def test_prefix_hits_counts_leading_blocks_per_node_in_one_script(redis_server):
 def test_open_stream_keeps_every_event_of_the_read_that_brings_the_first_token():
     """A node may flush several events at once (one read): none may be lost."""
     from aiohttp import web
+
     from pdserve.router.node_http import NodePool
     from pdserve.router.relay import open_stream
 

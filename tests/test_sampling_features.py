@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pdserve.engine import LLM, SamplingParams
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from pdserve.engine import LLM, SamplingParams
 from tests.hf_reference import load_hf
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ import time
 import httpx
 import openai
 import pytest
-from pdserve.engine.sampling_params import SamplingParams
 
+from pdserve.engine.sampling_params import SamplingParams
 from tests.servers import (
     alive,
     descendants,

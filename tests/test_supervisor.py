@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
+
 from pdserve.cluster.process import ManagedProcess
 from pdserve.cluster.schema import RestartSection
 from pdserve.cluster.supervisor import LaunchError, Service, Supervisor
-
 from tests.servers import ROOT, alive
 
 

@@ -29,8 +29,9 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from pdserve.kernels import cpu_gemv
 from torch import nn
+
+from pdserve.kernels import cpu_gemv
 
 # plain weight's data_ptr -> (weak ref to the plain weight, packed oneDNN weight; for a
 # gate_up weight, the (gate, up) halves packed apart)

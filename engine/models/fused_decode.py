@@ -38,6 +38,7 @@ import ctypes
 import logging
 
 import torch
+
 from pdserve.engine.models.cpu_linear import linear, silu_fused
 from pdserve.engine.models.llama import mlp_tile_rows
 from pdserve.kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops, cpu_packed

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
+from torch import nn
+
 from pdserve.engine.attention import AttentionMetadata, PagedAttention
 from pdserve.engine.model_arch import ModelArch
 from pdserve.engine.models.cpu_linear import (
@@ -21,7 +23,6 @@ from pdserve.engine.models.cpu_linear import (
     pack_weight,
 )
 from pdserve.engine.models.rope import build_cos_sin_cache
-from torch import nn
 
 _STACKED = {  # HF name fragment -> (merged name, shard index)
     "q_proj": ("qkv_proj", 0),

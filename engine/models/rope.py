@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from pdserve.engine.model_arch import ModelArch
 
 

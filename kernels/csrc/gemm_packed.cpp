@@ -404,7 +404,8 @@ int pdserve_pack_bf16(const uint16_t* w, int64_t ws, int64_t n, int64_t k, int s
 
 // y [m, n] (rows ys apart) = x [m, k] (rows xs apart) times the packed weight wp, + bias [n]
 // (may be null) + res [m, n] (rows rs apart; may be null); silu 1 or 2: y = silu(gate) *
-// up of a packed gate_up weight (no bias, no res; 2: gate and up rounded to T first). Opens its own parallel region of `threads`.
+// up of a packed gate_up weight (no bias, no res; 2: gate and up rounded to T first).
+// Opens its own parallel region of `threads`.
 // Returns 0, 1 on bad arguments (nothing written).
 int pdserve_gemm_packed(const float* x, int64_t xs, const float* wp, int64_t n, int64_t k,
                         int silu, const float* bias, const float* res, int64_t rs, float* y,

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import redis
 import yaml
-from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
 
+from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
 from tests.servers import ROOT, alive, free_port
 
 DEADLINE_S = 90.0  # every request must end by then, whatever the drill does

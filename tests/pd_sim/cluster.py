@@ -17,7 +17,6 @@ from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
 from pdserve.kv_transfer.decode_side import DecodeSide
 from pdserve.kv_transfer.prefill_side import PrefillSide
 from pdserve.prefill.role import PrefillRole
-
 from tests.pd_sim.stub_model import StubRunner, expected_output, stub_arch
 from tests.pd_sim.world import Faults, SimData, SimDealerLink, SimRouterLink, SimWrite, World
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_arch import ModelArch
 from pdserve.engine.sampler import Sampled

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 import torch
+
 from pdserve.kv_transfer.kv_layout import KVLayout
 from pdserve.kv_transfer.transfer_types import (
     PeerMetadata,
