@@ -1,0 +1,72 @@
+"""A node's HTTP front, its place in the cluster registry, and per-process plumbing."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pdserve.config.fields import Settings, setting
+
+LOG_LEVELS = Literal["debug", "info", "warning", "error"]
+
+
+class HTTPSettings(Settings):
+    """A node's HTTP server."""
+
+    host: str = setting("127.0.0.1", "address the node binds")
+    port: int = setting(8100, "HTTP port", ge=1, le=65535)
+    max_body_bytes: int = setting(4 << 20, "larger request bodies get HTTP 413", ge=1)
+    body_timeout_s: float = setting(
+        30.0, "a request body not received in full by then gets HTTP 408", gt=0
+    )
+
+
+class RegistrySettings(Settings):
+    """How a node keeps its record in the cluster registry, and how it stops."""
+
+    heartbeat_s: float = setting(1.0, "nodes refresh their registry record", gt=0)
+    node_ttl_s: float = setting(5.0, "a silent node leaves the registry", gt=0)
+    drain_timeout_s: float = setting(
+        5.0,
+        "on stop: answer new requests with a 503 and give in-flight requests this long, then exit",
+        ge=0,
+    )
+
+
+class ServeSettings(Settings):
+    """`pdserve serve` only: what the launcher derives per node (role, addresses, the
+    cluster's Redis) rather than reads from a YAML key."""
+
+    role: Literal["colocated", "prefill", "decode"] = setting(
+        "colocated", "this node's part in prefill/decode disaggregation"
+    )
+    node_id: str | None = setting(None, "name of this node (default: role-port)")
+    kv_control: str | None = setting(
+        None, "prefill role: ZMQ address its control channel binds, e.g. tcp://127.0.0.1:7100"
+    )
+    prefill_node: list[str] = setting(
+        [], "decode role: control address of a prefill node (repeatable; round-robin)"
+    )
+    redis_url: str | None = setting(
+        None,
+        "register in this Redis (TTL heartbeat) and publish KV block events, e.g. "
+        "redis://127.0.0.1:6379",
+    )
+    cluster: str = setting("pdserve", "Redis key prefix of the cluster")
+    advertise_url: str | None = setting(None, "this node's HTTP url (default http://HOST:PORT)")
+    cluster_secret_file: str | None = setting(
+        None,
+        "file with the cluster secret (or env PDSERVE_CLUSTER_SECRET): authenticated KV "
+        "control frames, HTTP only from the router (api/cluster_secret.py)",
+    )
+    kv_store_namespace: str | None = setting(None, "default: the --model value")
+    kv_backend: list[str] = setting(
+        [],
+        "a KV backend, in order (repeatable; replaces --kv-connector/--kv-store): KIND nixl "
+        "or lmcache, ROLES from transfer,load,save, URL redis://... or `cluster`; e.g. "
+        "--kv-backend nixl:transfer --kv-backend lmcache:load,save:cluster",
+    )
+    engine_address: str | None = setting(
+        None,
+        "base ZMQ address of the engine channels, ipc:///path/name or tcp://host:port (uses "
+        "port and port+1); default: IPC sockets in a fresh temporary directory",
+    )

@@ -1,0 +1,71 @@
+"""The router's settings: how it picks nodes, retries, limits clients and serves HTTP."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from pdserve.config.fields import Settings, setting
+
+POLICIES = ("round_robin", "least_loaded", "kv_aware")
+Policy = Literal["round_robin", "least_loaded", "kv_aware"]
+
+
+class RouterSettings(Settings):
+    """The cluster's front door (`pdserve router`): the only endpoint clients use."""
+
+    host: str = setting("127.0.0.1", "address the router binds")
+    port: int = setting(8000, "the router's HTTP port", ge=1, le=65535)
+    prefill_policy: Policy = setting("kv_aware", "how a prefill node is picked")
+    decode_policy: Policy = setting("kv_aware", "how a decode node is picked")
+    api_key: str | None = setting(None, "clients must send `Authorization: Bearer KEY`")
+    overlap_weight: float = setting(
+        1.0, "kv_aware: weight of the blocks a node would have to compute", ge=0
+    )
+    kv_temperature: float = setting(
+        0.0,
+        "kv_aware: sample nodes by softmax(-cost / T), T in KV blocks (0: always the cheapest)",
+        ge=0,
+        allow_inf_nan=False,
+    )
+    max_retries: int = setting(1, "extra attempts on another node while nothing was streamed", ge=0)
+    health_interval_s: float = setting(1.0, "how often nodes are probed", gt=0)
+    request_timeout_s: float = setting(600.0, "whole request deadline", gt=0)
+    breaker_failures: int = setting(
+        3, "consecutive failures that open a node's circuit breaker", ge=1
+    )
+    breaker_cooldown_s: float = setting(
+        5.0, "first open period of a breaker (doubles while failures go on)", gt=0
+    )
+    body_timeout_s: float = setting(
+        30.0, "a request body not received in full by then gets HTTP 408", gt=0
+    )
+    max_concurrent_per_key: int = setting(
+        0,
+        "generation requests in flight per API key (else per client address); more get a "
+        "429 (0: no limit)",
+        ge=0,
+    )
+    prompt_tokens_per_minute_per_key: int = setting(
+        0,
+        "prompt tokens per minute per API key (else per client address), a token bucket; "
+        "over it: 429 `rate_limit_exceeded` with Retry-After (0: no limit)",
+        ge=0,
+    )
+    max_prompt_tokens_per_request: int = setting(
+        0,
+        "prompt tokens one request may have; more: 429 `request_too_large` (0: only the "
+        "context length limits it)",
+        ge=0,
+    )
+    ssl_certfile: str | None = setting(
+        None, "serve HTTPS with this certificate (PEM; needs `ssl_keyfile`)"
+    )
+    ssl_keyfile: str | None = setting(None, "the certificate's private key (PEM)")
+
+    @model_validator(mode="after")
+    def _ssl_pair(self) -> RouterSettings:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("give both ssl_certfile and ssl_keyfile, or neither")
+        return self
