@@ -1,5 +1,5 @@
 """Engine decode step with the reference (gather + SDPA) vs the native CPU attention, and
-on a layer-major vs a block-major KV cache (`cache.layout`).
+on a layer-major vs a block-major KV cache (`cache.kv_layout`).
 
     python benchmarks/decode_step_ab.py --out results/decode_step_ab.json
     python benchmarks/decode_step_ab.py --variants native/layer_major,native/block_major \

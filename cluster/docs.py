@@ -1,8 +1,9 @@
-"""The cluster config reference, generated from the schema so that it cannot drift.
+"""The configuration reference, generated from the settings so that it cannot drift.
 
 `reference()` renders every section and field of `ClusterConfig` (key, type, default,
-description) as markdown; `pdserve config docs --write` puts it into docs/configuration.md
-between the markers below, and a test fails when the file is out of date.
+description) as markdown, `flags_reference()` every `pdserve serve` flag with the YAML key
+it is; `pdserve config docs --write` puts them into docs/configuration.md between the
+markers below, and a test fails when the file is out of date.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from pdserve.cluster.schema import ClusterConfig
+from pdserve.config.fields import flag_of
+from pdserve.config.node import NODE_SECTIONS, ServeSettings
 
 BEGIN = "<!-- BEGIN cluster config reference (pdserve config docs --write) -->"
 END = "<!-- END cluster config reference -->"
+FLAGS_BEGIN = "<!-- BEGIN node flags (pdserve config docs --write) -->"
+FLAGS_END = "<!-- END node flags -->"
 DOCS_FILE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
@@ -80,15 +85,40 @@ def reference() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def _flags(cls, name: str, field) -> str:
+    flag = flag_of(cls, name)
+    names = (
+        [f"{flag}`/`--no-{flag[2:]}"] if _type_name(field.annotation).startswith("bool") else [flag]
+    )
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    return ", ".join(f"`{n}`" for n in names + extra.get("aliases", []))
+
+
+def flags_reference() -> str:
+    """Every `pdserve serve` flag: its YAML key (`-`: set by the launcher per node)."""
+    out = ["| flag | YAML key | default | meaning |", "|---|---|---|---|"]
+    for cls, path in (*NODE_SECTIONS, (ServeSettings, "")):
+        for name, field in cls.model_fields.items():
+            key = f"`{path.format(role='GROUP')}.{name}`" if path else "-"
+            desc = (field.description or "").replace("|", "\\|")
+            out.append(f"| {_flags(cls, name, field)} | {key} | {_default(field)} | {desc} |")
+    return "\n".join(out) + "\n"
+
+
+def _between(text: str, begin: str, end: str, body: str) -> str:
+    head, sep, rest = text.partition(begin)
+    if not sep:
+        raise ValueError(f"{DOCS_FILE} has no '{begin}' marker")
+    _, sep, tail = rest.partition(end)
+    if not sep:
+        raise ValueError(f"{DOCS_FILE} has no '{end}' marker")
+    return f"{head}{begin}\n\n{body}\n{end}{tail}"
+
+
 def updated_text(text: str) -> str:
-    """`text` with the generated block between the markers replaced by `reference()`."""
-    head, sep, rest = text.partition(BEGIN)
-    if not sep:
-        raise ValueError(f"{DOCS_FILE} has no '{BEGIN}' marker")
-    _, sep, tail = rest.partition(END)
-    if not sep:
-        raise ValueError(f"{DOCS_FILE} has no '{END}' marker")
-    return f"{head}{BEGIN}\n\n{reference()}\n{END}{tail}"
+    """`text` with the generated blocks between the markers replaced."""
+    text = _between(text, BEGIN, END, reference())
+    return _between(text, FLAGS_BEGIN, FLAGS_END, flags_reference())
 
 
 def update_docs_file(path: Path = DOCS_FILE) -> bool:

@@ -1,9 +1,10 @@
 """From a `ClusterConfig` to concrete processes: one `NodeSpec` per node, the `pdserve serve`
 settings of each node, and the `pdserve router` command line.
 
-`node_settings()` is the single mapping from YAML fields to a node's settings (keyed by the
-`pdserve serve` option names), used both by `pdserve serve --config FILE --node NAME` and by
-the launchers. Nodes are named `prefill-0..N-1` and `decode-0..N-1`.
+`node_settings()` reads a node's settings from its sections (pdserve/config/node.py
+`NODE_SECTIONS`: which component lives where in the YAML), keyed by the `pdserve serve`
+flag dests generated from the same fields; `pdserve serve --config FILE --node NAME` (how
+the launchers start every node) runs on them. Nodes are named `prefill-0..N-1` and `decode-0..N-1`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.schema import ClusterConfig, NodeGroup
+from pdserve.config.fields import to_dests
+from pdserve.config.node import NODE_SECTIONS, ServeSettings
 
 ROLES = ("prefill", "decode")
 
@@ -77,77 +80,49 @@ def find_node(cfg: ClusterConfig, name: str) -> NodeSpec:
     raise KeyError(f"no node named {name!r} in this config (nodes: {names})")
 
 
+def section_of(cfg: ClusterConfig, path: str, role: str) -> Any:
+    """The section at `path` (e.g. `{role}.connector`) of `cfg`; None when it is unset."""
+    obj: Any = cfg
+    for key in path.format(role=role).split("."):
+        obj = getattr(obj, key) if obj is not None else None
+    return obj
+
+
 def node_settings(
     cfg: ClusterConfig,
     node: NodeSpec,
     redis_url: str | None = None,
     prefill_nodes: list[NodeSpec] | None = None,
 ) -> dict[str, Any]:
-    """The node's settings, keyed by `pdserve serve` option dest (e.g. `kv_cache_bytes`).
+    """The node's settings, keyed by `pdserve serve` option dest (e.g. `kv_cache_bytes`):
+    each component's fields from its section (pdserve/config/node.py NODE_SECTIONS), then
+    what is the node's own (address, role, peers).
 
     `redis_url`: the cluster's Redis (the embedded server's URL is only known at launch).
     `prefill_nodes`: the decode node's static prefill list (default: the config's).
     """
-    g, m = node.group, cfg.model
-    settings: dict[str, Any] = {
-        "model": m.name,
-        "served_model_name": m.served_name,
-        "dtype": m.dtype,
-        "block_size": m.block_size,
-        "kv_layout": m.kv_layout,
-        "max_model_len": m.max_model_len,
-        "enforce_eager": m.enforce_eager,
-        "batched_decode": m.batched_decode,
-        "host": node.host,
-        "port": node.port,
-        "device": node.device,
-        "num_threads": g.num_threads,
-        "kv_cache_bytes": int(g.kv_cache_bytes),
-        "num_blocks": g.num_blocks,
-        "no_prefix_caching": not g.enable_prefix_caching,
-        "kv_populate": g.kv_populate,
-        "max_num_seqs": g.max_num_seqs,
-        "max_num_batched_tokens": g.max_num_batched_tokens,
-        "local_prefill_max_tokens": g.local_prefill_max_tokens,
-        "on_prefill_failure": g.on_prefill_failure,
-        "max_body_bytes": g.max_body_bytes,
-        "body_timeout_s": g.body_timeout_s,
-        "role": node.role,
-        "node_id": node.name,
-        "kv_control": node.control_address,
-        "prefill_node": [],
-        "cluster": cfg.cluster,
-        "advertise_url": node.url,
-        "heartbeat_s": cfg.launcher.heartbeat_s,
-        "node_ttl_s": cfg.launcher.node_ttl_s,
-        "drain_timeout_s": cfg.launcher.drain_timeout_s,
-        "cluster_secret_file": cfg.secret_file,
-    }
-    if g.connector is not None:
-        settings["kv_connector"] = g.connector.kind
-        settings["kv_transfer_timeout"] = g.connector.transfer_timeout_s
-        settings["kv_abort_grace"] = g.connector.abort_grace_s
-        settings["kv_peer_timeout"] = g.connector.peer_timeout_s
-        settings["kv_net_devices"] = g.connector.net_devices
-    if node.role == "decode":
-        peers = group_nodes(cfg, "prefill") if prefill_nodes is None else prefill_nodes
-        settings["prefill_node"] = [p.control_address for p in peers]
+    settings: dict[str, Any] = {}
+    for cls, path in NODE_SECTIONS:
+        section = section_of(cfg, path, node.role)
+        if section is not None:  # a group without a connector: the flags' defaults
+            settings.update(to_dests(cls, section))
     if redis_url is None and not cfg.redis.embedded:
         redis_url = cfg.redis.url
-    settings["redis_url"] = redis_url  # None: embedded, known only once launched
-    st = cfg.kv_store
-    uses_store = st.backend or (g.connector is not None and g.connector.kind == "lmcache")
-    settings.update(
-        kv_store=st.backend,
-        kv_store_url=st.url if uses_store else None,  # "cluster": the node's --redis-url
-        kv_store_chunk_size=st.chunk_size,
-        kv_store_local_bytes=int(st.local_cpu_bytes),
-        kv_store_namespace=None,
-        kv_store_load_timeout=st.load_timeout_s,
-        kv_store_save_timeout=st.save_timeout_s,
-        kv_store_retry_after=st.retry_after_s,
+    if node.role == "decode":
+        peers = group_nodes(cfg, "prefill") if prefill_nodes is None else prefill_nodes
+    own = ServeSettings(
+        role=node.role,
+        node_id=node.name,
+        kv_control=node.control_address,
+        prefill_node=[p.control_address for p in peers] if node.role == "decode" else [],
+        redis_url=redis_url,  # None: embedded, known only once launched
+        cluster=cfg.cluster,
+        advertise_url=node.url,
+        cluster_secret_file=cfg.secret_file,
+        kv_backend=[b.spec() for b in node.group.kv_backends or []],
     )
-    settings["kv_backend"] = [b.spec() for b in g.kv_backends or []]
+    settings.update(to_dests(ServeSettings, own))
+    settings.update(host=node.host, port=node.port, device=node.device)  # this node's pick
     return settings
 
 

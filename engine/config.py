@@ -5,14 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from pdserve.config.engine import DTYPES, KV_LAYOUTS
 from pdserve.engine.errors import ConfigError
-
-DTYPES = ("float32", "bfloat16", "float16")
-# How the paged KV tensor is stored (kv_transfer/kv_layout.py). layer_major: storage
-# [L, 2, N, bs, Hkv, D]; block_major: storage [N, L, 2, bs, Hkv, D] (a block's every layer
-# is one contiguous range: one NIXL descriptor per block run). Prefill and decode nodes
-# must use the same one.
-KV_LAYOUTS = ("layer_major", "block_major")
 
 
 @dataclass(frozen=True)
@@ -30,7 +24,7 @@ class ModelConfig:
     cpu_keep_freed_memory: bool = True
     # CPU fp32/bf16: decode steps of 9-256 rows as one native call on weights packed for it
     # (engine/models/fused_decode.py; one more copy of the projections and lm_head)
-    cpu_batched_decode: bool = True
+    batched_decode: bool = True
     # The model's name in the API, the registry and the block-hash root (default: `model`).
     served_model_name: str | None = None
     # True: plain torch (the reference). False: the step compiled piecewise
@@ -86,14 +80,16 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Report blocks entering/leaving the prefix cache with each output batch (KV index).
     kv_events: bool = False
-    layout: str = "layer_major"  # one of KV_LAYOUTS
+    kv_layout: str = "layer_major"  # one of KV_LAYOUTS
     # CPU: fault the whole KV cache in at start (kernels/hugepages.populate), not block by
     # block on the request path; `PDSERVE_KV_POPULATE=0` turns it off process-wide.
-    populate: bool = True
+    kv_populate: bool = True
 
     def __post_init__(self) -> None:
-        if self.layout not in KV_LAYOUTS:
-            raise ConfigError("cache.layout", f"must be one of {KV_LAYOUTS}, got {self.layout!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ConfigError(
+                "cache.kv_layout", f"must be one of {KV_LAYOUTS}, got {self.kv_layout!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError("cache.block_size", f"must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes < 1:

@@ -1,13 +1,6 @@
 """Errors the engine raises for bad input or bad configuration, each naming its cause."""
 
 from pdserve.api.errors import InvalidRequestError
+from pdserve.config.fields import ConfigError  # one type for settings and engine checks
 
 __all__ = ["ConfigError", "InvalidRequestError"]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field

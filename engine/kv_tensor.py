@@ -5,7 +5,7 @@ Every kernel and connector sees the same logical tensor
     kv_cache  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]  (2 = K, V)
 
 and a layer reads `kv_cache[layer, 0]` / `kv_cache[layer, 1]`, each `[N, bs, Hkv, D]`.
-What differs is the storage behind it (`cache.layout`):
+What differs is the storage behind it (`cache.kv_layout`):
 
 - `layer_major`: the tensor is contiguous. One layer's K (or V) is one contiguous plane,
   block `b` of it at `b * bs * Hkv * D`.

@@ -52,7 +52,7 @@ class LLM:
         compile_cache_dir: str | None = None,  # None: <pdserve cache dir>/compile
         kv_layout: str = "layer_major",  # or "block_major" (engine/kv_tensor.py)
         batched_decode: bool = True,  # CPU fp32/bf16: engine/models/fused_decode.py
-        kv_populate: bool = True,  # CPU: fault the KV cache in at start (CacheConfig.populate)
+        kv_populate: bool = True,  # CPU: fault the KV cache in at start (CacheConfig.kv_populate)
     ):
         config = EngineConfig(
             model=ModelConfig(
@@ -64,15 +64,15 @@ class LLM:
                 seed,
                 enforce_eager=enforce_eager,
                 compile_cache_dir=compile_cache_dir,
-                cpu_batched_decode=batched_decode,
+                batched_decode=batched_decode,
             ),
             cache=CacheConfig(
                 block_size,
                 kv_cache_bytes,
                 num_blocks,
                 enable_prefix_caching,
-                layout=kv_layout,
-                populate=kv_populate,
+                kv_layout=kv_layout,
+                kv_populate=kv_populate,
             ),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
             num_threads=num_threads,

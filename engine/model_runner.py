@@ -2,7 +2,7 @@
 
 The KV cache is one preallocated tensor `[num_layers, 2, num_blocks, block_size,
 num_kv_heads, head_dim]`, sized from the configured byte budget and stored in the
-`cache.layout` order (engine/kv_tensor.py); KV connectors register it whole. Logits are computed only for rows that sample (the last token of a sequence
+`cache.kv_layout` order (engine/kv_tensor.py); KV connectors register it whole. Logits are computed only for rows that sample (the last token of a sequence
 whose known tokens are all computed after this step), and, for a request that asked for
 prompt logprobs, at its prompt positions in the same forward pass.
 """
@@ -113,12 +113,12 @@ class ModelRunner:
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         if self.device.type == "cpu":
             # the batched forward's packed weights only where a step can have > 8 rows
-            batch = mc.cpu_batched_decode and config.scheduler.max_num_seqs > cpu_gemv.MAX_ROWS
+            batch = mc.batched_decode and config.scheduler.max_num_seqs > cpu_gemv.MAX_ROWS
             model.fused_decode = FusedDecode.build(model, batch=batch)
             fused = "one native call" if model.fused_decode is not None else "op by op"
             logger.info("decode steps of <= %d rows: %s", cpu_gemv.MAX_ROWS, fused)
         attn = model.model.layers[0].self_attn
-        self.kv_layout = config.cache.layout
+        self.kv_layout = config.cache.kv_layout
         self.kv_cache = allocate_kv_cache(
             self.kv_layout,
             arch.num_hidden_layers,
@@ -129,7 +129,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        populated = self._populate_kv(config.cache.populate)
+        populated = self._populate_kv(config.cache.kv_populate)
         # Recorded after each step's forward pass: its KV writes are done once it is.
         self._step_done = torch.cuda.Event() if self.device.type == "cuda" else None
         logger.info(
@@ -149,7 +149,7 @@ class ModelRunner:
             self._compile(config, mc.max_model_len or arch.max_position_embeddings)
 
     def _populate_kv(self, wanted: bool) -> str:
-        """CPU: fault the KV cache's pages in now (`cache.populate`), so that the first
+        """CPU: fault the KV cache's pages in now (`cache.kv_populate`), so that the first
         requests' KV writes do not each pay page faults, which in a VM can cost seconds per
         GiB (kernels/hugepages.populate). Returns what the start log says about it."""
         if self.device.type != "cpu" or not wanted:

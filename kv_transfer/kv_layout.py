@@ -151,7 +151,7 @@ class KVLayout(msgspec.Struct, frozen=True):
             if getattr(self, f) != getattr(other, f)
         ]
         if same_storage and self.block_major != other.block_major:
-            diff.append("prefill and decode nodes need the same cache.layout (--kv-layout)")
+            diff.append("prefill and decode nodes need the same cache.kv_layout (--kv-layout)")
         if diff:
             raise ValueError("incompatible KV layouts (" + "; ".join(diff) + ")")
 

@@ -13,12 +13,27 @@ import argparse
 import logging
 import shutil
 import tempfile
+import typing
+from typing import NamedTuple
 
-from pdserve.api.body_deadline import DEFAULT_BODY_TIMEOUT_S
 from pdserve.api.cluster_secret import load_cluster_secret
-from pdserve.api.http import DEFAULT_MAX_BODY_BYTES
+from pdserve.config.engine import (
+    CacheSettings,
+    ComputeSettings,
+    KVFormatSettings,
+    ModelSettings,
+    SchedulerSettings,
+)
+from pdserve.config.fields import add_flags, from_args
+from pdserve.config.kv import StoreSettings, TransferSettings
+from pdserve.config.node import (
+    LOG_LEVELS,
+    NODE_SECTIONS,
+    HTTPSettings,
+    RegistrySettings,
+    ServeSettings,
+)
 from pdserve.engine.config import (
-    KV_LAYOUTS,
     CacheConfig,
     EngineConfig,
     KVBackendConfig,
@@ -34,242 +49,104 @@ from pdserve.node.cluster_agent import ClusterOptions
 logger = logging.getLogger(__name__)
 
 
+class NodeSettings(NamedTuple):
+    """Everything `pdserve serve` runs with, one typed settings object per component."""
+
+    model: ModelSettings
+    kv_format: KVFormatSettings
+    compute: ComputeSettings
+    cache: CacheSettings
+    scheduler: SchedulerSettings
+    http: HTTPSettings
+    transfer: TransferSettings
+    store: StoreSettings
+    registry: RegistrySettings
+    serve: ServeSettings
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> NodeSettings:
+        return cls(*(from_args(c, args) for c in SERVE_CLASSES))
+
+
+# NodeSettings' components in field order (tests/test_cluster_config.py checks it).
+SERVE_CLASSES = tuple(c for c, _ in NODE_SECTIONS) + (ServeSettings,)
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    model, cache, sched = ModelConfig(), CacheConfig(), SchedulerConfig()
-    p.add_argument("--model", default=model.model, help="built-in name, HF directory or .gguf")
-    p.add_argument("--served-model-name", default=None, help="name in the API (default: --model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--dtype", default=model.dtype, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=model.device)
-    p.add_argument(
-        "--enforce-eager",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="--no-enforce-eager: compile the model step piecewise (CPU); default: eager, "
-        "measured as fast or faster (docs/benchmarks.md)",
-    )
-    p.add_argument(
-        "--batched-decode",
-        action=argparse.BooleanOptionalAction,
-        default=model.cpu_batched_decode,
-        help="CPU fp32/bf16: decode steps of 9-256 rows as one native call on packed weights "
-        "(--no-batched-decode: oneDNN's GEMMs; saves a copy of the weights)",
-    )
-    p.add_argument("--block-size", type=int, default=cache.block_size)
-    p.add_argument(
-        "--kv-layout",
-        default=cache.layout,
-        choices=list(KV_LAYOUTS),
-        help="KV cache storage order (prefill and decode nodes must match for NIXL; docs/configuration.md)",
-    )
-    p.add_argument("--kv-cache-bytes", type=int, default=cache.kv_cache_bytes)
-    p.add_argument("--num-blocks", type=int, default=None, help="overrides --kv-cache-bytes")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument(
-        "--kv-populate",
-        action=argparse.BooleanOptionalAction,
-        default=cache.populate,
-        help="CPU: fault the whole KV cache in at start, so the first requests do not pay "
-        "page faults (--no-kv-populate: a faster start, faults on first use)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="engine torch threads")
-    p.add_argument(
-        "--engine-address",
-        default=None,
-        help="base ZMQ address of the engine channels, ipc:///path/name or tcp://host:port "
-        "(uses port and port+1); default: IPC sockets in a fresh temporary directory",
-    )
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument(
-        "--body-timeout-s",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT_S,
-        help="a request body not received in full within this many seconds gets a 408",
-    )
-    kv = KVTransferConfig()
-    g = p.add_argument_group("prefill/decode disaggregation")
-    g.add_argument("--role", default=kv.role, choices=["colocated", "prefill", "decode"])
-    g.add_argument("--node-id", default=None, help="name of this node (default: role-port)")
-    g.add_argument(
-        "--kv-control",
-        default=None,
-        help="prefill role: ZMQ address its control channel binds, e.g. tcp://127.0.0.1:7100",
-    )
-    g.add_argument(
-        "--prefill-node",
-        action="append",
-        default=[],
-        help="decode role: control address of a prefill node (repeatable; round-robin)",
-    )
-    g.add_argument(
-        "--kv-connector",
-        default=kv.connector,
-        choices=["nixl", "lmcache"],
-        help="how KV moves: nixl (point to point) or lmcache (through the --kv-store-url Redis)",
-    )
-    g.add_argument("--kv-transfer-timeout", type=float, default=kv.transfer_timeout_s)
-    g.add_argument("--kv-abort-grace", type=float, default=kv.abort_grace_s)
-    g.add_argument(
-        "--kv-net-devices",
-        default="auto",
-        help="devices the NIXL/UCX data plane listens on (UCX_NET_DEVICES, e.g. lo, eth0); "
-        "auto: lo when --host is loopback, else all",
-    )
-    g.add_argument(
-        "--kv-peer-timeout",
-        type=float,
-        default=kv.peer_timeout_s,
-        help="decode role: seconds without an answer before a prefill node counts as dead "
-        "(its requests fail over at once)",
-    )
-    g.add_argument(
-        "--on-prefill-failure",
-        default=kv.on_prefill_failure,
-        choices=["local", "error"],
-        help="decode role: prefill locally, or end the request with an error",
-    )
-    g.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=SchedulerConfig().local_prefill_max_tokens,
-        help="decode role: prefill an uncached suffix this short here instead",
-    )
-    g = p.add_argument_group("cluster registry (Redis)")
-    g.add_argument(
-        "--redis-url",
-        default=None,
-        help="register in this Redis (TTL heartbeat) and publish KV block events, "
-        "e.g. redis://127.0.0.1:6379",
-    )
-    g.add_argument("--cluster", default="pdserve", help="Redis key prefix of the cluster")
-    g.add_argument(
-        "--advertise-url", default=None, help="this node's HTTP url (default http://HOST:PORT)"
-    )
-    g.add_argument("--heartbeat-s", type=float, default=1.0, help="registry heartbeat period")
-    g.add_argument(
-        "--node-ttl-s", type=float, default=5.0, help="registry record TTL (> heartbeat)"
-    )
-    p.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=5.0,
-        help="on SIGTERM: stop accepting, give in-flight requests this long, then exit",
-    )
-    g.add_argument(
-        "--cluster-secret-file",
-        default=None,
-        help="file with the cluster secret (or env PDSERVE_CLUSTER_SECRET): authenticated KV "
-        "control frames, HTTP only from the router (api/cluster_secret.py)",
-    )
-    st = KVStoreConfig()
-    g = p.add_argument_group("shared KV store (prefix reuse across nodes and restarts)")
-    g.add_argument("--kv-store", default=None, choices=["lmcache"], help="off unless set")
-    g.add_argument(
-        "--kv-store-url",
-        default=None,
-        help="redis://HOST:PORT shared by the nodes, or `cluster` (the --redis-url)",
-    )
-    g.add_argument("--kv-store-chunk-size", type=int, default=st.chunk_size)
-    g.add_argument("--kv-store-local-bytes", type=int, default=st.local_cpu_bytes)
-    g.add_argument("--kv-store-namespace", default=None, help="default: the --model value")
-    g.add_argument("--kv-store-load-timeout", type=float, default=st.load_timeout_s)
-    g.add_argument("--kv-store-save-timeout", type=float, default=st.save_timeout_s)
-    g.add_argument("--kv-store-retry-after", type=float, default=st.retry_after_s)
-    g.add_argument(
-        "--kv-backend",
-        action="append",
-        default=[],
-        metavar="KIND:ROLES[:URL]",
-        help="a KV backend, in order (repeatable; replaces --kv-connector/--kv-store): KIND "
-        "nixl or lmcache, ROLES from transfer,load,save, URL redis://... or `cluster`; e.g. "
-        "--kv-backend nixl:transfer --kv-backend lmcache:load,save:cluster",
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    """A flag per settings field (pdserve/config/), grouped by component."""
+    for cls in SERVE_CLASSES:
+        add_flags(p.add_argument_group(cls.__doc__.split("\n")[0].rstrip(".:")), cls)
+    p.add_argument("--log-level", default="info", choices=typing.get_args(LOG_LEVELS))
 
 
-def cluster_options_from_args(args: argparse.Namespace) -> ClusterOptions:
+def cluster_options(s: NodeSettings) -> ClusterOptions:
+    http, sv = s.http, s.serve
     try:
         return ClusterOptions(
-            advertise_url=args.advertise_url or f"http://{args.host}:{args.port}",
-            redis_url=args.redis_url,
-            cluster=args.cluster,
-            heartbeat_s=args.heartbeat_s,
-            node_ttl_s=args.node_ttl_s,
+            advertise_url=sv.advertise_url or f"http://{http.host}:{http.port}",
+            redis_url=sv.redis_url,
+            cluster=sv.cluster,
+            heartbeat_s=s.registry.heartbeat_s,
+            node_ttl_s=s.registry.node_ttl_s,
         )
     except ValueError as e:
         raise ConfigError("cluster", str(e)) from None
 
 
-def _net_devices(args: argparse.Namespace) -> str | None:
+def _net_devices(devices: str, host: str) -> str | None:
     """UCX_NET_DEVICES for the data plane: loopback nodes keep it on `lo` (None: all)."""
-    devices = getattr(args, "kv_net_devices", "auto")
     if devices != "auto":
         return devices
-    loopback = args.host in ("localhost", "::1") or args.host.startswith("127.")
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
     return "lo" if loopback else None
 
 
-def _cluster_secret(args: argparse.Namespace) -> bytes | None:
+def _cluster_secret(path: str | None) -> bytes | None:
     try:
-        return load_cluster_secret(getattr(args, "cluster_secret_file", None))
+        return load_cluster_secret(path)
     except ValueError as e:
         raise ConfigError("cluster_secret_file", str(e)) from None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return engine_config(NodeSettings.from_args(args))
+
+
+def engine_config(s: NodeSettings) -> EngineConfig:
+    """The engine's config: the components' fields under their own names, plus what a
+    node derives (its id, the Redis URL that `cluster` stands for, the secret's bytes)."""
+    sv, t, st = s.serve, s.transfer, s.store
+    uses_store = st.backend is not None or (sv.role != "colocated" and t.kind == "lmcache")
+    store_url = (sv.redis_url if st.url == "cluster" else st.url) if uses_store else None
     return EngineConfig(
         model=ModelConfig(
-            model=args.model,
-            served_model_name=args.served_model_name,
-            dtype=args.dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            enforce_eager=args.enforce_eager,
-            cpu_batched_decode=args.batched_decode,
+            model=s.model.name,
+            served_model_name=s.model.served_name,
+            device=s.compute.device,
+            **s.model.model_dump(exclude={"name", "served_name"}),
         ),
         cache=CacheConfig(
-            block_size=args.block_size,
-            layout=getattr(args, "kv_layout", CacheConfig.layout),
-            kv_cache_bytes=args.kv_cache_bytes,
-            num_blocks=args.num_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-            populate=args.kv_populate,
-            kv_events=args.redis_url is not None,
+            **s.kv_format.model_dump(), **s.cache.model_dump(), kv_events=sv.redis_url is not None
         ),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            local_prefill_max_tokens=args.local_prefill_max_tokens,
-        ),
+        scheduler=SchedulerConfig(**s.scheduler.model_dump(exclude={"on_prefill_failure"})),
         kv_transfer=KVTransferConfig(
-            role=args.role,
-            connector=args.kv_connector,
-            node_id=args.node_id or f"{args.role}-{args.port}",
-            control_address=args.kv_control,
-            prefill_nodes=tuple(args.prefill_node),
-            transfer_timeout_s=args.kv_transfer_timeout,
-            abort_grace_s=args.kv_abort_grace,
-            peer_timeout_s=args.kv_peer_timeout,
-            on_prefill_failure=args.on_prefill_failure,
-            cluster_secret=_cluster_secret(args),
-            net_devices=_net_devices(args),
+            role=sv.role,
+            connector=t.kind,
+            node_id=sv.node_id or f"{sv.role}-{s.http.port}",
+            control_address=sv.kv_control,
+            prefill_nodes=tuple(sv.prefill_node),
+            on_prefill_failure=s.scheduler.on_prefill_failure,
+            cluster_secret=_cluster_secret(sv.cluster_secret_file),
+            net_devices=_net_devices(t.net_devices, s.http.host),
+            **t.model_dump(exclude={"kind", "net_devices"}),
         ),
         kv_store=KVStoreConfig(
-            backend=args.kv_store,
-            remote_url=args.redis_url if args.kv_store_url == "cluster" else args.kv_store_url,
-            chunk_size=args.kv_store_chunk_size,
-            local_cpu_bytes=args.kv_store_local_bytes,
-            namespace=args.kv_store_namespace,
-            load_timeout_s=args.kv_store_load_timeout,
-            save_timeout_s=args.kv_store_save_timeout,
-            retry_after_s=args.kv_store_retry_after,
+            remote_url=store_url,
+            namespace=sv.kv_store_namespace,
+            **st.model_dump(exclude={"url"}),
         ),
-        kv_backends=parse_backends(getattr(args, "kv_backend", []), args.redis_url),
-        num_threads=args.num_threads,
+        kv_backends=parse_backends(sv.kv_backend, sv.redis_url),
+        num_threads=s.compute.num_threads,
     )
 
 
@@ -294,15 +171,12 @@ def serve(args: argparse.Namespace) -> None:
     from pdserve.api.drain import serve as serve_draining
     from pdserve.node.api_server import build_app
 
-    if not args.body_timeout_s > 0:
-        raise ConfigError("--body-timeout-s", f"must be > 0, got {args.body_timeout_s}")
-    if not args.max_body_bytes >= 1:
-        raise ConfigError("--max-body-bytes", f"must be >= 1, got {args.max_body_bytes}")
-    config = engine_config_from_args(args)
-    cluster = cluster_options_from_args(args)
+    settings = NodeSettings.from_args(args)
+    config = engine_config(settings)
+    cluster = cluster_options(settings)
     tmpdir = None
-    if args.engine_address:
-        addresses = EngineAddresses.from_base(args.engine_address)
+    if settings.serve.engine_address:
+        addresses = EngineAddresses.from_base(settings.serve.engine_address)
     else:
         tmpdir = tempfile.mkdtemp(prefix="pdserve-")
         addresses = EngineAddresses.from_base(f"ipc://{tmpdir}/engine")
@@ -310,17 +184,17 @@ def serve(args: argparse.Namespace) -> None:
         app = build_app(
             config,
             addresses,
-            args.served_model_name,
-            args.max_body_bytes,
+            settings.model.served_name,
+            settings.http.max_body_bytes,
             cluster=cluster,
-            body_timeout_s=args.body_timeout_s,
+            body_timeout_s=settings.http.body_timeout_s,
         )
         serve_draining(
             app,
-            host=args.host,
-            port=args.port,
+            host=settings.http.host,
+            port=settings.http.port,
             log_level=args.log_level,
-            drain_timeout_s=args.drain_timeout_s,
+            drain_timeout_s=settings.registry.drain_timeout_s,
         )
     finally:
         if tmpdir is not None:

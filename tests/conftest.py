@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Engines here barely touch their KV cache: faulting all of it in at each start
-# (cache.populate) would cost seconds per engine in a VM. tests/test_hugepages.py turns
+# (cache.kv_populate) would cost seconds per engine in a VM. tests/test_hugepages.py turns
 # it back on where it tests it.
 os.environ.setdefault("PDSERVE_KV_POPULATE", "0")
 

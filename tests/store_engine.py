@@ -34,7 +34,7 @@ def store_core(
     store.setdefault("retry_after_s", 0)
     cfg = EngineConfig(
         model=ModelConfig(model_dir),
-        cache=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS, layout=layout),
+        cache=CacheConfig(block_size=BS, num_blocks=NUM_BLOCKS, kv_layout=layout),
         scheduler=SchedulerConfig(max_num_batched_tokens=64),
         kv_store=KVStoreConfig(chunk_size=CHUNK, local_cpu_bytes=16 << 20, **store),
         kv_backends=tuple(

@@ -1,4 +1,4 @@
-"""The engine on a block-major KV cache (`cache.layout: block_major`): greedy output equals
+"""The engine on a block-major KV cache (`model.kv_layout: block_major`): greedy output equals
 Hugging Face token for token, as on the layer-major cache, with every CPU kernel set, in
 single, batched, chunked, prefix-hit and preemption runs, eager and compiled."""
 
@@ -61,12 +61,12 @@ def test_block_major_compiled_step(tiny_llama_dir, hf_model):
 
 
 def test_layout_config_errors_name_the_field_and_lmcache_is_accepted():
-    with pytest.raises(ConfigError, match="cache.layout"):
-        CacheConfig(layout="blocks")
+    with pytest.raises(ConfigError, match="cache.kv_layout"):
+        CacheConfig(kv_layout="blocks")
     # LMCache reads and writes block-major caches too (kv_transfer/kv_slots.py)
     cfg = EngineConfig(
         model=ModelConfig(),
-        cache=CacheConfig(layout=BLOCK_MAJOR),
+        cache=CacheConfig(kv_layout=BLOCK_MAJOR),
         kv_store=KVStoreConfig(backend="lmcache"),
     )
-    assert cfg.cache.layout == BLOCK_MAJOR
+    assert cfg.cache.kv_layout == BLOCK_MAJOR

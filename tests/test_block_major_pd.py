@@ -1,4 +1,4 @@
-"""PD over real NIXL with block-major KV caches (`cache.layout: block_major`) on both nodes.
+"""PD over real NIXL with block-major KV caches (`model.kv_layout: block_major`) on both nodes.
 
 The transport describes each engine's real cache (kv_transfer/kv_layout.py): a run of
 blocks over every layer is then one descriptor. Checked: greedy tokens equal Hugging Face
@@ -64,7 +64,7 @@ def test_layout_mismatch_is_refused_with_a_clear_error(tiny_llama_dir):
         assert outs[-1].finish_reason == "error"
         err = outs[-1].error
         assert "incompatible KV layouts (block_major: ours False, peer's True" in err, err
-        assert "same cache.layout (--kv-layout)" in err
+        assert "same cache.kv_layout (--kv-layout)" in err
         assert pair.pconn.data.stats.bytes == 0 and pair.pconn.data.peers == []
         for core in (pair.decode, pair.prefill):
             core.check_integrity()

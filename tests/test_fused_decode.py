@@ -466,7 +466,7 @@ def test_batched_decode_switched_off(tiny_llama_dir, tmp_path):
     assert fused.layer_steps >= 3 and fused.batch_steps == 0
 
     def batched(argv: list[str]) -> bool:
-        return node_engine_config(argv).model.cpu_batched_decode
+        return node_engine_config(argv).model.batched_decode
 
     assert batched([]) is True and batched(["--no-batched-decode"]) is False
     path = write(tmp_path, GOOD)

@@ -124,11 +124,11 @@ def test_engine_populates_its_kv_cache_unless_told_not_to(tiny_llama_dir, monkey
 
 
 def test_kv_populate_from_the_command_line_and_the_cluster_file(tmp_path):
-    """`--no-kv-populate` and YAML `kv_populate: false` reach CacheConfig.populate."""
+    """`--no-kv-populate` and YAML `kv_populate: false` reach CacheConfig.kv_populate."""
     from tests.test_cluster_config import GOOD, node_engine_config, write
 
     def populate(argv: list[str]) -> bool:
-        return node_engine_config(argv).cache.populate
+        return node_engine_config(argv).cache.kv_populate
 
     assert populate([]) is True and populate(["--no-kv-populate"]) is False
     path = write(tmp_path, GOOD)

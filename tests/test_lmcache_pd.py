@@ -37,7 +37,7 @@ BS, CHUNK = 4, 16
 def make_config(model_dir, budget=32, layout="layer_major") -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model_dir),
-        cache=CacheConfig(block_size=BS, num_blocks=256, layout=layout),
+        cache=CacheConfig(block_size=BS, num_blocks=256, kv_layout=layout),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, local_prefill_max_tokens=4),
         num_threads=1,
     )

@@ -48,7 +48,7 @@ def node(
     )
     cfg = EngineConfig(
         model=ModelConfig(model_dir),
-        cache=CacheConfig(block_size=BS, num_blocks=256, layout=layout),
+        cache=CacheConfig(block_size=BS, num_blocks=256, kv_layout=layout),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, local_prefill_max_tokens=4),
         kv_transfer=KVTransferConfig(
             role=role,

@@ -23,7 +23,7 @@ pytest.importorskip("nixl")
 def make_config(tiny_llama_dir, *, num_blocks=256, budget=32, local_max=4, layout="layer_major"):
     return EngineConfig(
         model=ModelConfig(tiny_llama_dir),
-        cache=CacheConfig(block_size=4, num_blocks=num_blocks, layout=layout),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks, kv_layout=layout),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=budget, local_prefill_max_tokens=local_max
         ),

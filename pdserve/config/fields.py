@@ -41,16 +41,6 @@ def setting(default: Any = ..., help: str = "", *, flag: str | None = None,
     return Field(default, description=help, json_schema_extra=extra or None, **checks)
 
 
-def build(cls: type[Settings], where: str, **values: Any) -> Settings:
-    """`cls(**values)`, an invalid value raising ConfigError named `where.field`."""
-    try:
-        return cls(**values)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(f"{where}.{loc}" if loc else where, err["msg"]) from None
-
-
 # -- flags ---------------------------------------------------------------------------
 
 
@@ -114,10 +104,17 @@ def add_flags(parser: argparse._ActionsContainer, cls: type[Settings]) -> None:
         parser.add_argument(flag_of(cls, name), *aliases, **kw)
 
 
-def from_args(cls: type[Settings], args: argparse.Namespace, where: str) -> Settings:
-    """The settings `cls` holds in parsed flags, checked by the class itself."""
+def from_args(cls: type[Settings], args: argparse.Namespace) -> Settings:
+    """The settings `cls` holds in parsed flags, checked by the class itself (an invalid
+    value raises ConfigError naming its flag)."""
     values = {name: getattr(args, dest_of(cls, name)) for name in cls.model_fields}
-    return build(cls, where, **values)
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = err["loc"]
+        field = flag_of(cls, str(loc[0])) if loc else cls.__name__
+        raise ConfigError(field, err["msg"]) from None
 
 
 def to_dests(cls: type[Settings], values: BaseModel) -> dict[str, Any]:

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pdserve.config.engine import (
+    CacheSettings,
+    ComputeSettings,
+    KVFormatSettings,
+    ModelSettings,
+    SchedulerSettings,
+)
 from pdserve.config.fields import Settings, setting
+from pdserve.config.kv import StoreSettings, TransferSettings
 
 LOG_LEVELS = Literal["debug", "info", "warning", "error"]
 
@@ -49,24 +57,41 @@ class ServeSettings(Settings):
     redis_url: str | None = setting(
         None,
         "register in this Redis (TTL heartbeat) and publish KV block events, e.g. "
-        "redis://127.0.0.1:6379",
+        "redis://127.0.0.1:6379 (in a cluster: its `redis`)",
     )
-    cluster: str = setting("pdserve", "Redis key prefix of the cluster")
+    cluster: str = setting("pdserve", "Redis key prefix of the cluster (YAML: `cluster`)")
     advertise_url: str | None = setting(None, "this node's HTTP url (default http://HOST:PORT)")
     cluster_secret_file: str | None = setting(
         None,
         "file with the cluster secret (or env PDSERVE_CLUSTER_SECRET): authenticated KV "
-        "control frames, HTTP only from the router (api/cluster_secret.py)",
+        "control frames, HTTP only from the router (api/cluster_secret.py; YAML: `secret_file`)",
     )
     kv_store_namespace: str | None = setting(None, "default: the --model value")
     kv_backend: list[str] = setting(
         [],
         "a KV backend, in order (repeatable; replaces --kv-connector/--kv-store): KIND nixl "
         "or lmcache, ROLES from transfer,load,save, URL redis://... or `cluster`; e.g. "
-        "--kv-backend nixl:transfer --kv-backend lmcache:load,save:cluster",
+        "--kv-backend nixl:transfer --kv-backend lmcache:load,save:cluster (YAML: the group's "
+        "`kv_backends`)",
     )
     engine_address: str | None = setting(
         None,
         "base ZMQ address of the engine channels, ipc:///path/name or tcp://host:port (uses "
         "port and port+1); default: IPC sockets in a fresh temporary directory",
     )
+
+
+# The components a node reads, each with the cluster config section it lives in (`{role}`:
+# the node's group, `prefill` or `decode`). `pdserve serve` has a flag for every field of
+# these and of `ServeSettings`; the launcher hands a node its sections' values under them.
+NODE_SECTIONS: tuple[tuple[type[Settings], str], ...] = (
+    (ModelSettings, "model"),
+    (KVFormatSettings, "model"),
+    (ComputeSettings, "{role}"),
+    (CacheSettings, "{role}"),
+    (SchedulerSettings, "{role}"),
+    (HTTPSettings, "{role}"),
+    (TransferSettings, "{role}.connector"),
+    (StoreSettings, "kv_store"),
+    (RegistrySettings, "launcher"),
+)
