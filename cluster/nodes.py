@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.schema import ClusterConfig, NodeGroup
-from pdserve.config.fields import to_dests
+from pdserve.config.fields import flag_of, to_dests
 from pdserve.config.node import NODE_SECTIONS, ServeSettings
+from pdserve.config.router import RouterProcessSettings, RouterSettings
 
 ROLES = ("prefill", "decode")
 
@@ -141,22 +142,21 @@ def router_argv(
     cfg: ClusterConfig, redis_url: str | None, nodes: list[NodeSpec], log_level: str
 ) -> list[str]:
     """`python -m pdserve router ...` for the config's router section and these nodes."""
-    r = cfg.router
-    argv = [sys.executable, "-m", "pdserve", "router", "--host", r.host, "--port", str(r.port)]
-    argv += ["--model", cfg.model.name, "--cluster", cfg.cluster, "--log-level", log_level]
-    argv += ["--drain-timeout-s", str(cfg.launcher.drain_timeout_s)]
-    if cfg.model.served_name:
-        argv += ["--served-model-name", cfg.model.served_name]
-    for key in ROUTER_OPTIONS:
-        argv += [f"--{key.replace('_', '-')}", str(getattr(r, key))]
-    if cfg.secret_file:
-        argv += ["--cluster-secret-file", cfg.secret_file]
-    if r.ssl_certfile:
-        argv += ["--ssl-certfile", r.ssl_certfile]
-    if r.ssl_keyfile:
-        argv += ["--ssl-keyfile", r.ssl_keyfile]
-    if redis_url:
-        argv += ["--redis-url", redis_url]
+    r, m = cfg.router, cfg.model
+    argv = [sys.executable, "-m", "pdserve", "router", "--log-level", log_level]
+    proc = RouterProcessSettings(
+        model=m.name,
+        served_model_name=m.served_name,
+        redis_url=redis_url,
+        cluster=cfg.cluster,
+        cluster_secret_file=cfg.secret_file,
+        drain_timeout_s=cfg.launcher.drain_timeout_s,
+    )
+    for cls, section in ((RouterSettings, r), (RouterProcessSettings, proc)):
+        for name in cls.model_fields:
+            value = getattr(section, name)
+            if value is not None and name not in ("api_key", "prefill", "decode"):
+                argv += [flag_of(cls, name), str(value)]  # the API key goes by environment
     for node in nodes:
         argv += [f"--{node.role}", node.url]
     return argv
@@ -168,21 +168,3 @@ def router_env(cfg: ClusterConfig) -> dict[str, str]:
     if cfg.router.api_key:
         env["PDSERVE_API_KEY"] = cfg.router.api_key  # router/cli.py API_KEY_ENV
     return env
-
-
-# router section keys passed as `pdserve router --KEY VALUE`
-ROUTER_OPTIONS = (
-    "prefill_policy",
-    "decode_policy",
-    "overlap_weight",
-    "kv_temperature",
-    "max_retries",
-    "health_interval_s",
-    "request_timeout_s",
-    "breaker_failures",
-    "breaker_cooldown_s",
-    "body_timeout_s",
-    "max_concurrent_per_key",
-    "prompt_tokens_per_minute_per_key",
-    "max_prompt_tokens_per_request",
-)

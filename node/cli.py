@@ -68,7 +68,7 @@ class NodeSettings(NamedTuple):
         return cls(*(from_args(c, args) for c in SERVE_CLASSES))
 
 
-# NodeSettings' components in field order (tests/test_cluster_config.py checks it).
+# NodeSettings' components in field order (tests/test_settings.py checks it).
 SERVE_CLASSES = tuple(c for c, _ in NODE_SECTIONS) + (ServeSettings,)
 
 

@@ -5,13 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-POLICIES = ("round_robin", "least_loaded", "kv_aware")
+from pdserve.config.fields import ConfigError as RouterConfigError
+from pdserve.config.router import POLICIES
 
-
-class RouterConfigError(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+__all__ = ["RouterConfig", "RouterConfigError"]
 
 
 @dataclass(frozen=True)

@@ -360,5 +360,5 @@ def test_older_flag_spellings_and_the_settings_order():
     args = resolve_settings(serve_parser().parse_args([]))
     settings = NodeSettings.from_args(args)
     assert [type(s) for s in settings] == list(SERVE_CLASSES)
-    with pytest.raises(ValueError, match="--kv-peer-timeout-s: "):
+    with pytest.raises(ValueError, match="kv_peer_timeout_s: "):
         node_engine_config(["--kv-peer-timeout", "0"])

@@ -35,10 +35,19 @@ class Settings(BaseModel):
 
 
 def setting(default: Any = ..., help: str = "", *, flag: str | None = None,
-            aliases: tuple[str, ...] = (), **checks: Any) -> Any:  # fmt: skip
+            aliases: tuple[str, ...] = (), metavar: str | None = None,
+            **checks: Any) -> Any:  # fmt: skip
     """A field: default, help text, pydantic checks (`ge=1`, ...), and its flag's spelling."""
-    extra = {k: v for k, v in (("flag", flag), ("aliases", list(aliases))) if v}
+    pairs = (("flag", flag), ("aliases", list(aliases)), ("metavar", metavar))
+    extra = {k: v for k, v in pairs if v}
     return Field(default, description=help, json_schema_extra=extra or None, **checks)
+
+
+def _first(e: ValidationError) -> tuple[str, str]:
+    """(the field, the message) of the first error, without pydantic's "Value error, "."""
+    err = e.errors()[0]
+    loc = str(err["loc"][0]) if err["loc"] else ""
+    return loc, err["msg"].removeprefix("Value error, ")
 
 
 # -- flags ---------------------------------------------------------------------------
@@ -101,20 +110,20 @@ def add_flags(parser: argparse._ActionsContainer, cls: type[Settings]) -> None:
             kw["type"] = _parser(kind)
         if repeats:
             kw.update(action="append", default=[])
+        if "metavar" in _extra(cls, name):
+            kw["metavar"] = _extra(cls, name)["metavar"]
         parser.add_argument(flag_of(cls, name), *aliases, **kw)
 
 
 def from_args(cls: type[Settings], args: argparse.Namespace) -> Settings:
     """The settings `cls` holds in parsed flags, checked by the class itself (an invalid
-    value raises ConfigError naming its flag)."""
+    value raises ConfigError naming its flag's dest, e.g. `kv_peer_timeout_s`)."""
     values = {name: getattr(args, dest_of(cls, name)) for name in cls.model_fields}
     try:
         return cls(**values)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = err["loc"]
-        field = flag_of(cls, str(loc[0])) if loc else cls.__name__
-        raise ConfigError(field, err["msg"]) from None
+        loc, msg = _first(e)
+        raise ConfigError(dest_of(cls, loc) if loc else cls.__name__, msg) from None
 
 
 def to_dests(cls: type[Settings], values: BaseModel) -> dict[str, Any]:

@@ -73,6 +73,7 @@ class ServeSettings(Settings):
         "or lmcache, ROLES from transfer,load,save, URL redis://... or `cluster`; e.g. "
         "--kv-backend nixl:transfer --kv-backend lmcache:load,save:cluster (YAML: the group's "
         "`kv_backends`)",
+        metavar="KIND:ROLES[:URL]",
     )
     engine_address: str | None = setting(
         None,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import ValidationInfo, field_validator
 
+from pdserve.config.engine import DEFAULT_MODEL
 from pdserve.config.fields import Settings, setting
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
@@ -19,7 +20,11 @@ class RouterSettings(Settings):
     port: int = setting(8000, "the router's HTTP port", ge=1, le=65535)
     prefill_policy: Policy = setting("kv_aware", "how a prefill node is picked")
     decode_policy: Policy = setting("kv_aware", "how a decode node is picked")
-    api_key: str | None = setting(None, "clients must send `Authorization: Bearer KEY`")
+    api_key: str | None = setting(
+        None,
+        "clients must send `Authorization: Bearer KEY` (`pdserve router` takes it from "
+        "$PDSERVE_API_KEY when not given, which keeps it out of the process list)",
+    )
     overlap_weight: float = setting(
         1.0, "kv_aware: weight of the blocks a node would have to compute", ge=0
     )
@@ -62,10 +67,40 @@ class RouterSettings(Settings):
     ssl_certfile: str | None = setting(
         None, "serve HTTPS with this certificate (PEM; needs `ssl_keyfile`)"
     )
-    ssl_keyfile: str | None = setting(None, "the certificate's private key (PEM)")
+    ssl_keyfile: str | None = setting(
+        None, "the certificate's private key (PEM)", validate_default=True
+    )
 
-    @model_validator(mode="after")
-    def _ssl_pair(self) -> RouterSettings:
-        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+    @field_validator("ssl_keyfile")
+    @classmethod
+    def _ssl_pair(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if (info.data.get("ssl_certfile") is None) != (v is None):
             raise ValueError("give both ssl_certfile and ssl_keyfile, or neither")
-        return self
+        return v
+
+
+class RouterProcessSettings(Settings):
+    """`pdserve router` only: what the launcher derives from the rest of the cluster config
+    (the model, the nodes, Redis) rather than reads from the `router` section."""
+
+    model: str = setting(
+        DEFAULT_MODEL,
+        "tokenizer and chat template: built-in name, HF dir, .gguf (YAML: `model.name`)",
+    )
+    served_model_name: str | None = setting(
+        None, "name in the API (default: --model; YAML: `model.served_name`)"
+    )
+    redis_url: str | None = setting(None, "cluster registry, e.g. redis://127.0.0.1:6379")
+    cluster: str = setting("pdserve", "Redis key prefix of the cluster")
+    prefill: list[str] = setting([], "static prefill node (repeatable)", metavar="URL")
+    decode: list[str] = setting([], "static decode or colocated node (repeatable)", metavar="URL")
+    cluster_secret_file: str | None = setting(
+        None,
+        "file with the cluster secret (or env PDSERVE_CLUSTER_SECRET): sent to nodes as "
+        "their HTTP key",
+    )
+    drain_timeout_s: float = setting(
+        5.0,
+        "on SIGTERM: stop accepting, give in-flight requests this long, then exit",
+        ge=0,
+    )
