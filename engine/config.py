@@ -1,17 +1,29 @@
-"""Engine configuration: frozen dataclasses, validated in __post_init__ (errors name the field)."""
+"""Engine configuration: frozen dataclasses, validated in __post_init__ (errors name the field).
+
+A field the settings (pdserve/config/) also have has their name, takes their default and is
+checked by them (`check`); the rest (the device, the node's id and peers, resolved URLs) is
+the engine's own."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
 
-from pdserve.config.engine import DTYPES, KV_LAYOUTS
+from pdserve.config.engine import (
+    DEFAULT_MODEL,
+    CacheSettings,
+    KVFormatSettings,
+    ModelSettings,
+    SchedulerSettings,
+)
+from pdserve.config.fields import check, default
+from pdserve.config.kv import StoreSettings, TransferSettings
 from pdserve.engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = "smollm2-135m-instruct"  # built-in name, HF directory or .gguf path
+    model: str = DEFAULT_MODEL  # built-in name, HF directory or .gguf path (YAML: model.name)
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
     kernel_backend: str | None = None  # "torch" | "triton"; None picks by device
@@ -24,7 +36,7 @@ class ModelConfig:
     cpu_keep_freed_memory: bool = True
     # CPU fp32/bf16: decode steps of 9-256 rows as one native call on weights packed for it
     # (engine/models/fused_decode.py; one more copy of the projections and lm_head)
-    batched_decode: bool = True
+    batched_decode: bool = default(ModelSettings, "batched_decode")
     # The model's name in the API, the registry and the block-hash root (default: `model`).
     served_model_name: str | None = None
     # True: plain torch (the reference). False: the step compiled piecewise
@@ -60,66 +72,43 @@ class ModelConfig:
         return getattr(torch, self.dtype_name)
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ConfigError("model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        check("model", self, ModelSettings, skip=("name",))
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError("model.device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.kernel_backend not in (None, "torch", "triton"):
             raise ConfigError(
                 "model.kernel_backend", f"must be 'torch' or 'triton', got {self.kernel_backend!r}"
             )
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError("model.max_model_len", f"must be >= 2, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_bytes: int = 1 << 30  # budget for the paged KV tensor
+    block_size: int = default(KVFormatSettings, "block_size")
+    kv_cache_bytes: int = default(CacheSettings, "kv_cache_bytes")  # the paged KV tensor
     num_blocks: int | None = None  # overrides the byte budget when set
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = default(CacheSettings, "enable_prefix_caching")
     # Report blocks entering/leaving the prefix cache with each output batch (KV index).
     kv_events: bool = False
-    kv_layout: str = "layer_major"  # one of KV_LAYOUTS
+    kv_layout: str = default(KVFormatSettings, "kv_layout")  # layer_major | block_major
     # CPU: fault the whole KV cache in at start (kernels/hugepages.populate), not block by
     # block on the request path; `PDSERVE_KV_POPULATE=0` turns it off process-wide.
-    kv_populate: bool = True
+    kv_populate: bool = default(CacheSettings, "kv_populate")
 
     def __post_init__(self) -> None:
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ConfigError(
-                "cache.kv_layout", f"must be one of {KV_LAYOUTS}, got {self.kv_layout!r}"
-            )
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError("cache.block_size", f"must be a power of two, got {self.block_size}")
-        if self.kv_cache_bytes < 1:
-            raise ConfigError("cache.kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError("cache.num_blocks", f"must be >= 1, got {self.num_blocks}")
+        check("cache", self, KVFormatSettings, CacheSettings)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = default(SchedulerSettings, "max_num_batched_tokens")
+    max_num_seqs: int = default(SchedulerSettings, "max_num_seqs")
     enable_chunked_prefill: bool = True
     # PD (decode role): a request whose uncached prompt suffix is at most this many tokens
     # is prefilled here instead of on its prefill node (conditional disaggregation).
-    local_prefill_max_tokens: int = 16
+    local_prefill_max_tokens: int = default(SchedulerSettings, "local_prefill_max_tokens")
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                "scheduler.max_num_batched_tokens",
-                f"must be >= 1, got {self.max_num_batched_tokens}",
-            )
-        if self.max_num_seqs < 1:
-            raise ConfigError("scheduler.max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        if self.local_prefill_max_tokens < 0:
-            raise ConfigError(
-                "scheduler.local_prefill_max_tokens",
-                f"must be >= 0, got {self.local_prefill_max_tokens}",
-            )
+        check("scheduler", self, SchedulerSettings)
 
 
 ROLES = ("colocated", "prefill", "decode")
@@ -137,10 +126,10 @@ class KVTransferConfig:
     control_address: str | None = None
     # decode: control addresses of the prefill nodes requests are sent to by default
     prefill_nodes: tuple[str, ...] = ()
-    transfer_timeout_s: float = 60.0  # deadline for a prompt's KV to arrive
-    abort_grace_s: float = 2.0  # after a deadline or abort, before blocks are reused
-    peer_timeout_s: float = 5.0  # decode: a prefill node silent this long is dead
-    on_prefill_failure: str = "local"  # "local": prefill on decode; "error": fail the request
+    transfer_timeout_s: float = default(TransferSettings, "transfer_timeout_s")
+    abort_grace_s: float = default(TransferSettings, "abort_grace_s")
+    peer_timeout_s: float = default(TransferSettings, "peer_timeout_s")
+    on_prefill_failure: str = default(SchedulerSettings, "on_prefill_failure")
     # seals every control frame (kv_transfer/frame_auth.py); None: unauthenticated
     cluster_secret: bytes | None = field(default=None, repr=False)
     net_devices: str | None = None  # UCX_NET_DEVICES of the data plane; None: all devices
@@ -162,23 +151,7 @@ class KVTransferConfig:
                     else "kv_transfer.control_address",
                     f"{addr!r} must start with tcp:// or ipc://",
                 )
-        if self.transfer_timeout_s <= 0:
-            raise ConfigError(
-                "kv_transfer.transfer_timeout_s", f"must be > 0, got {self.transfer_timeout_s}"
-            )
-        if not self.peer_timeout_s > 0:
-            raise ConfigError(
-                "kv_transfer.peer_timeout_s", f"must be > 0, got {self.peer_timeout_s}"
-            )
-        if self.abort_grace_s < 0:
-            raise ConfigError(
-                "kv_transfer.abort_grace_s", f"must be >= 0, got {self.abort_grace_s}"
-            )
-        if self.on_prefill_failure not in ("local", "error"):
-            raise ConfigError(
-                "kv_transfer.on_prefill_failure",
-                f"must be 'local' or 'error', got {self.on_prefill_failure!r}",
-            )
+        check("kv_transfer", self, TransferSettings, SchedulerSettings, skip=("net_devices",))
 
 
 @dataclass(frozen=True)
@@ -188,12 +161,12 @@ class KVStoreConfig:
 
     backend: str | None = None  # "lmcache"
     remote_url: str | None = None  # redis://host:port shared by the nodes; None: local only
-    chunk_size: int = 256  # tokens per stored chunk (a multiple of cache.block_size)
-    local_cpu_bytes: int = 1 << 30  # the store's local CPU tier
+    chunk_size: int = default(StoreSettings, "chunk_size")
+    local_cpu_bytes: int = default(StoreSettings, "local_cpu_bytes")
     namespace: str | None = None  # key prefix; None: derived from the model name
-    load_timeout_s: float = 10.0  # a load not done by then: the request computes locally
-    save_timeout_s: float = 30.0  # a save not visible remotely by then counts as failed
-    retry_after_s: float = 10.0  # after a failure the store is skipped this long
+    load_timeout_s: float = default(StoreSettings, "load_timeout_s")
+    save_timeout_s: float = default(StoreSettings, "save_timeout_s")
+    retry_after_s: float = default(StoreSettings, "retry_after_s")
 
     def __post_init__(self) -> None:
         if self.backend not in (None, "lmcache"):
@@ -204,17 +177,7 @@ class KVStoreConfig:
             raise ConfigError(
                 "kv_store.remote_url", f"must start with redis://, got {self.remote_url!r}"
             )
-        if self.chunk_size < 1:
-            raise ConfigError("kv_store.chunk_size", f"must be >= 1, got {self.chunk_size}")
-        if self.local_cpu_bytes < 1 << 20:
-            raise ConfigError(
-                "kv_store.local_cpu_bytes", f"must be >= 1 MiB, got {self.local_cpu_bytes}"
-            )
-        for name in ("load_timeout_s", "save_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"kv_store.{name}", f"must be > 0, got {getattr(self, name)}")
-        if self.retry_after_s < 0:
-            raise ConfigError("kv_store.retry_after_s", f"must be >= 0, got {self.retry_after_s}")
+        check("kv_store", self, StoreSettings)
 
 
 BACKEND_KINDS = ("nixl", "lmcache")

@@ -346,19 +346,3 @@ def test_every_router_flag_comes_from_yaml(tmp_path, monkeypatch):
     assert got.served_model_name == "m" and got.redis_url == "redis://127.0.0.1:1"
     assert got.prefill_urls == ("http://127.0.0.1:9101", "http://127.0.0.1:9102")
     assert got.decode_urls == ("http://127.0.0.1:9301",) and got.cluster == "pdserve"
-
-
-def test_older_flag_spellings_and_the_settings_order():
-    from pdserve.node.cli import SERVE_CLASSES, NodeSettings, resolve_settings
-
-    old = ["--kv-transfer-timeout", "7", "--kv-store-local-bytes", "2097152", "--no-prefix-caching"]
-    new = ["--kv-transfer-timeout-s", "7", "--kv-store-local-cpu-bytes", "2MiB"]
-    new += ["--no-enable-prefix-caching"]
-    a, b = node_engine_config(old), node_engine_config(new)
-    assert a == b and a.kv_transfer.transfer_timeout_s == 7.0
-    assert a.kv_store.local_cpu_bytes == 2 << 20 and not a.cache.enable_prefix_caching
-    args = resolve_settings(serve_parser().parse_args([]))
-    settings = NodeSettings.from_args(args)
-    assert [type(s) for s in settings] == list(SERVE_CLASSES)
-    with pytest.raises(ValueError, match="kv_peer_timeout_s: "):
-        node_engine_config(["--kv-peer-timeout", "0"])

@@ -8,12 +8,6 @@ from pydantic import ByteSize, field_validator
 
 from pdserve.config.fields import Settings, setting
 
-DTYPES = ("float32", "bfloat16", "float16")
-# How the paged KV tensor is stored (kv_transfer/kv_layout.py). layer_major: storage
-# [L, 2, N, bs, Hkv, D]; block_major: storage [N, L, 2, bs, Hkv, D] (a block's every layer
-# is one contiguous range: one NIXL descriptor per block run). Prefill and decode nodes
-# must use the same one.
-KV_LAYOUTS = ("layer_major", "block_major")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -50,7 +44,11 @@ class ModelSettings(Settings):
 
 
 class KVFormatSettings(Settings):
-    """The KV cache's shape in memory: prefill and decode nodes must agree on it."""
+    """The KV cache's shape in memory: prefill and decode nodes must agree on it.
+
+    `kv_layout` (kv_transfer/kv_layout.py): layer_major stores [L, 2, N, bs, Hkv, D];
+    block_major [N, L, 2, bs, Hkv, D], a block's every layer one contiguous range (one NIXL
+    descriptor per run of blocks)."""
 
     block_size: int = setting(16, "tokens per KV block (a power of two)", ge=1)
     kv_layout: Literal["layer_major", "block_major"] = setting(
@@ -79,7 +77,7 @@ class CacheSettings(Settings):
     """A node's paged KV cache."""
 
     kv_cache_bytes: ByteSize = setting(
-        ByteSize(1 << 30), "paged KV cache size per node, e.g. `256MiB`"
+        ByteSize(1 << 30), "paged KV cache size per node, e.g. `256MiB`", gt=0
     )
     num_blocks: int | None = setting(None, "KV blocks (overrides the bytes)", ge=1)
     enable_prefix_caching: bool = setting(

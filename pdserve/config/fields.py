@@ -133,3 +133,23 @@ def to_dests(cls: type[Settings], values: BaseModel) -> dict[str, Any]:
         value = getattr(values, name)
         out[dest_of(cls, name)] = int(value) if isinstance(value, ByteSize) else value
     return out
+
+
+# -- the engine's configs: defaults and checks from the same fields ------------------
+
+
+def default(cls: type[Settings], name: str) -> Any:
+    """The field's default (an engine config's field defaults to its setting's)."""
+    return cls.model_fields[name].get_default(call_default_factory=True)
+
+
+def check(where: str, obj: Any, *classes: type[Settings], skip: tuple[str, ...] = ()) -> None:
+    """Check the fields `obj` (an engine config) shares by name with `classes` as those
+    classes check them; ConfigError names `where.field`."""
+    for cls in classes:
+        given = {n: getattr(obj, n) for n in cls.model_fields if hasattr(obj, n) and n not in skip}
+        try:
+            cls.model_validate(given)
+        except ValidationError as e:
+            loc, msg = _first(e)
+            raise ConfigError(f"{where}.{loc}", msg) from None

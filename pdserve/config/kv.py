@@ -60,8 +60,9 @@ class StoreSettings(Settings):
     chunk_size: int = setting(256, "tokens per chunk (a multiple of block_size)", ge=1)
     local_cpu_bytes: ByteSize = setting(
         ByteSize(1 << 30),
-        "each node's local CPU tier of the store",
+        "each node's local CPU tier of the store (at least 1 MiB)",
         aliases=("--kv-store-local-bytes",),
+        ge=1 << 20,
     )
     load_timeout_s: float = setting(
         10.0, "a slower load: compute locally", gt=0, aliases=("--kv-store-load-timeout",)
