@@ -145,11 +145,11 @@ def default(cls: type[Settings], name: str) -> Any:
 
 def check(where: str, obj: Any, *classes: type[Settings], skip: tuple[str, ...] = ()) -> None:
     """Check the fields `obj` (an engine config) shares by name with `classes` as those
-    classes check them; ConfigError names `where.field`."""
+    classes check them; ConfigError names `where.field` (`field` when `where` is "")."""
     for cls in classes:
         given = {n: getattr(obj, n) for n in cls.model_fields if hasattr(obj, n) and n not in skip}
         try:
             cls.model_validate(given)
         except ValidationError as e:
             loc, msg = _first(e)
-            raise ConfigError(f"{where}.{loc}", msg) from None
+            raise ConfigError(f"{where}.{loc}" if where else loc, msg) from None
