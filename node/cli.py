@@ -116,7 +116,8 @@ def engine_config(s: NodeSettings) -> EngineConfig:
     """The engine's config: the components' fields under their own names, plus what a
     node derives (its id, the Redis URL that `cluster` stands for, the secret's bytes)."""
     sv, t, st = s.serve, s.transfer, s.store
-    uses_store = st.backend is not None or (sv.role != "colocated" and t.kind == "lmcache")
+    lmcache_transfer = sv.role != "colocated" and t.kind == "lmcache"
+    uses_store = st.backend is not None or lmcache_transfer or bool(sv.kv_backend)
     store_url = (sv.redis_url if st.url == "cluster" else st.url) if uses_store else None
     return EngineConfig(
         model=ModelConfig(

@@ -75,3 +75,13 @@ def test_engine_configs_are_checked_by_the_settings():
         KVTransferConfig(on_prefill_failure="retry")
     with pytest.raises(ConfigError, match="kv_store.local_cpu_bytes"):
         KVStoreConfig(local_cpu_bytes=1000)
+
+
+def test_the_store_url_reaches_the_engine_when_a_store_is_used():
+    given = ["--kv-store-url", "redis://h:1", "--kv-backend", "lmcache:load"]
+    assert node_engine_config(given).kv_store.remote_url == "redis://h:1"
+    redis = ["--redis-url", "redis://r:2"]
+    assert node_engine_config([*redis, "--kv-store", "lmcache"]).kv_store.remote_url == (
+        "redis://r:2"  # `cluster`, the default: the node's Redis
+    )
+    assert node_engine_config(redis).kv_store.remote_url is None  # no store: none
