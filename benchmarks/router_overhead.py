@@ -1,7 +1,7 @@
 """Latency the router adds: the same requests direct to a decode node and through the router,
 interleaved in one run (so machine noise hits both alike).
 
-The decode node is a fake node (benchmarks/fake_fleet.py: real HTTP, answers after its
+The decode node is a fake node (benchmarks/_fake_fleet.py: real HTTP, answers after its
 model-derived latency), so what differs between the two paths is only the router: its
 parsing, checks, tokenization-free token-id path, node choice and relay. Two routers are
 measured: static nodes with round_robin (no Redis), and Redis registry with kv_aware
@@ -148,7 +148,7 @@ def main() -> None:
     results: dict = {}
     with EmbeddedRedis() as redis:
         try:
-            procs.append(spawn(["-m", "benchmarks.fake_fleet", "--redis-url", redis.url,
+            procs.append(spawn(["-m", "benchmarks._fake_fleet", "--redis-url", redis.url,
                                 "--prefill", "0", "--decode", "1"]))  # fmt: skip
             node = wait_for_fake_node(redis.url)
             routers: dict[str, list[tuple[str, int]]] = {"static_round_robin": [],
