@@ -11,6 +11,7 @@ the other; each reports the median of the decode node's `kv_transfer` stage
 Each setup runs alone (the other is stopped first), so they never share the CPU. Prompts
 are seeded random token ids of --prompt-len tokens, each different (no prefix-cache hits);
 TTFT is request sent -> first streamed token; TPOT is (last - first token) / (tokens - 1).
+Writes JSON to results/pd_latency.json (or --out).
 """
 
 from __future__ import annotations

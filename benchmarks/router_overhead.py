@@ -10,14 +10,15 @@ measured: static nodes with round_robin (no Redis), and Redis registry with kv_a
 time per request (from /proc/<pid>/task/*/schedstat, nanoseconds; robust to a loaded box).
 
 Each prompt is sent once to the node, unmeasured, before its pair: the fake node keeps a
-prefix cache, so otherwise the first request of each pair paid the prompt's prefill (1.3 ms
-for 64 tokens) and the second did not, which made the pair differences bimodal (+-1.3 ms
-around the router's cost, alternating with the order) and their median land anywhere
-between the two modes.
+prefix cache, so otherwise the first request of each pair would pay the prompt's prefill
+and the second would not, splitting the pair differences into two modes around the
+router's cost.
 
     python benchmarks/router_overhead.py --requests 300 --out results/router_overhead.json
     # two trees in one run, taking turns (before/after on a loaded box)
     python benchmarks/router_overhead.py --router-root /tmp/before --router-root .
+
+Writes results/router_overhead.json (or --out).
 """
 
 from __future__ import annotations
