@@ -128,8 +128,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
 
 async def _first_of(main: Awaitable, watch: Awaitable) -> None:
     """Run both until either ends, then cancel the other and wait for it. Plain asyncio
-    tasks (no task group: anyio's cancel scopes cost ~0.1 ms of CPU per request on the
-    router's hot path). An exception of `main` is raised as itself; if this coroutine is
+    tasks (no task group: anyio's cancel scopes cost CPU on every request of the router's
+    hot path). An exception of `main` is raised as itself; if this coroutine is
     cancelled, both are cancelled and awaited first."""
     tasks = (asyncio.ensure_future(main), asyncio.ensure_future(watch))
     try:

@@ -9,7 +9,8 @@ Timing: `start` is when the request is handed to the HTTP client; each content c
 arrival time is recorded (`chunk_times`, seconds from `start`). Output tokens are the
 server's `usage.completion_tokens` when it reports usage, else the tokenizer's count of the
 text, else the number of content chunks. A pdserve node adds `pdserve_timings` to its
-final chunk (docs/benchmarks.md); those server-side TTFT stages are kept as they came.
+final chunk (docs/benchmarks-history.md, "Server timings"); those server-side TTFT stages
+are kept as they came.
 """
 
 from __future__ import annotations

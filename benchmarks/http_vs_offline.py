@@ -11,8 +11,12 @@ the two sides R times (a shared box's load drifts; the ratio of each round is re
 Besides wall time, each side's CPU seconds are read from /proc (Linux): the node's API
 process and its engine process separately, and the offline process. CPU seconds per
 output token do not depend on how much of the CPU other processes took, so they show
-what the node spends beyond the engine even on a loaded box. Writes JSON to
-results/http_vs_offline.json.
+what the node spends beyond the engine even on a loaded box.
+
+    python benchmarks/http_vs_offline.py --num-prompts 64 --num-threads 1
+    python benchmarks/http_vs_offline.py --model DIR --rounds 3   # DIR: any HF model directory
+
+Writes JSON to results/http_vs_offline.json (or --out).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ aside). Its tok/s cannot pass read-bandwidth / 538 MB. Measured per thread count
 pattern), `copy` (read + write, STREAM-copy-like), and a 1-row GEMV over a [106496, 576] fp32
 weight (245 MB) as `F.linear`, as prepacked oneDNN runs it, and as the native decode GEMV
 (kernels/cpu_gemv.py, what the model's projections run at 1-8 rows).
+Writes JSON to results/mem_bandwidth.json (or --out).
 """
 
 from __future__ import annotations

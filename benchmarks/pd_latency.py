@@ -11,6 +11,7 @@ the other; each reports the median of the decode node's `kv_transfer` stage
 Each setup runs alone (the other is stopped first), so they never share the CPU. Prompts
 are seeded random token ids of --prompt-len tokens, each different (no prefix-cache hits);
 TTFT is request sent -> first streamed token; TPOT is (last - first token) / (tokens - 1).
+Writes JSON to results/pd_latency.json (or --out).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def free_port() -> int:
 
 
 def start(args: list[str]) -> tuple[str, subprocess.Popen]:
+    return wait_healthy(*launch(args))
+
+
+def launch(args: list[str]) -> tuple[str, subprocess.Popen]:
+    """Start a node (`pdserve serve` with `args`); see `wait_healthy`."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -50,12 +56,14 @@ def start(args: list[str]) -> tuple[str, subprocess.Popen]:
         "warning",
         *args,
     ]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, cwd=ROOT)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen) -> tuple[str, subprocess.Popen]:
     deadline = time.monotonic() + 600
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {' '.join(cmd)}")
+            raise RuntimeError(f"server exited: {' '.join(proc.args)}")
         if time.monotonic() > deadline:
             raise TimeoutError("server did not become healthy")
         try:
@@ -121,17 +129,17 @@ def measure(url: str, prompts: list[list[int]], max_tokens: int, label: str) -> 
 
 def measure_pd(common: list[str], prompts, args, label: str) -> dict:
     ctl = f"tcp://127.0.0.1:{free_port()}"
-    purl, pproc = start([*common, "--role", "prefill", "--kv-control", ctl])
+    # Both nodes start at once (nothing is measured before both are healthy).
+    pnode = launch([*common, "--role", "prefill", "--kv-control", ctl])
+    dnode = launch(
+        [*common, "--role", "decode", "--prefill-node", ctl, "--local-prefill-max-tokens", "0"]
+    )
     try:
-        durl, dproc = start(
-            [*common, "--role", "decode", "--prefill-node", ctl, "--local-prefill-max-tokens", "0"]
-        )
-        try:
-            return measure(durl, prompts, args.max_tokens, label)
-        finally:
-            stop([dproc])
+        wait_healthy(*pnode)
+        durl, _ = wait_healthy(*dnode)
+        return measure(durl, prompts, args.max_tokens, label)
     finally:
-        stop([pproc])
+        stop([dnode[1], pnode[1]])
 
 
 def main() -> None:
@@ -144,6 +152,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every node")
     ap.add_argument("--kv-layouts", default="layer_major", help="one PD pair per layout")
+    ap.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="of every node")
     ap.add_argument("--skip-colocated", action="store_true")
     ap.add_argument("--out", default="results/pd_latency.json")
     args = ap.parse_args()
@@ -157,7 +166,7 @@ def main() -> None:
         "--num-threads",
         str(args.threads),
         "--kv-cache-bytes",
-        str(512 << 20),
+        str(args.kv_cache_bytes),
         "--no-prefix-caching",
     ]
     results: dict = {"config": vars(args)}

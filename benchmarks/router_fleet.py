@@ -1,5 +1,5 @@
 """A simulated fleet behind the real router: 64 prefill + 64 decode fake nodes at a few hundred
-requests/s (embedded redis-server, benchmarks/fake_fleet.py, `pdserve router` processes).
+requests/s (embedded redis-server, benchmarks/_fake_fleet.py, `pdserve router` processes).
 
 Fake nodes register and publish KV events like real ones and answer at model-derived
 latencies; requests share a pool of long prefixes, so kv_aware routing has something to
@@ -286,7 +286,7 @@ def main() -> None:
             spawn(
                 [
                     "-m",
-                    "benchmarks.fake_fleet",
+                    "benchmarks._fake_fleet",
                     "--redis-url",
                     redis.url,
                     "--prefill",

@@ -1,7 +1,7 @@
 """Latency the router adds: the same requests direct to a decode node and through the router,
 interleaved in one run (so machine noise hits both alike).
 
-The decode node is a fake node (benchmarks/fake_fleet.py: real HTTP, answers after its
+The decode node is a fake node (benchmarks/_fake_fleet.py: real HTTP, answers after its
 model-derived latency), so what differs between the two paths is only the router: its
 parsing, checks, tokenization-free token-id path, node choice and relay. Two routers are
 measured: static nodes with round_robin (no Redis), and Redis registry with kv_aware
@@ -10,14 +10,15 @@ measured: static nodes with round_robin (no Redis), and Redis registry with kv_a
 time per request (from /proc/<pid>/task/*/schedstat, nanoseconds; robust to a loaded box).
 
 Each prompt is sent once to the node, unmeasured, before its pair: the fake node keeps a
-prefix cache, so otherwise the first request of each pair paid the prompt's prefill (1.3 ms
-for 64 tokens) and the second did not, which made the pair differences bimodal (+-1.3 ms
-around the router's cost, alternating with the order) and their median land anywhere
-between the two modes.
+prefix cache, so otherwise the first request of each pair would pay the prompt's prefill
+and the second would not, splitting the pair differences into two modes around the
+router's cost.
 
     python benchmarks/router_overhead.py --requests 300 --out results/router_overhead.json
     # two trees in one run, taking turns (before/after on a loaded box)
     python benchmarks/router_overhead.py --router-root /tmp/before --router-root .
+
+Writes results/router_overhead.json (or --out).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def main() -> None:
     results: dict = {}
     with EmbeddedRedis() as redis:
         try:
-            procs.append(spawn(["-m", "benchmarks.fake_fleet", "--redis-url", redis.url,
+            procs.append(spawn(["-m", "benchmarks._fake_fleet", "--redis-url", redis.url,
                                 "--prefill", "0", "--decode", "1"]))  # fmt: skip
             node = wait_for_fake_node(redis.url)
             routers: dict[str, list[tuple[str, int]]] = {"static_round_robin": [],

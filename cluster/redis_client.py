@@ -51,8 +51,8 @@ class LeanRedis:
     come back in order, each to its waiter), packed and parsed by hiredis, for `redis://`
     URLs (`lean_client()` gives None for anything else: redis-py serves those).
 
-    redis-py's asyncio client spends ~0.1 ms of CPU per command around the packed bytes
-    (connection pool, retries, event hooks), more than the lookup's own work. Errors are
+    redis-py's asyncio client spends more CPU per command around the packed bytes
+    (connection pool, retries, event hooks) than the lookup's own work. Errors are
     redis-py's classes: `ConnectionError` (cannot connect, connection lost), `TimeoutError`
     (no reply within `timeout_s`: the connection is dropped, since later replies would be
     out of step), `ResponseError` (an error reply). A lost connection is reopened by the

@@ -7,7 +7,8 @@ the cache in place and runs the native (or Triton) kernel; the GEMMs are the
 prepacked-oneDNN custom op (engine/models/cpu_linear.py); inductor fuses the rest (norms,
 RoPE, SiLU*mul, residual adds) into C++ loops. One compiled call per step: the earlier
 piecewise compile (two graphs per layer around eager attention) paid dynamo's guards and
-wrapper ~61 times a step and lost to eager (docs/benchmarks.md).
+wrapper ~61 times a step and lost to eager (docs/benchmarks-history.md, "Piecewise
+design").
 
 Shapes are static. A decode-only step of n rows is padded to the smallest bucket
 >= n (1, 2, 4, ..., up to `max_num_seqs`): padded rows have token 0 at position 0, KV

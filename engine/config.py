@@ -39,9 +39,9 @@ class ModelConfig:
     batched_decode: bool = default(ModelSettings, "batched_decode")
     # The model's name in the API, the registry and the block-hash root (default: `model`).
     served_model_name: str | None = None
-    # True: plain torch (the reference). False: the step compiled piecewise
-    # (engine/compiled_model.py; CPU only, CUDA runs eager). None: eager, which measured
-    # as fast or faster on a quiet box (docs/benchmarks.md), and no compile per process.
+    # True: plain torch (the reference). False: the decode step compiled
+    # (engine/compiled_model.py; CPU only, CUDA runs eager). None: eager, which is as fast
+    # or faster on CPU (docs/benchmarks.md) and compiles nothing per process.
     enforce_eager: bool | None = None
     compile_cache_dir: str | None = None  # None: <pdserve cache dir>/compile
 
@@ -50,7 +50,7 @@ class ModelConfig:
         """Whether the step runs compiled (see `enforce_eager`)."""
         if not self.device.startswith("cpu"):
             return False
-        if self.enforce_eager is None:  # measured: eager as fast or faster (docs/benchmarks.md)
+        if self.enforce_eager is None:  # eager by default: see `enforce_eager`
             return False
         return not self.enforce_eager
 

@@ -3,9 +3,9 @@
 A prefill step allocates several MB-sized tensors per layer (GEMM outputs, attention
 output) and frees each moments later. glibc serves a block above its mmap threshold with
 a fresh mmap and unmaps it on free (and trims the heap top past its trim threshold), so
-every such tensor's pages fault in again and are zeroed by the kernel: measured at ~10 % of
-a one-thread workload-C step's CPU, as system time (docs/benchmarks.md, "Third round"),
-and page faults of several threads contend on the process's memory-map lock.
+every such tensor's pages fault in again and are zeroed by the kernel, a visible share of a
+prefill step's CPU spent as system time (docs/benchmarks-history.md, "Third round"), and
+page faults of several threads contend on the process's memory-map lock.
 
 `keep_freed_memory` raises the mmap threshold to glibc's maximum (32 MiB) and the trim
 threshold to 1 GiB: a freed block stays in the heap for the next allocation. The cost: the

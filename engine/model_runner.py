@@ -47,7 +47,7 @@ _NO_PHASE = contextlib.nullcontext()
 def _phase(name: str):
     """A profiler label for a phase of the step, only while a profiler runs: each
     record_function is a torch op, and after a decode step's weights have streamed through
-    the caches the step's own Python runs cold (~35 us a label, docs/benchmarks.md)."""
+    the caches the step's own Python runs cold, so labels are added only when profiling."""
     return record_function(name) if torch.autograd._profiler_enabled() else _NO_PHASE
 
 
@@ -307,7 +307,7 @@ class ModelRunner:
     def _prepare_decode(self, rows, block_ids: dict[str, list[int]]):
         """`_prepare` for a step whose rows all decode (one new token each), in fewer numpy
         and torch ops: this runs right after the previous step streamed the weights through
-        the caches, where every op costs ~10x its warm time (docs/benchmarks.md)."""
+        the caches, where every op runs cold: fewer ops is what makes it cheap."""
         bs, n, dev = self.block_size, len(rows), self.device
         reqs = [s.request for s in rows]
         positions = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, n)

@@ -1,9 +1,9 @@
 """Row-wise argmax of fp32 logits on CPU in one native call (kernels/csrc/argmax.cpp).
 
 The sampler's greedy pick: `argmax_rows(x)` equals `x.argmax(dim=-1)` (first index of the
-maximum; a row with a NaN gives its first NaN's index). torch's argmax over [32, 49152]
-took ~1.3 ms on one thread, and on two threads opened a parallel region whose join waits
-for a descheduled thread on a busy box; this runs on the calling thread in ~0.1 ms.
+maximum; a row with a NaN gives its first NaN's index). torch's argmax is slower at a
+[32, 49152] batch even on one thread, and on two it opens a parallel region whose join
+waits for a descheduled thread on a busy box; this runs on the calling thread.
 Anything else (not CPU, not fp32, not 2-D, an inner dimension that is not contiguous, no
 compiler) goes to torch.
 """

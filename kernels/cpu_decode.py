@@ -2,8 +2,8 @@
 
 For decode steps of up to `cpu_gemv.MAX_ROWS` rows, the Llama model's per-op path crosses
 from Python to native code ~10 times a layer, with nn.Module calls, views and wrapper
-checks around each crossing: ~4 ms a token at one thread for SmolLM2's 30 layers, serial
-with the weight streaming. `decode_forward` runs the same kernels (the ones
+checks around each crossing, all of it serial with the weight streaming (a large share of
+a one-row token at SmolLM2's size). `decode_forward` runs the same kernels (the ones
 kernels/cpu_gemv.py, cpu_elementwise.py and cpu_attention.py call) chained in C++, with the
 arguments those wrappers would pass, so its hidden states equal the per-op path's bit for
 bit. The model is described once (`DecodePlan`: weight, norm and cache pointers, the

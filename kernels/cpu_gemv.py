@@ -26,7 +26,9 @@ import torch
 from pdserve.kernels.native import load_library
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-MAX_ROWS = 8  # above this the prepacked oneDNN GEMM (docs/benchmarks.md, gemv_ab.py)
+# Above this many rows the prepacked oneDNN GEMM is faster (docs/benchmarks-history.md,
+# "Decode GEMV").
+MAX_ROWS = 8
 
 _i64 = ctypes.c_int64
 _ARGTYPES = [ctypes.c_void_p, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]

@@ -84,11 +84,10 @@ def populate(t: torch.Tensor) -> bool:
     Values are unchanged (a fresh mapping stays zeros). False where that is not possible
     (a kernel before 5.14, not Linux, a non-CPU or empty tensor): nothing happened then.
 
-    Why: in a VM the first write to guest memory can cost far more than zeroing it. Measured
-    on a 2-vCPU cloud VM: 7-13 s to fault in 1 GiB of long-free memory, against ~0.7 s for
-    memory freed moments before. A lazily faulted KV cache pays that on the request path,
-    block by block, as the first requests arrive (docs/benchmarks.md, "KV cache populated at
-    start")."""
+    Why: in a VM the first write to guest memory can cost far more than zeroing it (seconds
+    per GiB of long-free memory). A lazily faulted KV cache pays that on the request path,
+    block by block, as the first requests arrive (docs/benchmarks-history.md, "KV cache
+    populated at start")."""
     if not t.is_cpu or t.numel() == 0 or os.uname().sysname != "Linux":
         return False
     libc = _libc()

@@ -48,7 +48,7 @@ def runs(slots: torch.Tensor) -> list[tuple[int, int, int]]:
 def copy_kv(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src)`; between CPU tensors through numpy, one thread: torch splits a
     copy of a block run (~0.7 MB) over its OpenMP pool, which on a busy box waits on
-    every thread (measured 16 ms per run with 2 threads under load, 0.3 ms with numpy)."""
+    every thread (docs/benchmarks-history.md, "After: direct chunk reader")."""
     if dst.device.type != "cpu" or src.device.type != "cpu":
         dst.copy_(src, non_blocking=True)
         return

@@ -3,9 +3,9 @@
 LMCache 0.5.6's Redis backend reads a chunk as two GETs on its asyncio loop, each through
 a priority-queue executor and a semaphore, copies the bytes into a newly allocated memory
 object, writes that back into the local CPU tier, and only then copies it into the paged
-cache: a retrieve of 47 MB measured ~3x a plain pipelined redis-py GET of the same bytes
-(docs/benchmarks.md). This reader keeps LMCache's keys and byte layout (written by
-LMCache's own store path, `remote_serde="naive"`: per chunk `<key>metadata` and
+cache: a retrieve took several times as long as a plain pipelined redis-py GET of the same
+bytes (docs/benchmarks-history.md, "KV store"). This reader keeps LMCache's keys and byte
+layout (written by LMCache's own store path, `remote_serde="naive"`: per chunk `<key>metadata` and
 `<key>kv_bytes`, the tensor `[2, layers, tokens, hidden]` in the cache's dtype) and does
 one pipelined round trip for every chunk's metadata and bytes, then one copy per run of
 consecutive slots (per block on a block-major cache) from a zero-copy view of the received bytes.

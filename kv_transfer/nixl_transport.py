@@ -73,8 +73,9 @@ from pdserve.kv_transfer.transfer_types import (
 
 logger = logging.getLogger(__name__)
 
-# How long `add_peer` progresses a new connection. Measured (benchmarks/first_write.py,
-# one host): a 1-block first WRITE took 6.7 ms without, 1.6 ms with 5 ms (0.45 ms later).
+# How long `add_peer` progresses a new connection, so that the first WRITE to a new peer
+# does not pay the connection setup itself (docs/benchmarks-history.md, "The first WRITE
+# to a new peer").
 CONNECT_S = 0.005
 
 

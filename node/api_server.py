@@ -100,9 +100,9 @@ def build_app(
             await agent.start()
             # What startup made (torch, transformers, the tokenizer, the app) lives as long
             # as the process: out of the collector's sight. Else a full collection, which
-            # the streams' allocations trigger now and then, walks it all: ~0.2 s with every
-            # stream paused, ~10 % of this process's CPU at 64 streams (docs/benchmarks.md,
-            # "Online node: CPU outside the forward"), as in the router.
+            # the streams' allocations trigger now and then, walks it all with every stream
+            # paused (docs/benchmarks-history.md, "Online node: CPU outside the forward"),
+            # as in the router.
             gc.collect()
             gc.freeze()
             logger.info("serving %s (max_model_len=%d)", model_name, llm.max_model_len)

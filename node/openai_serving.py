@@ -124,7 +124,7 @@ class OpenAIServing:
         self.plans = GrammarPlans()  # schema -> grammar, off the event loop, cached
 
     def server_timings(self, g: Generation) -> dict | None:
-        """`pdserve_timings` (docs/benchmarks.md, "Server timings"): where this request's
+        """`pdserve_timings` (docs/benchmarks-history.md, "Server timings"): where this request's
         first-token time went on this node: the engine's stages (`RequestTimings`) plus
         `frontend`, the rest of this node's TTFT (tokenizing, the hops to and from the
         engine process, detokenizing)."""

@@ -1,8 +1,8 @@
 """The router's HTTP/1.1 client to one node, for the request path: a keep-alive pool of
 asyncio connections whose answers are parsed by httptools (the C parser uvicorn uses).
 
-aiohttp (still used for health probes) spent ~0.3 ms of CPU per request here, more than the
-rest of the routing; this client writes each request in one `write` and hands the body on
+aiohttp (still used for health probes) spent more CPU per request here than the rest of the
+routing; this client writes each request in one `write` and hands the body on
 as the parser produces it. Semantics the router relies on:
 
 - a response read to its end (and not `Connection: close`) returns its connection to the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM 1P1D (two `vllm serve` with NixlConnector behind benchmarks/vllm_pd_proxy.py) and
+# vLLM 1P1D (two `vllm serve` with NixlConnector behind benchmarks/_vllm_pd_proxy.py) and
 # pdserve 1P1D (a prefill and a decode node over NIXL), back to back, each process pinned to
 # one core, under the same `pdserve bench serve` load; then `pdserve bench compare`.
 # Optional, never run by CI; needs scripts/setup_vllm_peer.sh and `pip install nixl` in VENV.
@@ -59,7 +59,7 @@ vllm_node 1 18012 15612 "$OUT/vllm_decode.log"
 P2=${PIDS[-1]}
 wait_ready http://127.0.0.1:18011 "$OUT/vllm_prefill.log" "$P1"
 wait_ready http://127.0.0.1:18012 "$OUT/vllm_decode.log" "$P2"
-"$PY" -m benchmarks.vllm_pd_proxy --prefill http://127.0.0.1:18011 --decode http://127.0.0.1:18012 \
+"$PY" -m benchmarks._vllm_pd_proxy --prefill http://127.0.0.1:18011 --decode http://127.0.0.1:18012 \
     --port 18010 >"$OUT/vllm_proxy.log" 2>&1 &
 PIDS+=($!)
 wait_ready http://127.0.0.1:18010 "$OUT/vllm_proxy.log" "${PIDS[-1]}"

@@ -10,7 +10,7 @@
 # - the registry's torchvision, torchaudio and torchcodec are CUDA builds that break
 #   vLLM's imports beside the CPU torch: uninstall them (a text model needs none);
 # - at run time set VLLM_CPU_NUM_OF_RESERVED_CPU=0 (else it keeps one of two cores for
-#   itself) and VLLM_CPU_OMP_THREADS_BIND to the cores to use (benchmarks/vllm_peer.py does).
+#   itself) and VLLM_CPU_OMP_THREADS_BIND to the cores to use (benchmarks/_vllm_peer.py does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-/work/vllm-venv}

@@ -1,6 +1,6 @@
 """`least_loaded` (power of two choices) through a real router, real Redis and real HTTP.
 
-Three light fake decode nodes (benchmarks/fake_fleet.py: they register and heartbeat like
+Three light fake decode nodes (benchmarks/_fake_fleet.py: they register and heartbeat like
 real nodes) report 0, 6 and 12 running requests. Power of two choices compares two random
 candidates and takes the less loaded: the heaviest node is never the lighter of a pair, so
 it must get nothing; the lightest wins every pair it is drawn in (2/3 of the draws), the
@@ -23,7 +23,7 @@ N = 90
 
 
 def _fleet(redis_url: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "benchmarks.fake_fleet", "--redis-url", redis_url,
+    cmd = [sys.executable, "-m", "benchmarks._fake_fleet", "--redis-url", redis_url,
            "--prefill", "0", "--decode", str(len(LOADS)),
            "--decode-load", ",".join(map(str, LOADS))]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT)

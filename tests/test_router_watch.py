@@ -1,5 +1,5 @@
 """The router's lean path through a real router, real Redis (kv_aware) and a light fake
-decode node (benchmarks/fake_fleet.py):
+decode node (benchmarks/_fake_fleet.py):
 
 - with a prefill that would take the node 80 s, a client that hangs up before the first
   token (streamed) or before the answer (JSON) ends the attempt: the router's in-flight
@@ -39,7 +39,7 @@ def _cluster(redis_url: str, model_dir, prefill_tok_s: float):
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 1000}))
     fleet = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.fake_fleet", "--redis-url", redis_url,
+        [sys.executable, "-m", "benchmarks._fake_fleet", "--redis-url", redis_url,
          "--prefill", "0", "--decode", "1", "--prefill-tok-s", str(prefill_tok_s)],
         cwd=ROOT,
     )  # fmt: skip

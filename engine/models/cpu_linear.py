@@ -5,9 +5,9 @@
 every call). Here each projection's weight is reordered once into the blocked layout
 oneDNN's matmul wants (`mkldnn._reorder_linear_weight`), and every call runs
 `mkldnn._linear_pointwise` on the plain activations: no per-call conversion is left.
-Measured at this model's shapes on an AVX-512/bf16 box (docs/benchmarks.md): as fast as
-or faster than `F.linear` at 1, 32 and 256 rows, in fp32 and bf16; the 49152-wide
-lm_head at 32 rows fp32 ~29 ms vs ~80 ms.
+At this model's shapes that is as fast as or faster than `F.linear` at 1, 32 and 256
+rows, in fp32 and bf16, and well ahead on the 49152-wide lm_head (figures:
+docs/benchmarks-history.md).
 
 The packed weight is an opaque oneDNN tensor, which torch.compile cannot take as a graph
 input. So the GEMM is the custom op `pdserve::packed_linear(x, weight, bias)`: the graph
@@ -20,7 +20,7 @@ The MLP's gate_up projection (`PackedGateUp`) is packed as its two halves, so pr
 rows run SiLU(gate) * up inside the GEMMs (`silu_mul`): the gate GEMM applies SiLU to its
 fp32 accumulators as a oneDNN post-op ("swish"), the up GEMM multiplies its accumulators
 by that output (binary "mul" post-op). No [T, 2 I] intermediate is written and read back,
-and no separate SiLU * mul pass runs (docs/benchmarks.md, "Third round").
+and no separate SiLU * mul pass runs (docs/benchmarks-history.md, "Third round").
 """
 
 from __future__ import annotations

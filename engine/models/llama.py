@@ -66,9 +66,9 @@ class LlamaAttention(nn.Module):
 # Bytes of gate_up output per MLP tile in a long (prefill) step on CPU: the [rows,
 # 2 * intermediate] intermediate then stays in the last-level cache (32 MiB on the
 # benchmark box) instead of going out to DRAM and back. SmolLM2 fp32: tiles of 2048 rows
-# (untiled, a 4096-row step writes and rereads 50 MB per layer: -7 % CPU tiled); bf16:
-# 4096 rows, so workload C's step is not cut (tiles gained nothing there, and every tile
-# is another fork/join of the GEMM threads). See docs/benchmarks.md.
+# (untiled, a 4096-row step writes and rereads 50 MB per layer); bf16: 4096 rows, so
+# workload C's step is not cut (tiles gained nothing there, and every tile is another
+# fork/join of the GEMM threads). See docs/benchmarks-history.md, "Second round".
 MLP_TILE_BYTES = 24 << 20
 
 

@@ -2,10 +2,10 @@
 //
 // Contract: torch.argmax(x, dim=-1) on a [rows, n] fp32 matrix whose rows are contiguous:
 // the first index of the maximum; a row holding a NaN gets its first NaN's index (torch
-// treats NaN as the maximum). One thread: a [32, 49152] call is ~0.1 ms here, where
-// torch's argmax took ~1.3 ms on one thread and opened a parallel region on two (on a
-// busy 2-core box, 12-16 ms waiting for the descheduled thread at its join; measured in
-// docs/benchmarks.md, "bf16 decode step"). Called through ctypes (kernels/cpu_argmax.py).
+// treats NaN as the maximum). One thread, on the caller's: torch's argmax is slower even
+// on one thread, and on two it opens a parallel region whose join waits for a descheduled
+// thread on a busy box (docs/benchmarks-history.md, "bf16 decode step"). Called through
+// ctypes (kernels/cpu_argmax.py).
 
 #include <cstdint>
 

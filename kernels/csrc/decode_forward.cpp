@@ -15,8 +15,8 @@
 // from those libraries (kernels/cpu_decode.py), with the arguments, thread counts and key
 // splits the Python wrappers would pass. Each library keeps its own compiler flags
 // (elementwise.cpp's -ffp-contract=off, ...). What goes away is the Python between them:
-// ~10 ctypes calls, ~20 nn.Module calls and views a layer (~4 ms a token at one thread for
-// SmolLM2's 30 layers, docs/benchmarks.md).
+// ~10 ctypes calls, ~20 nn.Module calls and views a layer (docs/benchmarks-history.md,
+// "Decode forward in fewer native calls").
 //
 // The model (weights, norms, RoPE table, cache pointers) is described once, at load, by a
 // `Model` struct the caller keeps alive; a step passes only its inputs. Called through

