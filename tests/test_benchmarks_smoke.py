@@ -8,9 +8,7 @@ empty text, and the timing of tokens is lost). Scripts covered elsewhere get the
 point to the test that runs them: soak (tests/faults/test_soak.py), gpu_check's CPU dry run
 (tests/test_cuda_path.py), engine_throughput's vLLM-CPU peer (tests/test_vllm_peer.py).
 
-node_cpu and launch_startup start a node and a launched cluster, ~20 s each, which the
-runs below already cover (http_vs_offline starts a node, pd_latency a PD pair, the soak a
-launched cluster): they run for real with PDSERVE_BENCH_SMOKE_ALL=1, else `--help` only.
+node_cpu and launch_startup start a node and a launched cluster, ~20 s each.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import pytest
 from tests.conftest import make_tiny_llama
 from tests.servers import ROOT
 
-ALL = os.environ.get("PDSERVE_BENCH_SMOKE_ALL") == "1"
 KV_BYTES = str(32 << 20)
 
 
@@ -144,7 +141,6 @@ def test_openai_features(tiny_model, tmp_path):
     assert n4["wall_s"]["n4"] > 0 and n4["wall_s"]["separate"] > 0 and n4["speedup"] > 0
 
 
-@pytest.mark.skipif(not ALL, reason="starts a node for ~20 s; PDSERVE_BENCH_SMOKE_ALL=1 runs it")
 def test_node_cpu(tiny_model, tmp_path):
     out = tmp_path / "nc.json"
     run("node_cpu", "--model", tiny_model, "--num-prompts", "4", "--input-len", "16",
@@ -155,9 +151,6 @@ def test_node_cpu(tiny_model, tmp_path):
     assert rnd["api_ms_per_token"] > 0 and rnd["engine_ms_per_token"] > 0
 
 
-@pytest.mark.skipif(
-    not ALL, reason="launches a cluster for ~20 s; PDSERVE_BENCH_SMOKE_ALL=1 runs it"
-)
 def test_launch_startup(tiny_model, tmp_path):
     pytest.importorskip("nixl")
     config = (ROOT / "configs" / "local.yaml").read_text()
@@ -175,10 +168,9 @@ def test_launch_startup(tiny_model, tmp_path):
 
 @pytest.mark.parametrize(
     "script, flag",
-    [("node_cpu", "--ab-tree"), ("launch_startup", "--config"), ("soak", "--duration-s"),
-     ("gpu_check", "--dry-run"), ("engine_throughput", "--peer")],
+    [("soak", "--duration-s"), ("gpu_check", "--dry-run"), ("engine_throughput", "--peer")],
 )  # fmt: skip
 def test_help(script, flag):
-    """The scripts run for real elsewhere (or above with PDSERVE_BENCH_SMOKE_ALL=1) parse
+    """The scripts run for real elsewhere parse
     their arguments and document the flag their other test relies on."""
     assert flag in run(script, "--help", timeout=60)
