@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
+from pdserve.common.model_files import resolve_model  # noqa: E402
 from pdserve.engine.async_llm import AsyncLLM  # noqa: E402
 from pdserve.engine.messages import Ready  # noqa: E402
-from pdserve.engine.model_files import resolve_model  # noqa: E402
 from pdserve.engine.outputs import EngineCoreOutput  # noqa: E402
 from pdserve.engine.tokenizer import load_tokenizer  # noqa: E402
 from pdserve.node import openai_responses as responses  # noqa: E402

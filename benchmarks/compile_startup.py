@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/compile_startup.json")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from pdserve.engine.model_files import resolve_model
+    from pdserve.common.model_files import resolve_model
 
     resolve_model(args.model)  # converted once, outside the timings
     with tempfile.TemporaryDirectory() as cache:

@@ -23,10 +23,11 @@ from pathlib import Path
 
 from redis.asyncio import Redis
 
-from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.cluster.redis_client import connect
-from pdserve.cluster.registry import ClusterKeys, NodeRecord
+from pdserve.cluster.registry import NodeRecord
+from pdserve.common.block_hash import hash_prompt_blocks, root_hash
+from pdserve.common.redis_keys import ClusterKeys
 from pdserve.router.config import RouterConfig
 from pdserve.router.membership import Membership
 from pdserve.router.nodes import ClusterView

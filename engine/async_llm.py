@@ -14,11 +14,12 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_rules import check_token_ids
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.core_proc import KVFactory
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.messages import EngineAddresses, Ready
 from pdserve.engine.outputs import RequestTimings, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -91,11 +92,7 @@ class AsyncLLM:
                 f"the prompt has {n} tokens and max_tokens asks for {max_tokens} more",
                 "max_tokens",
             )
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.info.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})", "prompt"
-            )
+        check_token_ids(prompt_token_ids, self.info.vocab_size, "prompt")
 
     async def generate(
         self,

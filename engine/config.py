@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from pdserve.engine.errors import ConfigError
+from pdserve.common.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 # How the paged KV tensor is stored (kv_transfer/kv_layout.py). layer_major: storage

@@ -22,7 +22,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer

@@ -17,6 +17,7 @@ import tempfile
 from pdserve.api.body_deadline import DEFAULT_BODY_TIMEOUT_S
 from pdserve.api.cluster_secret import load_cluster_secret
 from pdserve.api.http import DEFAULT_MAX_BODY_BYTES
+from pdserve.common.errors import ConfigError
 from pdserve.engine.config import (
     KV_LAYOUTS,
     CacheConfig,
@@ -27,7 +28,6 @@ from pdserve.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from pdserve.engine.errors import ConfigError
 from pdserve.engine.messages import EngineAddresses
 from pdserve.node.cluster_agent import ClusterOptions
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.api.sampling_rules import INT64_MIN
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_rules import INT64_MIN, check_token_ids
 from pdserve.engine.async_llm import AsyncLLM, RequestDelta
 from pdserve.engine.config import KVTransferConfig
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.outputs import RequestTimings, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import apply_chat_template
@@ -243,15 +243,8 @@ class OpenAIServing:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.llm.info.vocab_size if self.llm.info else None
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-        ):
-            bad = next((t for t in ids if vocab is not None and not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"token id {bad} is outside the vocabulary [0, {vocab})", name
-                )
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
+        check_token_ids(params.logit_bias, vocab, "logit_bias")
 
     def _prefill_node(self, req) -> str | None:
         """The prefill node for a PD request: the router's choice if allowed, else in turn."""

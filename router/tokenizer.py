@@ -8,7 +8,7 @@ and special tokens from `tokenizer_config.json`, and the vocabulary size from
 without adding special tokens, so the ids equal the node's (tests/test_router_tokenizer.py).
 
 A model given by built-in name or `.gguf` is resolved (and converted once, if needed) by
-`pdserve.engine.model_files` in a child process, so this process never loads the engine.
+`pdserve.common.model_files` in a child process, so this process never loads the engine.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-_RESOLVE = "import sys; from pdserve.engine.model_files import resolve_model; print(resolve_model(sys.argv[1]))"
+_RESOLVE = "import sys; from pdserve.common.model_files import resolve_model; print(resolve_model(sys.argv[1]))"
 
 
 def resolve_model_dir(name_or_path: str, timeout_s: float = 900.0) -> Path:
