@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from pdserve.api.body_deadline import BodyTimeout, body_timeout_response
-from pdserve.api.errors import InvalidRequestError
 from pdserve.api.protocol import ErrorInfo, ErrorResponse
+from pdserve.common.errors import InvalidRequestError
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")

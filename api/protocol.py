@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pdserve.api.errors import InvalidRequestError
 from pdserve.api.structured import DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
+from pdserve.common.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ def resolve_tokenizer(name: str | None) -> Tokenizer | None:
         return None
     if Path(name).expanduser().exists():
         return Tokenizer(name)
-    from pdserve.engine.model_files import BUILTIN_MODELS, resolve_model  # light: no torch import
+    from pdserve.common.model_files import BUILTIN_MODELS, resolve_model  # light: no torch import
 
     if name in BUILTIN_MODELS:
         return Tokenizer(resolve_model(name))

@@ -10,7 +10,7 @@ model-derived latencies:
 
 A decode node given `kv_transfer_params.prefill_node` prefills on that fake prefill node
 (found by its control address, in-process), else on itself. Each node keeps an LRU prefix
-cache of block hashes (cluster/block_hash.py) of `kv_blocks` blocks; stores and evictions
+cache of block hashes (pdserve/common/block_hash.py) of `kv_blocks` blocks; stores and evictions
 go to Redis through the real `KVIndexPublisher`, and a heartbeat writes its `NodeRecord`
 under a TTL exactly as a real node does. All nodes of a fleet run in one process, each
 with its own uvicorn server on its own port.
@@ -34,9 +34,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.asyncio import Redis
 
-from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.kv_index import KVIndexPublisher
-from pdserve.cluster.registry import ClusterKeys, NodeRecord
+from pdserve.cluster.registry import NodeRecord
+from pdserve.common.block_hash import hash_prompt_blocks, root_hash
+from pdserve.common.redis_keys import ClusterKeys
 
 
 @dataclass

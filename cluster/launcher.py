@@ -28,6 +28,7 @@ from pdserve.cluster.nodes import NodeSpec, cluster_nodes, router_argv, router_e
 from pdserve.cluster.process import ManagedProcess
 from pdserve.cluster.schema import ClusterConfig
 from pdserve.cluster.supervisor import LaunchError, Service, Supervisor
+from pdserve.common.redis_keys import ClusterKeys
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class ClusterState:
                 import redis
 
                 with redis.Redis.from_url(self.redis_url, socket_timeout=1.0) as r:
-                    r.set(f"{self.cfg.cluster}:launcher", json.dumps(data))
+                    r.set(ClusterKeys(self.cfg.cluster).launcher, json.dumps(data))
             except Exception as e:  # Redis down or restarting: the file still has it
                 logger.debug("could not store the launcher state in Redis: %s", e)
 

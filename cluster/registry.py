@@ -1,15 +1,7 @@
 """The cluster registry in Redis: who is alive, where, and how loaded (schema + codec).
 
-Keys, all under one cluster prefix (`--cluster`, default `pdserve`):
-
-    {prefix}:nodes                 set of node ids ever registered (a hint; may hold dead ids)
-    {prefix}:node:{id}             hash: one `NodeRecord`, refreshed by each heartbeat, with a
-                                   TTL: a node that stops heartbeating disappears by itself
-    {prefix}:kv:{id}:{epoch}       set: the block hashes in that node's prefix cache during
-                                   that boot (cluster/kv_index.py); same TTL as the record
-
-A node that restarts gets a new epoch, so its old index set is never read again and ages
-out. A light module (msgspec, redis-py): nodes and the router both import it.
+The key names (`ClusterKeys`) and their layout are in pdserve/common/redis_keys.py.
+A light module (msgspec, redis-py): nodes and the router both import it.
 """
 
 from __future__ import annotations
@@ -20,6 +12,7 @@ import msgspec
 from redis.asyncio import Redis
 
 from pdserve.cluster.redis_client import LeanRedis
+from pdserve.common.redis_keys import ClusterKeys
 
 logger = logging.getLogger(__name__)
 
@@ -68,28 +61,6 @@ class NodeRecord(msgspec.Struct, kw_only=True):
         if rec.role not in ROLES:
             raise ValueError(f"bad node record: role {rec.role!r}")
         return rec
-
-
-class ClusterKeys:
-    """Key names under one cluster prefix."""
-
-    def __init__(self, prefix: str = "pdserve"):
-        if not prefix or any(c in prefix for c in " \t\n"):
-            raise ValueError(f"cluster name {prefix!r} must be non-empty, without whitespace")
-        self.prefix = prefix
-
-    @property
-    def nodes(self) -> str:
-        return f"{self.prefix}:nodes"
-
-    def node(self, node_id: str) -> str:
-        return f"{self.prefix}:node:{node_id}"
-
-    def kv(self, node_id: str, epoch: int) -> str:
-        return f"{self.prefix}:kv:{node_id}:{epoch}"
-
-    def kv_store(self, store_id: str) -> str:
-        return f"{self.prefix}:kv:store:{store_id}"
 
 
 async def read_nodes(redis: Redis, keys: ClusterKeys) -> list[NodeRecord]:

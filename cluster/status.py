@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from pdserve.common.redis_keys import ClusterKeys
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`pdserve status`: show a running cluster (processes, health, registry) from Redis."""
@@ -36,10 +38,11 @@ def read_status(redis_url: str, cluster: str) -> tuple[dict | None, list[dict]]:
     """The launcher's state and the registry's node records, from Redis."""
     import redis
 
+    keys = ClusterKeys(cluster)
     with redis.Redis.from_url(redis_url, socket_timeout=2.0, decode_responses=True) as r:
-        raw = r.get(f"{cluster}:launcher")
+        raw = r.get(keys.launcher)
         nodes = []
-        for key in sorted(r.scan_iter(f"{cluster}:node:*")):
+        for key in sorted(r.scan_iter(keys.node_pattern)):
             if r.type(key) == "hash":
                 nodes.append({"key": key, **r.hgetall(key)})
     return (json.loads(raw) if raw else None), nodes

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from pdserve.engine.core import EngineCore
 from pdserve.engine.kv_cache_manager import HoldKey
+from pdserve.engine.kv_role import EngineHandle
 from pdserve.engine.model_runner import kv_bytes_per_block
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request
@@ -59,12 +59,12 @@ class DecodeRole:
         self.bytes_received = 0
         self._block_bytes = 0  # one block, every layer, K and V
 
-    def attach(self, core: EngineCore) -> None:
+    def attach(self, core: EngineHandle) -> None:
         cfg = core.config
         self._block_bytes = kv_bytes_per_block(
             core.arch, cfg.cache.block_size, cfg.model.torch_dtype
         )
-        self.connector.register_kv_cache(core.runner.kv_cache)
+        self.connector.register_kv_cache(core.kv_cache)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -73,7 +73,7 @@ class DecodeRole:
             "kv_bytes_received": self.bytes_received,
         }
 
-    def before_step(self, core: EngineCore) -> list[EngineCoreOutput]:
+    def before_step(self, core: EngineHandle) -> list[EngineCoreOutput]:
         outs: list[EngineCoreOutput] = []
         sched = core.scheduler
         for ev in self.connector.poll():
@@ -106,7 +106,7 @@ class DecodeRole:
                 outs += self._failed(core, req, ev.reason)
         return outs
 
-    def _failed(self, core: EngineCore, req: Request, reason: str) -> list[EngineCoreOutput]:
+    def _failed(self, core: EngineHandle, req: Request, reason: str) -> list[EngineCoreOutput]:
         rid = req.request_id
         self.num_failures += 1
         failed_node = req.remote_prefill
@@ -130,7 +130,7 @@ class DecodeRole:
             return [core.make_output(req, [])]
         return []
 
-    def after_schedule(self, core: EngineCore, sched: SchedulerOutput) -> None:
+    def after_schedule(self, core: EngineHandle, sched: SchedulerOutput) -> None:
         bs = core.config.cache.block_size
         for req in sched.remote_prefills:
             req.attempt = next(self._attempts)
@@ -161,7 +161,7 @@ class DecodeRole:
         outs, self._outs = self._outs, []
         return outs
 
-    def on_abort(self, core: EngineCore, req: Request, hold_key: HoldKey | None) -> None:
+    def on_abort(self, core: EngineHandle, req: Request, hold_key: HoldKey | None) -> None:
         self._tried.pop(req.request_id, None)
         if hold_key is None:
             return

@@ -12,15 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_rules import check_token_ids
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core_client import EngineCoreClient
 from pdserve.engine.core_proc import KVFactory
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.messages import EngineAddresses, Ready
-from pdserve.engine.outputs import RequestTimings, TokenLogprobs
+from pdserve.engine.outputs import OutputStream, RequestDelta
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import load_tokenizer
 
@@ -29,24 +29,6 @@ logger = logging.getLogger(__name__)
 
 class RequestFailedError(RuntimeError):
     """The engine ended a request with an error (or died) after it was accepted."""
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    """What one request produced since its previous delta."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] | None = None
-    top_logprobs: list[TokenLogprobs] | None = None  # per token, when top_logprobs > 0
-    prompt_logprobs: list[TokenLogprobs] | None = None  # once: prompt tokens 1..
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # cumulative
-    num_cached_tokens: int = 0
-    ttft_s: float | None = None  # set on the delta carrying the first token
-    itl_s: list[float] = field(default_factory=list)  # gaps between later token arrivals
-    timings: RequestTimings | None = None  # engine-side TTFT stages, with the first token
 
 
 class AsyncLLM:
@@ -91,11 +73,7 @@ class AsyncLLM:
                 f"the prompt has {n} tokens and max_tokens asks for {max_tokens} more",
                 "max_tokens",
             )
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.info.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.info.vocab_size})", "prompt"
-            )
+        check_token_ids(prompt_token_ids, self.info.vocab_size, "prompt")
 
     async def generate(
         self,
@@ -112,7 +90,7 @@ class AsyncLLM:
         """
         queue = self.client.add_request(request_id, prompt_token_ids, params, remote_prefill)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
-        num_output = 0
+        stream = OutputStream(detok, params.logprobs)
         last_token_time: float | None = None
         finished = False
         try:
@@ -120,40 +98,22 @@ class AsyncLLM:
                 items = [await queue.get()]
                 while not queue.empty():  # a slow consumer gets merged deltas
                     items.append(queue.get_nowait())
-                delta = RequestDelta(
-                    token_ids=[], text="", logprobs=[] if params.logprobs else None
-                )
+                ttft_s, itl_s = None, []
                 for t, out in items:
                     if out.error is not None:
                         raise RequestFailedError(out.error)
                     if out.new_token_ids:
                         if last_token_time is None:
-                            delta.ttft_s = t - arrival
+                            ttft_s = t - arrival
                         else:
-                            delta.itl_s.append(t - last_token_time)
+                            itl_s.append(t - last_token_time)
                         last_token_time = t
-                    delta.token_ids.extend(out.new_token_ids)
-                    if out.timings is not None:
-                        delta.timings = out.timings
-                    if delta.logprobs is not None and out.new_logprobs:
-                        delta.logprobs.extend(out.new_logprobs)
-                    if out.new_top_logprobs:
-                        delta.top_logprobs = (delta.top_logprobs or []) + out.new_top_logprobs
-                    if out.prompt_logprobs is not None:
-                        delta.prompt_logprobs = out.prompt_logprobs
-                    delta.num_prompt_tokens = out.num_prompt_tokens
-                    delta.num_cached_tokens = out.num_cached_tokens
-                    delta.finish_reason = out.finish_reason
+                    stream.add(out)
+                delta = stream.take()
+                delta.ttft_s, delta.itl_s = ttft_s, itl_s
                 finished = delta.finish_reason is not None
-                num_output += len(delta.token_ids)
-                delta.num_output_tokens = num_output
-                if detok is not None:
-                    delta.text = detok.update(delta.token_ids, final=finished)
-                    if detok.stopped:
-                        if not finished:
-                            self.client.abort_requests([request_id])
-                        delta.finish_reason = "stop"
-                        finished = True
+                if stream.stopped_early:  # a stop string ended it before the engine did
+                    self.client.abort_requests([request_id])
                 yield delta
         finally:
             if not finished:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from pdserve.common.errors import ConfigError
 from pdserve.config.engine import (
     DEFAULT_MODEL,
     CacheSettings,
@@ -18,7 +19,6 @@ from pdserve.config.engine import (
 )
 from pdserve.config.fields import check, default
 from pdserve.config.kv import StoreSettings, TransferSettings
-from pdserve.engine.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -10,18 +10,20 @@ from pathlib import Path
 
 import torch
 
-from pdserve.cluster.block_hash import root_hash
+from pdserve.common.block_hash import root_hash
+from pdserve.common.errors import ConfigError, InvalidRequestError
+from pdserve.common.model_files import resolve_model
+from pdserve.common.sampling_rules import check_token_ids
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_heap import keep_freed_memory
-from pdserve.engine.errors import ConfigError, InvalidRequestError
-from pdserve.engine.grammar import GrammarCompiler, PendingGrammars
+from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_role import KVRole
 from pdserve.engine.kv_store import KVStore
 from pdserve.engine.model_arch import ModelArch
-from pdserve.engine.model_files import resolve_model
 from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.outputs import EngineCoreOutput, EngineStats, RequestTimings, TokenLogprobs
+from pdserve.engine.pending_grammars import PendingGrammars
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -134,11 +136,7 @@ class EngineCore:
             ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", list(params.logit_bias)),
         ):
-            bad = [t for t in ids if not (0 <= t < self.vocab_size)]
-            if bad:
-                raise InvalidRequestError(
-                    f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", field
-                )
+            check_token_ids(ids, self.vocab_size, field)
 
     def add_request(
         self,
@@ -302,6 +300,15 @@ class EngineCore:
             error=req.error,
             timings=timings,
         )
+
+    @property
+    def kv_cache(self):
+        """The model's KV cache tensors (`EngineHandle`: what a role's connector registers)."""
+        return self.runner.kv_cache
+
+    def wait_step_done(self) -> None:
+        """Block until the last step's kernels finished writing the KV cache."""
+        self.runner.wait_step_done()
 
     @staticmethod
     def first_token_timings(req: Request) -> RequestTimings:

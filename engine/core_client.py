@@ -24,9 +24,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core_proc import KVFactory, run_engine_core
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.messages import (
     AbortRequests,
     AddRequest,

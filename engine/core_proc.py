@@ -26,9 +26,9 @@ from collections.abc import Callable
 
 import zmq
 
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_role import KVRole
 from pdserve.engine.kv_store import KVStore
 from pdserve.engine.messages import (

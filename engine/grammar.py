@@ -9,7 +9,8 @@ sampler unpacks for just the constrained rows (`pdserve.engine.logits_processors
 
 `GrammarCompiler` compiles on a worker thread, with a cache keyed by grammar, so the engine
 loop keeps stepping while a new schema (or, the first time, the tokenizer view: about a
-second) compiles; `Grammar` wraps one request's matcher. When the grammar is complete
+second) compiles; `Grammar` wraps one request's matcher (requests waiting for a compile
+wait in `pdserve.engine.pending_grammars`). When the grammar is complete
 the request's EOS tokens are allowed (and the matcher's own EOS), so generation ends.
 """
 
@@ -22,8 +23,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.request import Request
+from pdserve.common.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -123,51 +123,3 @@ class GrammarCompiler:
                 f"invalid structured-output grammar: {matcher.get_error()}", "response_format"
             )
         return matcher
-
-
-class PendingGrammars:
-    """Requests whose grammar is still compiling: not yet in the scheduler."""
-
-    def __init__(self, compiler: GrammarCompiler, clock=time.monotonic):
-        self.compiler = compiler
-        self.clock = clock
-        self._waits: dict[str, tuple[Request, Future, float]] = {}
-
-    def __len__(self) -> int:
-        return len(self._waits)
-
-    def start(self, req: Request, grammar: str) -> bool:
-        """True if `req.grammar` is set now (a cached compile); else it waits here."""
-        fut = self.compiler.submit(grammar)
-        if fut.done():
-            req.grammar = self.compiler.instantiate(fut)  # raises a compile error
-            return True
-        self._waits[req.request_id] = (req, fut, self.clock() + self.compiler.deadline_s)
-        return False
-
-    def discard(self, request_id: str) -> None:
-        self._waits.pop(request_id, None)
-
-    def settle(self) -> tuple[list[Request], list[tuple[str, str]]]:
-        """(requests whose grammar is ready now, [(request id, error)] for the others that
-        failed to compile or ran past the deadline)."""
-        ready, failed = [], []
-        now = self.clock()
-        for rid, (req, fut, deadline) in list(self._waits.items()):
-            if fut.done():
-                del self._waits[rid]
-                try:
-                    req.grammar = self.compiler.instantiate(fut)
-                except Exception as e:  # InvalidRequestError, or llguidance's own
-                    failed.append((rid, f"structured output: {e}"))
-                    continue
-                ready.append(req)
-            elif now > deadline:
-                del self._waits[rid]
-                failed.append(
-                    (
-                        rid,
-                        f"structured output: grammar not compiled in {self.compiler.deadline_s:g} s",
-                    )
-                )
-        return ready, failed

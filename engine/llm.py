@@ -3,30 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.outputs import OutputStream, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (token 0 has none)
-    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -124,31 +110,23 @@ class LLM:
             results[rid] = RequestOutput(rid, ids, logprobs=[] if p.logprobs else None)
             order.append((rid, p))
         pending = set(results)
-        detoks = {
-            rid: IncrementalDetokenizer(self.tokenizer, p.stop) if self.tokenizer else None
+        streams = {
+            rid: OutputStream(
+                IncrementalDetokenizer(self.tokenizer, p.stop) if self.tokenizer else None,
+                p.logprobs,
+            )
             for rid, p in order
         }
         with tqdm(total=len(order), desc="generating", disable=not use_tqdm) as bar:
             while pending:
                 for out in self.engine.step():
                     rid = out.request_id
-                    res = results[rid]
-                    res.token_ids.extend(out.new_token_ids)
-                    if out.new_logprobs and res.logprobs is not None:
-                        res.logprobs.extend(out.new_logprobs)
-                    if out.new_top_logprobs:
-                        res.top_logprobs = (res.top_logprobs or []) + out.new_top_logprobs
-                    if out.prompt_logprobs is not None:
-                        res.prompt_logprobs = out.prompt_logprobs
-                    res.num_cached_tokens = out.num_cached_tokens
-                    res.finish_reason = out.finish_reason
-                    detok = detoks[rid]
-                    if detok is not None:
-                        res.text += detok.update(out.new_token_ids, final=out.finished)
-                        if detok.stopped and not out.finished:  # a stop string ended it
+                    stream, res = streams[rid], results[rid]
+                    stream.add(out)
+                    res.add(stream.take())
+                    if rid in pending and res.finish_reason is not None:
+                        if stream.stopped_early:  # a stop string ended it
                             self.engine.abort_requests([rid])
-                            res.finish_reason = "stop"
-                    if res.finish_reason is not None:
                         pending.discard(rid)
                         bar.update(1)
         return [results[rid] for rid, _ in order]

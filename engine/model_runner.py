@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from pdserve.common.errors import ConfigError
+from pdserve.common.model_files import default_cache_dir
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.errors import ConfigError
 from pdserve.engine.kv_tensor import allocate_kv_cache
 from pdserve.engine.model_arch import ModelArch
-from pdserve.engine.model_files import default_cache_dir
 from pdserve.engine.models import get_model_class
 from pdserve.engine.models.cpu_linear import onednn_available
 from pdserve.engine.models.fused_decode import FusedDecode

@@ -1,8 +1,21 @@
-"""Typed results crossing the engine boundary (msgspec structs: they travel over ZMQ)."""
+"""Typed results crossing the engine boundary, and the one fold of them into a request's output.
+
+`EngineCoreOutput` (a msgspec struct: it travels over ZMQ) is what one step produced for
+one request. `OutputStream` folds a request's engine outputs into `RequestDelta`s, each
+with its detokenized text (stop strings applied); `RequestOutput.add` folds deltas into
+the whole output. `LLM` uses both, `AsyncLLM` streams the deltas, the node folds them
+into each choice's output.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import msgspec
+
+if TYPE_CHECKING:
+    from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -92,3 +105,109 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_store_saves: int = 0
     kv_store_save_failures: int = 0
     kv_store_fallbacks: int = 0  # loads passed to the next backend after one failed
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What one request produced since its previous delta."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprobs] | None = None  # per token, when top_logprobs > 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # once: prompt tokens 1..
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    num_cached_tokens: int = 0
+    ttft_s: float | None = None  # set on the delta carrying the first token
+    itl_s: list[float] = field(default_factory=list)  # gaps between later token arrivals
+    timings: RequestTimings | None = None  # engine-side TTFT stages, with the first token
+
+
+class OutputStream:
+    """One request's engine outputs, folded into deltas.
+
+    `add` folds an output into the pending delta (a slow reader gets several merged);
+    `take` closes it: its text is what the detokenizer can send now, and a stop string in
+    it ends the request (`finish_reason` "stop"; `stopped_early` when the engine had not
+    finished it, so the caller aborts it there).
+    """
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None, logprobs: bool):
+        self.detokenizer = detokenizer
+        self.logprobs = logprobs
+        self.num_output_tokens = 0
+        self.stopped_early = False
+        self._pending: RequestDelta | None = None
+
+    def add(self, out: EngineCoreOutput) -> None:
+        d = self._pending
+        if d is None:
+            d = self._pending = RequestDelta([], "", logprobs=[] if self.logprobs else None)
+        d.token_ids.extend(out.new_token_ids)
+        if out.timings is not None:
+            d.timings = out.timings
+        if d.logprobs is not None and out.new_logprobs:
+            d.logprobs.extend(out.new_logprobs)
+        if out.new_top_logprobs:
+            d.top_logprobs = (d.top_logprobs or []) + out.new_top_logprobs
+        if out.prompt_logprobs is not None:
+            d.prompt_logprobs = out.prompt_logprobs
+        d.num_prompt_tokens = out.num_prompt_tokens
+        d.num_cached_tokens = out.num_cached_tokens
+        d.finish_reason = out.finish_reason
+
+    def take(self) -> RequestDelta:
+        """The pending delta, detokenized (at least one `add` since the last `take`)."""
+        d, self._pending = self._pending, None
+        assert d is not None, "take() without an output added"
+        self.num_output_tokens += len(d.token_ids)
+        d.num_output_tokens = self.num_output_tokens
+        detok = self.detokenizer
+        if detok is not None:
+            finished = d.finish_reason is not None
+            d.text = detok.update(d.token_ids, final=finished)
+            if detok.stopped:
+                self.stopped_early = not finished
+                d.finish_reason = "stop"
+        return d
+
+
+@dataclass
+class RequestOutput:
+    """Everything one request (one choice) produced: the deltas folded by `add`."""
+
+    request_id: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.. (token 0 has none)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    ttft_s: float | None = None  # arrival -> first token, where it was measured
+    timings: RequestTimings | None = None
+
+    def add(self, delta: RequestDelta) -> None:
+        if delta.ttft_s is not None:
+            self.ttft_s = delta.ttft_s
+        if delta.timings is not None:
+            self.timings = delta.timings
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        if delta.top_logprobs:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs.extend(delta.top_logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        self.finish_reason = delta.finish_reason
+        self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens

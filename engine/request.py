@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.cluster.block_hash import hash_block_tokens, root_hash
+from pdserve.common.block_hash import hash_block_tokens, root_hash
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -84,7 +84,7 @@ class Request:
         # earlier attempt's blocks.
         self.attempt = 0
         self.error: str | None = None
-        # Chain root of the block hashes (cluster/block_hash.py: keyed by model and block size).
+        # Chain root of the block hashes (pdserve/common/block_hash.py: keyed by model and block size).
         self.hash_root = hash_root if hash_root is not None else root_hash("", block_size)
         # KV store (engine/kv_store.py): looked up once; saved once; prompt tokens it holds
         self.store_checked = False

@@ -1,6 +1,6 @@
 """Per-request sampling parameters, validated at construction (the client boundary).
 
-Every field a client can set has one rule in `api/sampling_rules.py` (`FIELD_RULES`):
+Every field a client can set has one rule in `pdserve/common/sampling_rules.py` (`FIELD_RULES`):
 numbers must be finite and in range, integers must fit the wire types. A value outside its
 rule raises `InvalidRequestError` naming the field, so it becomes a 400 at the HTTP
 frontend and never reaches the engine thread. The rules live in `api/` so the router
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.api.sampling_rules import check_sampling_values
+from pdserve.common.sampling_rules import check_sampling_values
 
 # Below this temperature sampling is greedy: dividing logits by it would overflow.
 GREEDY_TEMPERATURE = 1e-5

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pdserve.common.chat_template import SPECIAL_TOKENS, ChatTemplate
+
 
 def load_tokenizer(model_dir: str | Path):
     """The directory's Hugging Face tokenizer, or None if it ships none."""
@@ -19,14 +21,17 @@ def apply_chat_template(
     tokenizer, messages: list[dict], add_generation_prompt: bool = True, **kwargs
 ) -> list[int]:
     """Token ids of the chat prompt, ending with the assistant's generation prompt.
-    `kwargs` go to the template (e.g. `tools`)."""
+
+    Rendered by the shared renderer (`pdserve.common.chat_template`, as the router renders
+    it), then encoded without adding special tokens. `kwargs` go to the template (e.g.
+    `tools`)."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so chat messages cannot be used")
-    if getattr(tokenizer, "chat_template", None) is None:
+    source = getattr(tokenizer, "chat_template", None)
+    if isinstance(source, dict):  # named templates: use the default one
+        source = source.get("default")
+    if source is None:
         raise ValueError("this model's tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer transformers
-        ids = ids["input_ids"]
-    return list(ids)
+    special = {k: getattr(tokenizer, k, None) for k in SPECIAL_TOKENS}
+    text = ChatTemplate(source, special).render(messages, add_generation_prompt, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -43,7 +43,6 @@ every backend that should.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 
 import msgspec
 import torch
@@ -174,24 +173,3 @@ class PrefillConnector(_Connector):
     def flush(self, timeout_s: float) -> None:
         """Progress in-flight WRITEs until none is pending or `timeout_s` passes."""
         return None
-
-
-_REGISTRY: dict[str, Callable[..., _Connector]] = {}
-
-
-def register_connector(name: str):
-    def deco(factory):
-        _REGISTRY[name] = factory
-        return factory
-
-    return deco
-
-
-def create_connector(name: str, **kwargs) -> DecodeConnector | PrefillConnector:
-    if name == "nixl":
-        import pdserve.kv_transfer.nixl_connector  # noqa: F401  (registers itself)
-    elif name == "lmcache":
-        import pdserve.kv_transfer.lmcache_connector  # noqa: F401  (registers itself)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown KV connector {name!r}; known: nixl, lmcache")
-    return _REGISTRY[name](**kwargs)  # type: ignore[return-value]

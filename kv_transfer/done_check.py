@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from pdserve.api.sampling_rules import MAX_LOGPROBS
+from pdserve.common.sampling_rules import MAX_LOGPROBS
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.kv_transfer.messages import PrefillDone, PrefillOrder
 

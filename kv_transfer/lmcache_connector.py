@@ -44,7 +44,6 @@ from pdserve.kv_transfer.base import (
     RecvFailed,
     Released,
     TransferKey,
-    register_connector,
 )
 from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
 from pdserve.kv_transfer.decode_side import DecodeSide, RecvState, _Attempt
@@ -259,7 +258,6 @@ class LMCachePrefillSide(PrefillSide):
             table.pop(key, None)
 
 
-@register_connector("lmcache")
 def lmcache_connector(
     *,
     node_id: str,

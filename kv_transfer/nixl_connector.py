@@ -18,7 +18,6 @@ import uuid
 
 import torch
 
-from pdserve.kv_transfer.base import register_connector
 from pdserve.kv_transfer.control_channel import DecodeControl, PrefillControl
 from pdserve.kv_transfer.decode_side import DecodeSide
 from pdserve.kv_transfer.frame_auth import FrameAuth
@@ -39,7 +38,6 @@ def _nixl_factory(node_id: str, net_devices: str | None, warmup_timeout_s: float
     return build
 
 
-@register_connector("nixl")
 def nixl_connector(
     *,
     node_id: str,

@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response
 
 from pdserve.api.body_deadline import DEFAULT_BODY_TIMEOUT_S, BodyDeadlineMiddleware
 from pdserve.api.cluster_secret import NodeKeyMiddleware
-from pdserve.api.errors import InvalidRequestError
 from pdserve.api.http import (
     DEFAULT_MAX_BODY_BYTES,
     AbortOnDisconnectResponse,
@@ -42,6 +41,8 @@ from pdserve.api.tokenize import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_rules import check_token_ids
 from pdserve.engine.async_llm import AsyncLLM, RequestFailedError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core_client import EngineDeadError
@@ -204,12 +205,7 @@ def build_app(
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         serving: OpenAIServing = request.app.state.serving
         serving.check_model(body.model)
-        vocab = serving.llm.info.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens"
-            )
+        check_token_ids(body.tokens, serving.llm.info.vocab_size, "tokens")
         if serving.llm.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer", "tokens")
         return DetokenizeResponse(prompt=serving.llm.tokenizer.decode(body.tokens))

@@ -17,6 +17,7 @@ import typing
 from typing import NamedTuple
 
 from pdserve.api.cluster_secret import load_cluster_secret
+from pdserve.common.errors import ConfigError
 from pdserve.config.engine import (
     CacheSettings,
     ComputeSettings,
@@ -42,7 +43,6 @@ from pdserve.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from pdserve.engine.errors import ConfigError
 from pdserve.engine.messages import EngineAddresses
 from pdserve.node.cluster_agent import ClusterOptions
 

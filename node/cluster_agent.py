@@ -21,7 +21,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from pdserve.cluster.kv_index import KVIndexPublisher
-from pdserve.cluster.registry import ClusterKeys, NodeRecord, read_nodes
+from pdserve.cluster.registry import NodeRecord, read_nodes
+from pdserve.common.redis_keys import ClusterKeys
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import OutputBatch
 from pdserve.node.roles import store_index_id

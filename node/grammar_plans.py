@@ -14,7 +14,7 @@ import asyncio
 import json
 from collections import OrderedDict
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.node import structured_output as structured
 
 PLAN_DEADLINE_S = 10.0

@@ -25,10 +25,10 @@ from pdserve.api.protocol import (
     UsageInfo,
 )
 from pdserve.api.structured import DeltaToolCall
-from pdserve.engine.async_llm import RequestDelta, RequestFailedError
-from pdserve.engine.outputs import TokenLogprobs
+from pdserve.engine.async_llm import RequestFailedError
+from pdserve.engine.outputs import RequestDelta, RequestOutput, TokenLogprobs
 from pdserve.node import structured_output as structured
-from pdserve.node.openai_serving import Choice, Generation, OpenAIServing, Prepared
+from pdserve.node.openai_serving import Choice, OpenAIServing, Prepared
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class TextChunk:
         )
 
 
-def usage(p: Prepared, gens: list[Generation]) -> UsageInfo:
+def usage(p: Prepared, gens: list[RequestOutput]) -> UsageInfo:
     """Each distinct prompt counts once; every choice's output counts."""
     seen: set[int] = set()
     prompt = cached = completion = 0
@@ -92,11 +92,11 @@ def completion_piece(
     s: OpenAIServing,
     p: Prepared,
     c: Choice,
-    g: Generation | RequestDelta,
+    g: RequestOutput | RequestDelta,
     first: bool,
     offset: int,
 ) -> tuple[str, CompletionLogprobs | None]:
-    """Text and logprobs of a generation (or of one delta of it, as a Generation): the
+    """Text and logprobs of a generation (or of one delta of it, as a RequestOutput): the
     echoed prompt first when `first`, then the tokens unless `drop_output`."""
     text, ids, lps, tops = "", [], [], []
     if first and p.echo:
@@ -118,7 +118,7 @@ def completion_piece(
 
 
 def completion_response(
-    s: OpenAIServing, p: Prepared, gens: list[Generation]
+    s: OpenAIServing, p: Prepared, gens: list[RequestOutput]
 ) -> CompletionResponse:
     choices = []
     for c, g in zip(p.choices, gens):
@@ -131,7 +131,9 @@ def completion_response(
     )
 
 
-def chat_response(s: OpenAIServing, p: Prepared, gens: list[Generation]) -> ChatCompletionResponse:
+def chat_response(
+    s: OpenAIServing, p: Prepared, gens: list[RequestOutput]
+) -> ChatCompletionResponse:
     choices = []
     for c, g in zip(p.choices, gens):
         lp = None
@@ -163,7 +165,7 @@ async def stream_completion(
     started = [False] * len(p.choices)
     plain = [TextChunk(False, p.request_id, s.model_name, c.index) for c in p.choices]
 
-    def chunk(c: Choice, g: Generation | RequestDelta) -> str | None:
+    def chunk(c: Choice, g: RequestOutput | RequestDelta) -> str | None:
         text, lp = completion_piece(s, p, c, g, not started[c.index], offsets[c.index])
         started[c.index] = True
         offsets[c.index] += len(text)
@@ -181,7 +183,7 @@ async def stream_completion(
             ],
         ).model_dump_json()
 
-    def usage_chunk(gens: list[Generation]) -> str:
+    def usage_chunk(gens: list[RequestOutput]) -> str:
         return CompletionResponse(
             id=p.request_id, model=s.model_name, choices=[], usage=usage(p, gens)
         ).model_dump_json()
@@ -197,7 +199,7 @@ async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> Asy
     tooling = p.plan.tools_forced or p.plan.tools_auto
     plain = [TextChunk(True, p.request_id, s.model_name, c.index) for c in p.choices]
 
-    def chunk(c: Choice, g: Generation | RequestDelta) -> str | None:
+    def chunk(c: Choice, g: RequestOutput | RequestDelta) -> str | None:
         text = "" if p.plan.tools_forced else g.text
         finish = g.finish_reason
         calls = None
@@ -228,7 +230,7 @@ async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> Asy
             ],
         ).model_dump_json()
 
-    def usage_chunk(gens: list[Generation]) -> str:
+    def usage_chunk(gens: list[RequestOutput]) -> str:
         return ChatCompletionChunk(
             id=p.request_id, model=s.model_name, choices=[], usage=usage(p, gens)
         ).model_dump_json()
@@ -259,12 +261,12 @@ def with_timings(body_json: str, timings: dict | None) -> str:
 async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_chunk, first):
     for f in first:
         yield f"data: {f}\n\n"
-    gens = [Generation() for _ in p.choices]
+    gens = [RequestOutput() for _ in p.choices]
     try:
         async with aclosing(s.deltas(p)) as deltas:
             async for c, delta in deltas:
                 gens[c.index].add(delta)
-                body = chunk(c, delta)  # reads the fields a Generation of it would have
+                body = chunk(c, delta)  # reads the fields a RequestOutput of it would have
                 if body is not None:
                     if delta.finish_reason is not None:
                         body = with_timings(body, s.server_timings(gens[c.index]))

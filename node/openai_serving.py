@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.api.sampling_rules import INT64_MIN
-from pdserve.engine.async_llm import AsyncLLM, RequestDelta
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_rules import INT64_MIN, check_token_ids
+from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.config import KVTransferConfig
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.outputs import RequestTimings, TokenLogprobs
+from pdserve.engine.outputs import RequestDelta, RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import apply_chat_template
 from pdserve.node import structured_output as structured
@@ -56,39 +56,6 @@ class Choice:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None  # completions with echo: the prompt as sent
-
-
-@dataclass
-class Generation:
-    """Everything one choice produced, accumulated from its deltas."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    top_logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    ttft_s: float | None = None  # this node's arrival -> first token at its frontend
-    timings: RequestTimings | None = None
-
-    def add(self, delta: RequestDelta) -> None:
-        if delta.ttft_s is not None:
-            self.ttft_s = delta.ttft_s
-        if delta.timings is not None:
-            self.timings = delta.timings
-        self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
-        if delta.top_logprobs:
-            self.top_logprobs = (self.top_logprobs or []) + delta.top_logprobs
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
-        self.finish_reason = delta.finish_reason
-        self.num_prompt_tokens = delta.num_prompt_tokens
-        self.num_cached_tokens = delta.num_cached_tokens
 
 
 @dataclass
@@ -123,7 +90,7 @@ class OpenAIServing:
         )
         self.plans = GrammarPlans()  # schema -> grammar, off the event loop, cached
 
-    def server_timings(self, g: Generation) -> dict | None:
+    def server_timings(self, g: RequestOutput) -> dict | None:
         """`pdserve_timings` (docs/benchmarks-history.md, "Server timings"): where this request's
         first-token time went on this node: the engine's stages (`RequestTimings`) plus
         `frontend`, the rest of this node's TTFT (tokenizing, the hops to and from the
@@ -243,15 +210,8 @@ class OpenAIServing:
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.llm.info.vocab_size if self.llm.info else None
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-        ):
-            bad = next((t for t in ids if vocab is not None and not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"token id {bad} is outside the vocabulary [0, {vocab})", name
-                )
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
+        check_token_ids(params.logit_bias, vocab, "logit_bias")
 
     def _prefill_node(self, req) -> str | None:
         """The prefill node for a PD request: the router's choice if allowed, else in turn."""
@@ -323,8 +283,8 @@ class OpenAIServing:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def collect(self, p: Prepared) -> list[Generation]:
-        gens = [Generation() for _ in p.choices]
+    async def collect(self, p: Prepared) -> list[RequestOutput]:
+        gens = [RequestOutput() for _ in p.choices]
         async with aclosing(self.deltas(p)) as deltas:
             async for c, delta in deltas:
                 gens[c.index].add(delta)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Collection
 
-from pdserve.api.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 
 PARAM = "kv_transfer_params.prefill_node"
 

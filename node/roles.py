@@ -9,7 +9,8 @@ import logging
 from pdserve.engine.config import EngineConfig, KVBackendConfig
 from pdserve.engine.kv_role import KVRole
 from pdserve.engine.kv_store import KVStore
-from pdserve.kv_transfer.base import DecodeConnector, PrefillConnector, create_connector
+from pdserve.kv_transfer.base import DecodeConnector, PrefillConnector
+from pdserve.kv_transfer.connectors import create_connector
 from pdserve.kv_transfer.multi_connector import MultiConnector, StoreBackend
 
 logger = logging.getLogger(__name__)

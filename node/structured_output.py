@@ -24,7 +24,7 @@ from typing import Any
 from pdserve.api import chat_tools
 from pdserve.api.protocol import ChatCompletionRequest
 from pdserve.api.structured import FunctionCall, ToolCall
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)

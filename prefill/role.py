@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pdserve.engine.core import EngineCore
 from pdserve.engine.kv_cache_manager import HoldKey
+from pdserve.engine.kv_role import EngineHandle
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
@@ -60,13 +60,13 @@ class PrefillRole:
         self.num_orders = 0
         self.bytes_sent = 0
 
-    def attach(self, core: EngineCore) -> None:
-        self.connector.register_kv_cache(core.runner.kv_cache)
+    def attach(self, core: EngineHandle) -> None:
+        self.connector.register_kv_cache(core.kv_cache)
 
     def stats(self) -> dict[str, int]:
         return {"pd_orders": self.num_orders, "kv_bytes_sent": self.bytes_sent}
 
-    def before_step(self, core: EngineCore) -> list[EngineCoreOutput]:
+    def before_step(self, core: EngineHandle) -> list[EngineCoreOutput]:
         for ev in self.connector.poll():
             if isinstance(ev, NewOrder):
                 self._start(core, ev)
@@ -83,7 +83,7 @@ class PrefillRole:
                     core.kv.release_hold(hold)
         return []  # prefill-order requests produce nothing for this node's own clients
 
-    def _start(self, core: EngineCore, ev: NewOrder) -> None:
+    def _start(self, core: EngineHandle, ev: NewOrder) -> None:
         order, key = ev.order, ev.key
         eid = engine_request_id(key)
         try:
@@ -100,17 +100,17 @@ class PrefillRole:
         self._keys[eid] = key
         self.num_orders += 1
 
-    def after_schedule(self, core: EngineCore, sched: SchedulerOutput) -> None:
+    def after_schedule(self, core: EngineHandle, sched: SchedulerOutput) -> None:
         return None
 
     def after_step(
-        self, core: EngineCore, sched: SchedulerOutput, finished: list[Request]
+        self, core: EngineHandle, sched: SchedulerOutput, finished: list[Request]
     ) -> list[EngineCoreOutput]:
         bs = core.config.cache.block_size
         done = {r.request_id for r in finished}
         exporting = any(s.request.request_id in self._exports for s in sched.scheduled)
         if exporting:
-            core.runner.wait_step_done()  # the NIC must not read blocks still being written
+            core.wait_step_done()  # the NIC must not read blocks still being written
         for s in sched.scheduled:
             eid = s.request.request_id
             exp = self._exports.get(eid)
@@ -147,7 +147,7 @@ class PrefillRole:
         # Outputs of exported requests are internal: drop them from this step's results.
         return []
 
-    def on_abort(self, core: EngineCore, req: Request, hold_key: HoldKey | None) -> None:
+    def on_abort(self, core: EngineHandle, req: Request, hold_key: HoldKey | None) -> None:
         eid = req.request_id
         self._exports.pop(eid, None)
         key = self._keys.get(eid)

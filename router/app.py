@@ -21,9 +21,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.api.body_deadline import BodyDeadlineMiddleware
-from pdserve.api.errors import InvalidRequestError
 from pdserve.api.http import BodySizeLimitMiddleware, add_error_handlers, error_response
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pdserve.common.errors import InvalidRequestError
 from pdserve.router.config import RouterConfig
 from pdserve.router.fast_path import FastGeneration
 from pdserve.router.membership import Membership

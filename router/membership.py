@@ -22,7 +22,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from pdserve.cluster.redis_client import LeanRedis, connect, lean_client
-from pdserve.cluster.registry import ClusterKeys, NodeRecord, read_nodes
+from pdserve.cluster.registry import NodeRecord, read_nodes
+from pdserve.common.redis_keys import ClusterKeys
 from pdserve.router.config import RouterConfig
 from pdserve.router.nodes import ClusterView, NodeState
 

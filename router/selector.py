@@ -4,7 +4,7 @@
    minus the nodes a failed earlier attempt excluded.
 2. If either role's policy is `kv_aware` and Redis is up, read from the KV index, in one
    round trip, how many leading blocks of the prompt each candidate holds (the chain is
-   hashed once per distinct model and block size, cluster/block_hash.py).
+   hashed once per distinct model and block size, pdserve/common/block_hash.py).
 3. Pick the decode node. A colocated node, or a decode node whose own cache leaves an
    uncached suffix of at most its `local_prefill_max_tokens`, prefills locally (no
    prefill node); otherwise pick the prefill node.
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
-from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.kv_index import PendingHits, PrefixHits
 from pdserve.cluster.registry import NodeRecord
+from pdserve.common.block_hash import hash_prompt_blocks, root_hash
 from pdserve.router.config import RouterConfig
 from pdserve.router.membership import Membership
 from pdserve.router.nodes import ClusterView, NodeState

@@ -21,10 +21,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pdserve.api.chat_tools import template_tools
-from pdserve.api.errors import InvalidRequestError
 from pdserve.api.http import error_response, until_disconnect
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
-from pdserve.api.sampling_rules import INT32_MAX, check_sampling_values
+from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_rules import INT32_MAX, check_sampling_values, check_token_ids
 from pdserve.router.client_watch import ClientWatch
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -132,11 +132,7 @@ class RouterServing:
                 f"the prompt has {n} tokens and max_tokens asks for {max_tokens} more",
                 "max_tokens",
             )
-        bad = next((t for t in tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
-            )
+        check_token_ids(tokens, vocab, "prompt")
         return limits
 
     @staticmethod
@@ -147,11 +143,7 @@ class RouterServing:
         kwargs = req.sampling_kwargs(default_max_tokens=default)
         check_sampling_values(kwargs)
         for name in ("stop_token_ids", "logit_bias"):
-            bad = next((t for t in kwargs.get(name) or () if vocab and not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(
-                    f"token id {bad} is outside the vocabulary [0, {vocab})", name
-                )
+            check_token_ids(kwargs.get(name) or (), vocab, name)
         return kwargs
 
     # -- dispatch ---------------------------------------------------------------------------

@@ -15,7 +15,7 @@ RATES=${RATES:-inf 0.5}
 NICE=${NICE:-0}
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$OUT"
-MODEL_DIR=$("$PY" -c 'from pdserve.engine.model_files import resolve_model; print(resolve_model("smollm2-135m-instruct"))')
+MODEL_DIR=$("$PY" -c 'from pdserve.common.model_files import resolve_model; print(resolve_model("smollm2-135m-instruct"))')
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT

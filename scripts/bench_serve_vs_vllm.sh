@@ -19,7 +19,7 @@ VPORT=${VLLM_PORT:-18000}
 PPORT=${PDSERVE_PORT:-18100}
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p "$OUT"
-MODEL_DIR=$("$PY" -c 'from pdserve.engine.model_files import resolve_model; print(resolve_model("smollm2-135m-instruct"))')
+MODEL_DIR=$("$PY" -c 'from pdserve.common.model_files import resolve_model; print(resolve_model("smollm2-135m-instruct"))')
 
 wait_ready() {  # URL LOGFILE PID: up to 15 minutes (vLLM's first start compiles)
     for _ in $(seq 900); do

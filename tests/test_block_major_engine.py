@@ -4,9 +4,9 @@ single, batched, chunked, prefix-hit and preemption runs, eager and compiled."""
 
 import pytest
 
+from pdserve.common.errors import ConfigError
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
-from pdserve.engine.errors import ConfigError
 from pdserve.engine.kv_tensor import BLOCK_MAJOR, layout_of
 from pdserve.kernels.ops import CPU_ATTENTION_ENV
 from tests.hf_reference import hf_greedy, load_hf

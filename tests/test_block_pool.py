@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
+from pdserve.common.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
 from pdserve.engine.block_pool import BlockPool, BlockPoolError
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request

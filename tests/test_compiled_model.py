@@ -5,11 +5,11 @@ serving; padded rows never change the real rows' outputs or the KV cache."""
 import pytest
 import torch
 
+from pdserve.common.model_files import default_cache_dir
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.compiled_model import CompiledDecode, compiled_graph_count, decode_buckets
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.model_files import default_cache_dir
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_engine import random_prompts
 

@@ -18,9 +18,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 
+from pdserve.common.errors import ConfigError  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.config import ModelConfig  # noqa: E402
-from pdserve.engine.errors import ConfigError  # noqa: E402
 from pdserve.engine.model_arch import ModelArch  # noqa: E402
 from pdserve.engine.model_runner import build_model  # noqa: E402
 from pdserve.engine.models.rope import build_cos_sin_cache  # noqa: E402

@@ -15,7 +15,7 @@ TEXT = "Grüße aus Köln! 日本語のテキスト 🎉🦜 naïve café — fi
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pdserve.engine.model_files import resolve_model
+    from pdserve.common.model_files import resolve_model
     from pdserve.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model("smollm2-135m-instruct"))

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
+from pdserve.common.errors import ConfigError, InvalidRequestError
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.errors import ConfigError, InvalidRequestError
 from tests.hf_reference import hf_greedy, load_hf
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdserve.engine.grammar import GrammarCompiler, PendingGrammars
+from pdserve.engine.grammar import GrammarCompiler
+from pdserve.engine.pending_grammars import PendingGrammars
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.structured_output import json_grammar
 

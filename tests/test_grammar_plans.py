@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.node.grammar_plans import GrammarPlans
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

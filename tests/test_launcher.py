@@ -21,6 +21,7 @@ import openai
 import pytest
 import redis
 
+from pdserve.common.redis_keys import ClusterKeys
 from tests.servers import ROOT, alive, descendants, free_port
 
 pytestmark = pytest.mark.slow
@@ -91,7 +92,7 @@ def chat(url: str) -> str:
 
 def registry_epoch(launch: Launch, node: str) -> str | None:
     with redis.Redis.from_url(launch.service("redis")["url"]) as r:
-        epoch = r.hget(f"pdserve:node:{node}", "epoch")
+        epoch = r.hget(ClusterKeys().node(node), "epoch")
     return epoch.decode() if epoch else None
 
 

@@ -73,7 +73,7 @@ def loglikelihoods(model: str, model_args: str, include: str) -> dict[tuple[int,
 
 
 def test_local_completions_loglikelihoods_equal_the_hf_backend(tmp_path):
-    from pdserve.engine.model_files import resolve_model
+    from pdserve.common.model_files import resolve_model
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     model_dir = str(resolve_model(MODEL))

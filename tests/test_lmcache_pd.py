@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from pdserve.common.errors import ConfigError
 from pdserve.decode.role import DecodeRole
 from pdserve.engine.config import (
     CacheConfig,
@@ -22,7 +23,6 @@ from pdserve.engine.config import (
     SchedulerConfig,
 )
 from pdserve.engine.core import EngineCore
-from pdserve.engine.errors import ConfigError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.lmcache_connector import LMCacheSettings, lmcache_connector
 from pdserve.prefill.role import PrefillRole

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.engine import model_files
-from pdserve.engine.model_files import BUILTIN_MODELS, default_cache_dir, resolve_model
+from pdserve.common import model_files
+from pdserve.common.model_files import BUILTIN_MODELS, default_cache_dir, resolve_model
 
 BUILTIN = "smollm2-135m-instruct"
 

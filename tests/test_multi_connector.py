@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.common.errors import ConfigError
 from pdserve.engine.config import (
     CacheConfig,
     EngineConfig,
@@ -27,7 +28,6 @@ from pdserve.engine.config import (
     SchedulerConfig,
 )
 from pdserve.engine.core import EngineCore
-from pdserve.engine.errors import ConfigError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.roles import build_kv
 from tests.hf_reference import hf_greedy, load_hf

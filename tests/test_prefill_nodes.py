@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdserve.api.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 from pdserve.node.prefill_nodes import PARAM, PrefillNodes
 
 A, B = "tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"

@@ -200,7 +200,8 @@ def test_password_and_database_apply(redis_server):
 
 def test_read_nodes_gives_the_same_records_through_both_clients(redis_server):
     from pdserve.cluster.redis_client import connect
-    from pdserve.cluster.registry import ClusterKeys, NodeRecord, read_nodes
+    from pdserve.cluster.registry import NodeRecord, read_nodes
+    from pdserve.common.redis_keys import ClusterKeys
 
     keys = ClusterKeys("t")
     recs = [NodeRecord(node_id=f"n{i}", role=("prefill", "decode")[i % 2], url=f"http://h:{i}",

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
+from pdserve.common.errors import InvalidRequestError
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import sample
 from tests.hf_reference import hf_greedy, load_hf

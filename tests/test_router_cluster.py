@@ -2,7 +2,7 @@
 random Llama, real NIXL for the PD pair, real HTTP).
 
 - nodes register under a TTL and publish their prefix cache into the KV index, hashed as
-  the router hashes (cluster/block_hash.py); a SIGKILLed node leaves within its TTL;
+  the router hashes (pdserve/common/block_hash.py); a SIGKILLed node leaves within its TTL;
 - kv_aware sends a request sharing a prefix to the prefill node that holds it, which then
   computes only the uncached part;
 - a node killed under load: requests not yet streaming are retried on another node;
@@ -19,9 +19,10 @@ import httpx
 import pytest
 import redis
 
-from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.embedded_redis import EmbeddedRedis
-from pdserve.cluster.registry import ClusterKeys, NodeRecord
+from pdserve.cluster.registry import NodeRecord
+from pdserve.common.block_hash import hash_prompt_blocks, root_hash
+from pdserve.common.redis_keys import ClusterKeys
 from tests.servers import (
     engine_state,
     free_port,

@@ -81,7 +81,7 @@ def test_openai_client_through_router_equals_colocated_and_hf(cluster):
     )
     assert comp.choices[0].text == comp_local.choices[0].text
     # Hugging Face's greedy continuation of the same prompt ids, token for token
-    from pdserve.engine.model_files import resolve_model
+    from pdserve.common.model_files import resolve_model
     from pdserve.engine.tokenizer import load_tokenizer
 
     model_dir = resolve_model(MODEL)
@@ -151,7 +151,7 @@ def test_batch_prompts_through_the_router_equal_the_node(cluster):
     assert [c["index"] for c in routed["choices"]] == list(range(6))
     assert [c["text"] for c in routed["choices"]] == [c["text"] for c in local["choices"]]
     assert routed["usage"] == local["usage"] and routed["usage"]["completion_tokens"] == 48
-    from pdserve.engine.model_files import resolve_model
+    from pdserve.common.model_files import resolve_model
     from pdserve.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(resolve_model(MODEL))

@@ -13,8 +13,8 @@ import httpx
 import pytest
 import redis
 
-from pdserve.cluster.block_hash import hash_prompt_blocks, root_hash
 from pdserve.cluster.registry import NodeRecord
+from pdserve.common.block_hash import hash_prompt_blocks, root_hash
 from tests.servers import engine_state, kill_server, start_server
 from tests.test_router_cluster import (
     KEYS,

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from pdserve.cluster.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
 from pdserve.cluster.registry import NodeRecord
+from pdserve.common.block_hash import hash_block_tokens, hash_prompt_blocks, root_hash
 from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig, RouterConfigError
 from pdserve.router.nodes import NodeState
@@ -142,7 +142,7 @@ def test_prompt_chain_equals_the_engine_block_by_block_chain():
 def test_prefix_hits_counts_leading_blocks_per_node_in_one_script(redis_server):
     from pdserve.cluster.kv_index import PrefixHits
     from pdserve.cluster.redis_client import connect
-    from pdserve.cluster.registry import ClusterKeys
+    from pdserve.common.redis_keys import ClusterKeys
 
     keys = ClusterKeys("t")
     chain = [bytes([i]) * 16 for i in range(1, 41)]  # a 40-block prompt

@@ -66,8 +66,8 @@ def test_a_bad_flag_names_it(argv, field):
 
 
 def test_engine_configs_are_checked_by_the_settings():
+    from pdserve.common.errors import ConfigError
     from pdserve.engine.config import CacheConfig, KVStoreConfig, KVTransferConfig
-    from pdserve.engine.errors import ConfigError
 
     with pytest.raises(ConfigError, match="cache.block_size: must be a power of two"):
         CacheConfig(block_size=12)

@@ -18,13 +18,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, TypeAdapter, ValidationError
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+from pdserve.common.errors import ConfigError  # one type for settings and engine checks
 
 
 class Settings(BaseModel):

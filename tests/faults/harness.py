@@ -28,6 +28,7 @@ import redis
 import yaml
 
 from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
+from pdserve.common.redis_keys import ClusterKeys
 from tests.servers import ROOT, alive, free_port
 
 DEADLINE_S = 90.0  # every request must end by then, whatever the drill does
@@ -191,17 +192,17 @@ class Cluster:
 
     def wait_no_dead_epochs(self, timeout_s: float = 30) -> None:
         """The KV index holds sets only of the epochs the registry lists as live."""
-        prefix = self.config["cluster"]
+        keys = ClusterKeys(self.config["cluster"])
         deadline = time.monotonic() + timeout_s
         while True:
             with redis.Redis.from_url(self.service("redis")["url"], socket_timeout=5) as r:
                 live = {}
-                for node_id in r.smembers(f"{prefix}:nodes"):
-                    epoch = r.hget(f"{prefix}:node:{node_id.decode()}", "epoch")
+                for node_id in r.smembers(keys.nodes):
+                    epoch = r.hget(keys.node(node_id.decode()), "epoch")
                     if epoch:
                         live[node_id.decode()] = epoch.decode()
                 stale = []
-                for key in r.scan_iter(f"{prefix}:kv:*"):
+                for key in r.scan_iter(keys.kv_pattern):
                     node_id, epoch = key.decode().rsplit(":", 2)[-2:]
                     if live.get(node_id) != epoch:
                         stale.append(key.decode())

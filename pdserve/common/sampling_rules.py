@@ -12,10 +12,10 @@ a rule here.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from pdserve.api.errors import InvalidRequestError
+from pdserve.common.errors import InvalidRequestError
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -115,3 +115,18 @@ def check_sampling_values(values: Mapping[str, object]) -> None:
         raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
     if any(not isinstance(s, str) or not s for s in stop):
         raise InvalidRequestError("stop strings must be non-empty", "stop")
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int | None, field: str) -> None:
+    """Raise `InvalidRequestError` naming `field` if any id lies outside [0, vocab_size).
+
+    The one out-of-vocabulary check for prompts, stop_token_ids, logit_bias and
+    /detokenize, at the engine, the node and the router alike. Skipped when the
+    vocabulary size is unknown (None or 0)."""
+    if not vocab_size:
+        return
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"token id {bad} is outside the vocabulary [0, {vocab_size})", field
+        )

@@ -1,4 +1,4 @@
-"""Errors for bad client input, shared by the engine, the node and the router."""
+"""Error types shared by every layer: bad client input (`InvalidRequestError`) and bad configuration (`ConfigError`)."""
 
 
 class InvalidRequestError(ValueError):
@@ -11,3 +11,11 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
