@@ -19,23 +19,13 @@ cannot be built: the caller then runs its own GEMM.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from pdserve.kernels.native import load_library
+from pdserve.kernels import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROWS = 8  # above this the prepacked oneDNN GEMM (docs/benchmarks.md, gemv_ab.py)
 
-_i64 = ctypes.c_int64
-_ARGTYPES = [ctypes.c_void_p, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]
-_ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 3
-_p = ctypes.c_void_p
-_NORM_ARGTYPES = [_p, _i64, _p, _i64, _p, ctypes.c_float, _p, _i64, _p, _i64, _p, _p]
-_NORM_ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 3
-_fn: ctypes._CFuncPtr | None | bool = False  # False: not loaded yet
-_norm_fn: ctypes._CFuncPtr | None = None
 _prompt_step = False  # set by the model runner per step: prompt tokens in it -> not here
 
 
@@ -51,32 +41,17 @@ def prompt_step() -> bool:
     return _prompt_step
 
 
-def _load():
-    global _fn, _norm_fn
-    if _fn is False:
-        lib = load_library("gemv")
-        if lib is None:
-            _fn = None
-        else:
-            fn = lib.pdserve_gemv
-            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-            _norm_fn = lib.pdserve_norm_gemv
-            _norm_fn.argtypes, _norm_fn.restype = _NORM_ARGTYPES, ctypes.c_int
-            _fn = fn
-    return _fn
-
-
 _threads = torch.get_num_threads
 
 
 def available() -> bool:
     """Whether the native library is built and loaded on this machine."""
-    return _load() is not None
+    return native.load_library("gemv") is not None
 
 
 def isa() -> int:
     """The build's vector width in bits (512, 256, 32), +1 with the avx512_bf16 dot."""
-    lib = load_library("gemv")
+    lib = native.load_library("gemv")
     return -1 if lib is None else int(lib.pdserve_gemv_isa())
 
 
@@ -129,7 +104,7 @@ def norm_linear(
     n = weight.shape[0] >> int(silu)
     y = torch.empty((m, n), dtype=dtype)
     res_out = x if residual is None else torch.empty((m, k), dtype=dtype)
-    _norm_fn(
+    native.load_library("gemv").pdserve_norm_gemv(
         x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0), norm_weight.data_ptr(), eps,
         res_out.data_ptr(), k, weight.data_ptr(), weight.stride(0),
@@ -161,13 +136,15 @@ def _call(
         return None
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous() or bias.shape != (n,)):
         return None
-    fn = _fn if _fn else _load()
-    if fn is None or torch.compiler.is_compiling():
+    lib = native.load_library("gemv")
+    if lib is None or torch.compiler.is_compiling():
         return None
     if check_only:
         return True
     n >>= silu  # gate_up: half the rows are outputs
     y = torch.empty((m, n), dtype=dtype)
     b = None if bias is None else bias.data_ptr()
-    fn(x.data_ptr(), xs, weight.data_ptr(), ws, b, y.data_ptr(), n, m, n, k, code, _threads(), silu)
+    lib.pdserve_gemv(
+        x.data_ptr(), xs, weight.data_ptr(), ws, b, y.data_ptr(), n, m, n, k, code, _threads(), silu
+    )
     return y

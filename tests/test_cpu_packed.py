@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops, cpu_packed
+from pdserve.kernels import cpu_ops, cpu_packed, native
 from tests.conftest import skip_in_isa_view
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,7 +108,7 @@ def test_bad_inputs_are_refused():
             p.gemm(x, **bad)
     with pytest.raises(ValueError):
         cpu_packed.Packed(torch.randn(4, 8, dtype=torch.bfloat16)).gemm(x)  # fp32 rows
-    lib = cpu_packed._lib()
+    lib = native.load_library("gemm_packed")
     y = torch.empty(2, 4)
     bias = torch.zeros(4)
     args = (ctypes.c_void_p(p.ptr()), 4, 8)
@@ -164,8 +164,8 @@ def test_other_builds(tmp_path, march, bits):
     env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(ROOT))
     env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
     code = (
-        "from pdserve.kernels import cpu_packed\n"
-        f"assert cpu_packed._lib().pdserve_gemm_packed_isa() == {bits}\n"
+        "from pdserve.kernels import native\n"
+        f"assert native.load_library('gemm_packed').pdserve_gemm_packed_isa() == {bits}\n"
         "import torch\nfrom tests.test_cpu_packed import check_all\n"
         "check_all()\ncheck_all(torch.bfloat16)\n"
     )

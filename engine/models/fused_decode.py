@@ -58,15 +58,15 @@ def _row_stride(w: torch.Tensor) -> int:
 
 class FusedDecode:
     def __init__(
-        self, model: torch.nn.Module, fn, attend, kernels: dict[str, int], batch: bool = True
+        self, model: torch.nn.Module, lib, kernels: dict[str, int], batch: bool = True
     ) -> None:
         cfg = model.config
         layers = model.model.layers
         attn = layers[0].self_attn
         self.model = model
         self.dtype = model.model.embed_tokens.weight.dtype
-        self._fn = fn
-        self._attend = attend
+        self._fn = lib.pdserve_decode_forward
+        self._attend = lib.pdserve_decode_attention
         # larger steps: (input norm, qkv, qkv bias, o, post norm, gate_up module, down) a layer
         self._weights = [
             (
@@ -104,7 +104,7 @@ class FusedDecode:
                 down=_ptr(mlp.down_proj.weight), down_ws=_row_stride(mlp.down_proj.weight),
             )  # fmt: skip
         # steps of more than MAX_ROWS rows: the batched forward on packed weights
-        self._batch_fn = cpu_decode.batch_forward() if batch else None
+        self._batch_fn = lib.pdserve_decode_forward_batch if batch else None
         team = cpu_packed.team_address(self.dtype) if self._batch_fn is not None else None
         self._packed: list[cpu_packed.Packed] = []  # kept alive: the layers point into them
         self.lm_head: cpu_packed.Packed | None = None
@@ -147,7 +147,7 @@ class FusedDecode:
             # accumulators, or the unfused GEMM's bf16 output where oneDNN cannot pack bf16)
             silu_mode=1 if silu_fused(layers[0].mlp.gate_up_proj.weight) else 2,
         )  # fmt: skip
-        self._model_ref = ctypes.byref(self._model)
+        self._model_ref = ctypes.addressof(self._model)
         self._cache_key: tuple | None = None
         self._cache: torch.Tensor | None = None  # kept alive: the plan points into it
         self.steps = 0  # steps run as one call
