@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pdserve.engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache  # noqa: E402
-from pdserve.kernels import cpu_attention, native, reference  # noqa: E402
+from pdserve.kernels import native, paged_decode, reference  # noqa: E402
 
 CASES = {"32x150": [150] * 32, "32x1000": [1000] * 32, "1x2000": [2000]}
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
@@ -88,13 +88,13 @@ def bench_case(name: str, dtype: str, rounds: int, inductor: bool, block_major: 
     scale = HEAD_DIM**-0.5
     impls = {
         "gather_sdpa": (reference.paged_decode_attention, args),
-        "native": (cpu_attention.paged_decode_attention, args),
+        "native": (paged_decode.paged_decode_attention, args),
     }
     if block_major:
         bm = block_major_views(args)
-        assert cpu_attention.supports(bm[0], bm[1], bm[2])  # read in place, no fallback
+        assert paged_decode.supports(bm[0], bm[1], bm[2])  # read in place, no fallback
         impls["gather_sdpa_block_major"] = (reference.paged_decode_attention, bm)
-        impls["native_block_major"] = (cpu_attention.paged_decode_attention, bm)
+        impls["native_block_major"] = (paged_decode.paged_decode_attention, bm)
     row: dict = {"case": name, "dtype": dtype}
     if inductor:
         compiled = torch.compile(decode_in_loop, dynamic=False)
@@ -152,7 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    if not cpu_attention.available():
+    if not paged_decode.available():
         raise SystemExit("the native kernel could not be built (see the log)")
     build_s = time.perf_counter() - t0
     results = []

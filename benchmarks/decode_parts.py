@@ -10,7 +10,7 @@ replays that step's forward + logits + argmax `--rounds` times, one thread by de
 each part in thread CPU time (a busy box's waiting for a core left out; with `--threads 2`
 wall time, meaningful on a quiet box only): the projections' GEMMs,
 lm_head, the paged decode attention (KV store apart), each native elementwise op, the greedy
-argmax (kernels/cpu_argmax.py, as the sampler runs it),
+argmax (kernels/argmax.py, as the sampler runs it),
 and the rest of the forward (Python, embedding, views). The replay writes the same KV slots
 every time, so the cache, weights and inputs are those of a real step.
 
@@ -42,8 +42,8 @@ import pdserve.engine.models.fused_decode as fused_decode  # noqa: E402
 import pdserve.engine.models.llama as llama  # noqa: E402
 from benchmarks.engine_throughput import make_prompts  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.kernels import cpu_attention, cpu_elementwise, cpu_ops, native  # noqa: E402
-from pdserve.kernels.cpu_argmax import argmax_rows  # noqa: E402
+from pdserve.kernels import cpu_ops, elementwise, native, paged_decode  # noqa: E402
+from pdserve.kernels.argmax import argmax_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # the fused per-layer decode loop (engine/models/fused_decode.py): SiLU * up inside the
@@ -119,13 +119,13 @@ def build_from(
 
 def kernel_sets(baseline: dict[str, ctypes.CDLL] | None) -> dict[str, tuple]:
     """name -> (decode fn, elementwise fn table) to install before a round."""
-    cpu_elementwise.available()
-    sets = {"current": (cpu_attention._decode_fn(), dict(cpu_elementwise._fns))}
+    elementwise.available()
+    sets = {"current": (paged_decode._decode_fn(), dict(elementwise._fns))}
     if baseline:
         dec = baseline["paged_decode"].pdserve_paged_decode
-        dec.argtypes, dec.restype = cpu_attention._ARGTYPES, ctypes.c_int
+        dec.argtypes, dec.restype = paged_decode._ARGTYPES, ctypes.c_int
         fns = {}
-        for name, (args, res) in cpu_elementwise._SIGNATURES.items():
+        for name, (args, res) in elementwise._SIGNATURES.items():
             fn = getattr(baseline["elementwise"], name)
             fn.argtypes, fn.restype = args, res
             fns[name] = fn
@@ -135,8 +135,8 @@ def kernel_sets(baseline: dict[str, ctypes.CDLL] | None) -> dict[str, tuple]:
 
 def install(kernels: tuple) -> None:
     decode, fns = kernels
-    cpu_attention._decode_fn = lambda: decode
-    cpu_elementwise._fns = fns
+    paged_decode._decode_fn = lambda: decode
+    elementwise._fns = fns
 
 
 def capture_decode_step(llm: LLM, rows: int, context: int) -> tuple:

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdserve.kernels import cpu_packed  # noqa: E402
+from pdserve.kernels import gemm_packed  # noqa: E402
 
 SHAPES = {  # name: (outputs, inputs, gate_up)
     "qkv": (960, 576, False),
@@ -69,7 +69,7 @@ def main() -> None:
                    for w in weights]  # fmt: skip
         else:
             dnn = [reorder(w, None) for w in weights]
-        ours = [cpu_packed.Packed(w, silu=silu) for w in weights]
+        ours = [gemm_packed.Packed(w, silu=silu) for w in weights]
         x = torch.randn(args.rows, k).to(dtype)
 
         times: dict[str, list[float]] = {"onednn": [], "packed": []}

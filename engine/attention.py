@@ -5,7 +5,7 @@ Rows of a step are ordered decode-like rows first (one new token), then prefill 
 rows the paged prefill (extend) kernel; both run after this step's K/V have been stored,
 so prefix-cache hits and earlier chunks are seen the same way. The prefill kernel also
 gets this step's K/V (`new_kv`): a sequence with no cached prefix can attend over them
-directly instead of reading them back from the cache (pdserve.kernels.cpu_prefill does).
+directly instead of reading them back from the cache (pdserve.kernels.prefill_attention does).
 """
 
 from __future__ import annotations

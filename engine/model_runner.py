@@ -33,7 +33,7 @@ from pdserve.engine.sampler import Sampled, prompt_logprobs, sample
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.warmup import warm_up_kernels
 from pdserve.engine.weights import load_model_weights
-from pdserve.kernels import cpu_gemv, hugepages
+from pdserve.kernels import gemv, hugepages
 from pdserve.kernels.ops import default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
@@ -113,10 +113,10 @@ class ModelRunner:
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         if self.device.type == "cpu":
             # the batched forward's packed weights only where a step can have > 8 rows
-            batch = mc.cpu_batched_decode and config.scheduler.max_num_seqs > cpu_gemv.MAX_ROWS
+            batch = mc.cpu_batched_decode and config.scheduler.max_num_seqs > gemv.MAX_ROWS
             model.fused_decode = FusedDecode.build(model, batch=batch)
             fused = "one native call" if model.fused_decode is not None else "op by op"
-            logger.info("decode steps of <= %d rows: %s", cpu_gemv.MAX_ROWS, fused)
+            logger.info("decode steps of <= %d rows: %s", gemv.MAX_ROWS, fused)
         attn = model.model.layers[0].self_attn
         self.kv_layout = config.cache.layout
         self.kv_cache = allocate_kv_cache(
@@ -218,7 +218,7 @@ class ModelRunner:
             try:
                 return self._execute(out, block_ids)
             finally:  # the prompt-step mark is this step's: no GEMV call after it sees it
-                cpu_gemv.set_prompt_step(False)
+                gemv.set_prompt_step(False)
 
     @torch.inference_mode()
     def _execute(
@@ -227,14 +227,14 @@ class ModelRunner:
         # Decode rows first: one new token that is not a prompt token. A prompt's last token
         # alone (the rest cached) is a prefill row, computed by the kernels a whole prompt
         # gets (prefill attention; with prompt tokens in the step, prepacked GEMMs and no
-        # decode GEMV, kernels/cpu_gemv.py): a prompt gets the same bits cached or not.
+        # decode GEMV, kernels/gemv.py): a prompt gets the same bits cached or not.
         rows = sorted(out.scheduled, key=lambda s: not _is_decode(s))
         if not rows:
             return {}, {}
         nd = sum(map(_is_decode, rows))
         with _phase("step.prepare"):
             input_ids, positions, meta, cu = self._prepare(rows, block_ids, nd)
-        cpu_gemv.set_prompt_step(
+        gemv.set_prompt_step(
             nd < len(rows)
             and any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in rows)
         )

@@ -35,11 +35,11 @@ def get_ops(name: str) -> ModuleType:
             from pdserve.kernels import reference
 
             return reference
-        from pdserve.kernels import cpu_attention, cpu_elementwise, cpu_ops, cpu_prefill
+        from pdserve.kernels import cpu_ops, elementwise, paged_decode, prefill_attention
 
-        cpu_attention.available()  # build (or load) the kernels now, not in the first step
-        cpu_elementwise.available()
-        cpu_prefill.available()
+        paged_decode.available()  # build (or load) the kernels now, not in the first step
+        elementwise.available()
+        prefill_attention.available()
         return cpu_ops
     if name == "triton":
         from pdserve.kernels import triton_ops

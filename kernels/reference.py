@@ -88,7 +88,7 @@ def paged_prefill_attention(
     `seq_len_i - q_len_i ... seq_len_i - 1`; each attends to every cached token at or
     before its own position (the prefix cache and earlier chunks included).
     `new_kv` is this step's K/V (already stored): a backend may read a sequence without
-    a cached prefix from it instead of the cache (pdserve.kernels.cpu_prefill); this oracle
+    a cached prefix from it instead of the cache (pdserve.kernels.prefill_attention); this oracle
     reads the cache.
     """
     h, hkv = q.shape[1], k_cache.shape[2]

@@ -121,9 +121,9 @@ def test_a_row_gets_the_same_bits_alone_or_with_others(dtype, monkeypatch):
     request twice gives different logprobs. (oneDNN computes a lone row with its M = 1
     kernel, another summation order: SmolLM2's down projection, K = 1536, differed.)
     bf16 without native bf16: nothing packed, torch's own bf16 GEMM, the same promise."""
-    from pdserve.kernels import cpu_gemv
+    from pdserve.kernels import gemv
 
-    monkeypatch.setattr(cpu_gemv, "_prompt_step", True)  # a prompt step: no decode GEMV
+    monkeypatch.setattr(gemv, "_prompt_step", True)  # a prompt step: no decode GEMV
     torch.manual_seed(0)
     for k, n in [(1536, 576), (2048, 2048), (576, 1536)]:
         x = torch.randn(40, k).to(dtype)

@@ -280,7 +280,7 @@ def test_batched_lm_head(tiny_llama_dir, dtype):
     float); any other call (a second one, prompt steps, other row counts) keeps the
     model's own GEMMs."""
     from pdserve.engine.models.cpu_linear import linear
-    from pdserve.kernels import cpu_gemv
+    from pdserve.kernels import gemv
 
     llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
     runner = llm.engine.runner
@@ -305,11 +305,11 @@ def test_batched_lm_head(tiny_llama_dir, dtype):
         model(ids, pos, cache, meta)
         assert fused.logits(hidden[:8]) is None  # not the step's rows
         model(ids, pos, cache, meta)
-        cpu_gemv.set_prompt_step(True)
+        gemv.set_prompt_step(True)
         try:
             assert fused.logits(hidden) is None
         finally:
-            cpu_gemv.set_prompt_step(False)
+            gemv.set_prompt_step(False)
 
 
 def test_batched_rows_do_not_depend_on_the_step_long_contexts(tmp_path):
@@ -362,8 +362,8 @@ _OTHER_BUILD = """
 import torch
 from pdserve.engine import LLM
 from tests.test_fused_decode import _decode_inputs, _per_op_and_fused, _same_layout_cache
-from pdserve.kernels import cpu_gemv
-assert cpu_gemv.isa() == 256, cpu_gemv.isa()
+from pdserve.kernels import gemv
+assert gemv.isa() == 256, gemv.isa()
 from tests.test_fused_decode import _batched_close_to_per_op
 from pdserve.engine.models.fused_decode import FusedDecode
 for dtype in ("float32", "bfloat16"):
@@ -422,14 +422,14 @@ def test_a_prompt_step_does_not_outlive_its_step(tiny_llama_dir):
     the mark ends with the step. A generate whose last step was a prompt step (one token
     to generate) left it set: every later decode GEMV or fused call outside the runner's
     steps (another engine's model, a test, a benchmark) silently took the per-op path."""
-    from pdserve.kernels import cpu_gemv
+    from pdserve.kernels import gemv
 
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(random_prompts(1, [9], seed=3), params)
-    assert not cpu_gemv.prompt_step()
+    assert not gemv.prompt_step()
     x, w = torch.randn(2, 64), torch.randn(32, 64)
-    assert cpu_gemv.linear(x, w, None) is not None
+    assert gemv.linear(x, w, None) is not None
 
 
 def test_inputs_of_other_row_counts_are_not_taken(tiny_llama_dir):

@@ -88,7 +88,7 @@ class LlamaMLP(nn.Module):
 
     def _mlp(self, x):
         # An op set with `gate_up_silu` (the CPU one) fuses SiLU * up into gate_up: decode
-        # rows in one native call (kernels/cpu_gemv.py), more rows as oneDNN post-ops of
+        # rows in one native call (kernels/gemv.py), more rows as oneDNN post-ops of
         # the packed halves (PackedGateUp.silu_mul); None where neither takes x.
         fused = getattr(self.ops, "gate_up_silu", None)
         h = fused(x, self.gate_up_proj.weight) if fused is not None else None
@@ -139,7 +139,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     # The layer as two halves around attention, which reads and writes the paged KV cache.
-    # CPU decode rows: an op set's `norm_linear` (kernels/cpu_gemv.py) runs a norm and the
+    # CPU decode rows: an op set's `norm_linear` (kernels/gemv.py) runs a norm and the
     # projection after it as one call; it returns None for what it does not take.
     def before_attention(self, positions, x, residual, cos_sin):
         """Input norm (+ the residual add of the previous layer), qkv projection, RoPE."""

@@ -5,7 +5,7 @@
 // treats NaN as the maximum). One thread: a [32, 49152] call is ~0.1 ms here, where
 // torch's argmax took ~1.3 ms on one thread and opened a parallel region on two (on a
 // busy 2-core box, 12-16 ms waiting for the descheduled thread at its join; measured in
-// docs/benchmarks.md, "bf16 decode step"). Called through ctypes (kernels/cpu_argmax.py).
+// docs/benchmarks.md, "bf16 decode step"). Called through ctypes (kernels/argmax.py).
 
 #include <cstdint>
 

@@ -23,7 +23,7 @@
 // step"): 32 x 150 hot, bf16 3.3x and fp32 1.8x less CPU per call; in a real bf16 B step
 // (KV from DRAM) 28.8 -> 15.8 ms of attention a step; AVX2 build no slower (1.0-1.35x).
 // exp by range reduction + polynomial so it vectorizes too. Called through ctypes
-// (kernels/cpu_attention.py): no torch headers.
+// (kernels/paged_decode.py): no torch headers.
 
 #include <omp.h>
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels import native, reference
-from pdserve.kernels.cpu_attention import blocks_contiguous
+from pdserve.kernels.paged_decode import blocks_contiguous
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PARALLEL_MIN_ELEMENTS = 1 << 16

@@ -1,10 +1,10 @@
 """A whole decode forward in one native call on CPU (kernels/csrc/decode_forward.cpp).
 
-For decode steps of up to `cpu_gemv.MAX_ROWS` rows, the Llama model's per-op path crosses
+For decode steps of up to `gemv.MAX_ROWS` rows, the Llama model's per-op path crosses
 from Python to native code ~10 times a layer, with nn.Module calls, views and wrapper
 checks around each crossing: ~4 ms a token at one thread for SmolLM2's 30 layers, serial
 with the weight streaming. `decode_forward` runs the same kernels (the ones
-kernels/cpu_gemv.py, cpu_elementwise.py and cpu_attention.py call) chained in C++, with the
+kernels/gemv.py, elementwise.py and paged_decode.py call) chained in C++, with the
 arguments those wrappers would pass, so its hidden states equal the per-op path's bit for
 bit. The model is described once (`DecodePlan`: weight, norm and cache pointers, the
 kernels' addresses); a step passes only its inputs.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 
-from pdserve.kernels import cpu_attention, cpu_elementwise, native
+from pdserve.kernels import elementwise, native, paged_decode
 
 _p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -66,7 +66,7 @@ def libraries() -> tuple[ctypes.CDLL, dict[str, int]] | None:
     """(the decode_forward library, {kernel field of `Model`: address}), or None if any of
     the libraries cannot be built here. Its entry points (kernels/native.py SIGNATURES) take
     the `Model` by address: `pdserve_decode_forward` (a whole decode step),
-    `pdserve_decode_forward_batch` (the same on packed weights, kernels/cpu_packed.py) and
+    `pdserve_decode_forward_batch` (the same on packed weights, kernels/gemm_packed.py) and
     `pdserve_decode_attention` (one layer's RoPE + KV store + paged decode attention, for
     steps whose GEMMs stay in Python)."""
     names = ("decode_forward", "gemv", "elementwise", "paged_decode")
@@ -87,7 +87,7 @@ def libraries() -> tuple[ctypes.CDLL, dict[str, int]] | None:
 def wrapper_constants() -> dict[str, int]:
     """The Python wrappers' thresholds the native chain must apply the same way."""
     return {
-        "parallel_min_elements": cpu_elementwise.PARALLEL_MIN_ELEMENTS,
-        "items_per_thread": cpu_attention.ITEMS_PER_THREAD,
-        "min_split_keys": cpu_attention.MIN_SPLIT_KEYS,
+        "parallel_min_elements": elementwise.PARALLEL_MIN_ELEMENTS,
+        "items_per_thread": paged_decode.ITEMS_PER_THREAD,
+        "min_split_keys": paged_decode.MIN_SPLIT_KEYS,
     }

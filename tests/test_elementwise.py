@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import cpu_elementwise as ew
+from pdserve.kernels import elementwise as ew
 from pdserve.kernels import native
 from pdserve.kernels import reference as ref
 
