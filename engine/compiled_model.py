@@ -2,7 +2,7 @@
 
 What is compiled: the model's whole forward (embedding, every layer, final norm) as ONE
 graph per decode bucket. Paged attention is one opaque node in it, the custom op
-`pdserve::paged_attention` (engine/attention_op.py), which stores this step's K/V into
+`pdserve::paged_attention` (engine/attention.py), which stores this step's K/V into
 the cache in place and runs the native (or Triton) kernel; the GEMMs are the
 prepacked-oneDNN custom op (engine/models/cpu_linear.py); inductor fuses the rest (norms,
 RoPE, SiLU*mul, residual adds) into C++ loops. One compiled call per step: the earlier

@@ -34,7 +34,7 @@ from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.engine.warmup import warm_up_kernels
 from pdserve.engine.weights import load_model_weights
 from pdserve.kernels import gemv, hugepages
-from pdserve.kernels.ops import default_backend, get_ops, unsupported_head_dim
+from pdserve.kernels.ops import GEMV_MAX_ROWS, default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +113,10 @@ class ModelRunner:
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         if self.device.type == "cpu":
             # the batched forward's packed weights only where a step can have > 8 rows
-            batch = mc.cpu_batched_decode and config.scheduler.max_num_seqs > gemv.MAX_ROWS
+            batch = mc.cpu_batched_decode and config.scheduler.max_num_seqs > GEMV_MAX_ROWS
             model.fused_decode = FusedDecode.build(model, batch=batch)
             fused = "one native call" if model.fused_decode is not None else "op by op"
-            logger.info("decode steps of <= %d rows: %s", gemv.MAX_ROWS, fused)
+            logger.info("decode steps of <= %d rows: %s", GEMV_MAX_ROWS, fused)
         attn = model.model.layers[0].self_attn
         self.kv_layout = config.cache.layout
         self.kv_cache = allocate_kv_cache(

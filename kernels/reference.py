@@ -156,3 +156,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
     i = x.shape[-1] // 2
     return F.silu(x[..., :i]) * x[..., i:]
+
+
+# Decode-row fusions (kernels/ops.py): an op set may decline any input (None), and the
+# model then runs the unfused ops above. The reference declines every input.
+FUSES_MLP_ACTIVATION = False  # the MLP runs silu_and_mul on the gate_up GEMM's output
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """silu_and_mul(F.linear(x, weight)) in one call, or None (not taken)."""
+    return None
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(Residual add +) RMSNorm, then the projection after it, in one call, or None."""
+    return None

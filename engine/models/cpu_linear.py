@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import gemv
+from pdserve.kernels import ops
 
 # plain weight's data_ptr -> (weak ref to the plain weight, packed oneDNN weight; for a
 # gate_up weight, the (gate, up) halves packed apart)
@@ -76,9 +76,9 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T (+ b): a few rows (decode) through the native GEMV, which streams the plain
-    weight (kernels/gemv.py); more through the packed weight when there is one."""
-    if x.numel() <= gemv.MAX_ROWS * x.shape[-1]:
-        y = gemv.linear(x, weight, bias)
+    weight (kernels.ops.gemv_linear); more through the packed weight when there is one."""
+    if x.numel() <= ops.GEMV_MAX_ROWS * x.shape[-1]:
+        y = ops.gemv_linear(x, weight, bias)
         if y is not None:
             return y
     packed = _packed(weight)

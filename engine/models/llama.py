@@ -87,13 +87,14 @@ class LlamaMLP(nn.Module):
         self.tile_rows: int | None = None  # rows per tile; None: mlp_tile_rows; 0: never tile
 
     def _mlp(self, x):
-        # An op set with `gate_up_silu` (the CPU one) fuses SiLU * up into gate_up: decode
-        # rows in one native call (kernels/gemv.py), more rows as oneDNN post-ops of
+        # An op set that fuses the activation (the CPU one) runs SiLU * up inside gate_up:
+        # decode rows in one native call (`gate_up_silu`), more rows as oneDNN post-ops of
         # the packed halves (PackedGateUp.silu_mul); None where neither takes x.
-        fused = getattr(self.ops, "gate_up_silu", None)
-        h = fused(x, self.gate_up_proj.weight) if fused is not None else None
-        if h is None and fused is not None:
-            h = self.gate_up_proj.silu_mul(x)
+        h = None
+        if self.ops.FUSES_MLP_ACTIVATION:
+            h = self.ops.gate_up_silu(x, self.gate_up_proj.weight)
+            if h is None:
+                h = self.gate_up_proj.silu_mul(x)
         if h is None:
             h = self.ops.silu_and_mul(self.gate_up_proj(x))
         return self.down_proj(h)
@@ -139,17 +140,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     # The layer as two halves around attention, which reads and writes the paged KV cache.
-    # CPU decode rows: an op set's `norm_linear` (kernels/gemv.py) runs a norm and the
-    # projection after it as one call; it returns None for what it does not take.
+    # CPU decode rows: the op set's `norm_linear` runs a norm and the projection after it
+    # as one call; it returns None for what it does not take (every input, off the CPU).
     def before_attention(self, positions, x, residual, cos_sin):
         """Input norm (+ the residual add of the previous layer), qkv projection, RoPE."""
         attn, norm = self.self_attn, self.input_layernorm
-        fused = getattr(attn.ops, "norm_linear", None)
-        if fused is not None:
-            w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-            out = fused(x, residual, norm.weight, norm.eps, w, b, False)
-            if out is not None:
-                return (*attn.split_qkv(positions, out[0], cos_sin), out[1])
+        w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
+        out = attn.ops.norm_linear(x, residual, norm.weight, norm.eps, w, b, False)
+        if out is not None:
+            return (*attn.split_qkv(positions, out[0], cos_sin), out[1])
         x, residual = norm(x, residual)
         q, k, v = attn.project_qkv(positions, x, cos_sin)
         return q, k, v, residual
@@ -158,11 +157,10 @@ class LlamaDecoderLayer(nn.Module):
         """o_proj, residual add + norm, MLP. o: [T, H, D]."""
         x = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
         norm, mlp = self.post_attention_layernorm, self.mlp
-        fused = getattr(mlp.ops, "norm_linear", None)
-        if fused is not None:
-            out = fused(x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None, True)
-            if out is not None:
-                return mlp.down_proj(out[0]), out[1]
+        w = mlp.gate_up_proj.weight
+        out = mlp.ops.norm_linear(x, residual, norm.weight, norm.eps, w, None, True)
+        if out is not None:
+            return mlp.down_proj(out[0]), out[1]
         x, residual = norm(x, residual)
         return mlp(x), residual
 
