@@ -146,10 +146,10 @@ def capture_decode_step(llm: LLM, rows: int, context: int) -> tuple:
     captured = []
     forward = model.forward
 
-    def capture(input_ids, positions, kv_cache, meta):
+    def capture(input_ids, positions, kv_cache, meta, *plan):  # plan: engine/step_plan.py
         if meta.num_prefills == 0 and input_ids.shape[0] == rows:
             captured[:] = [(input_ids.clone(), positions.clone(), kv_cache, meta)]
-        return forward(input_ids, positions, kv_cache, meta)
+        return forward(input_ids, positions, kv_cache, meta, *plan)
 
     model.forward = capture
     try:

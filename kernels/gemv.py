@@ -6,10 +6,10 @@ activations: memory-bound. The kernel streams the weight in its plain [out, in] 
 the OpenMP threads in one parallel region per call. Contract: `F.linear` with fp32
 accumulation (fp32 and bf16; in bf16 the result is rounded once, at the end).
 
-Only steps of generated tokens take it (`set_prompt_step`): a step with prompt tokens in
-it runs the prepacked GEMM at any row count, so a prompt's rows get the same bits whether
-its prefix was cached (a few rows left to compute) or not (the GEMV sums in another order
-than oneDNN; the same request twice would otherwise give different logprobs).
+Only steps of generated tokens call it (the runner's step plan, engine/step_plan.py): a step
+with prompt tokens in it runs the prepacked GEMM at any row count, so a prompt's rows get
+the same bits whether its prefix was cached or not (the GEMV sums in another order than
+oneDNN; the same request twice would otherwise give different logprobs).
 
 `linear` returns None for what the kernel does not take (more than `MAX_ROWS` rows, a
 dtype other than fp32/bf16 or mixed dtypes, a non-CPU tensor, an inner dimension that
@@ -25,21 +25,6 @@ from pdserve.kernels import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROWS = 8  # above this the prepacked oneDNN GEMM (docs/benchmarks.md, gemv_ab.py)
-
-_prompt_step = False  # set by the model runner per step: prompt tokens in it -> not here
-
-
-def set_prompt_step(prompt: bool) -> None:
-    """Whether the step about to run has prompt tokens (then every call returns None); the
-    runner clears the mark when the step ends (ModelRunner.execute)."""
-    global _prompt_step
-    _prompt_step = prompt
-
-
-def prompt_step() -> bool:
-    """Whether the step running has prompt tokens (engine/models/fused_decode.py asks)."""
-    return _prompt_step
-
 
 _threads = torch.get_num_threads
 
@@ -126,8 +111,6 @@ def _call(
     dtype = x.dtype
     code = _DTYPES.get(dtype)
     if code is None or m > MAX_ROWS or m == 0 or weight.dtype != dtype or weight.dim() != 2:
-        return None
-    if _prompt_step:
         return None
     n, wk = weight.shape
     ws, wstep = weight.stride()

@@ -17,6 +17,7 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.models.fused_decode import FusedDecode
+from pdserve.engine.step_plan import ForwardPath, StepPlan, plan_step
 from tests.conftest import make_tiny_llama, skip_in_isa_view
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_compiled_model import _decode_inputs
@@ -280,7 +281,6 @@ def test_batched_lm_head(tiny_llama_dir, dtype):
     float); any other call (a second one, prompt steps, other row counts) keeps the
     model's own GEMMs."""
     from pdserve.engine.models.cpu_linear import linear
-    from pdserve.kernels import gemv
 
     llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
     runner = llm.engine.runner
@@ -305,11 +305,9 @@ def test_batched_lm_head(tiny_llama_dir, dtype):
         model(ids, pos, cache, meta)
         assert fused.logits(hidden[:8]) is None  # not the step's rows
         model(ids, pos, cache, meta)
-        gemv.set_prompt_step(True)
-        try:
-            assert fused.logits(hidden) is None
-        finally:
-            gemv.set_prompt_step(False)
+        prompt_step = StepPlan(ForwardPath.PER_OP, gemv=False)  # the runner's, prompt tokens
+        assert torch.equal(model.compute_logits(hidden, prompt_step), ref)
+        assert len(calls) == 1
 
 
 def test_batched_rows_do_not_depend_on_the_step_long_contexts(tmp_path):
@@ -366,6 +364,7 @@ from pdserve.kernels import gemv
 assert gemv.isa() == 256, gemv.isa()
 from tests.test_fused_decode import _batched_close_to_per_op
 from pdserve.engine.models.fused_decode import FusedDecode
+from pdserve.engine.step_plan import ForwardPath, StepPlan, plan_step
 for dtype in ("float32", "bfloat16"):
     llm = LLM({path!r}, dtype=dtype, block_size=4, num_blocks=256)
     runner = llm.engine.runner
@@ -418,16 +417,19 @@ def test_the_plan_keeps_what_it_points_into(tiny_llama_dir):
 
 
 def test_a_prompt_step_does_not_outlive_its_step(tiny_llama_dir):
-    """The runner marks a step with prompt tokens (no decode GEMV, no fused forward in it);
-    the mark ends with the step. A generate whose last step was a prompt step (one token
-    to generate) left it set: every later decode GEMV or fused call outside the runner's
-    steps (another engine's model, a test, a benchmark) silently took the per-op path."""
+    """The runner plans a step with prompt tokens (no decode GEMV, no fused forward in it)
+    for that step only. A generate whose last step was a prompt step (one token to
+    generate) once left a module-global mark set: every later decode GEMV or fused call
+    outside the runner's steps (another engine's model, a test, a benchmark) silently took
+    the per-op path. The plan is an argument now; a decode step still plans the fused path."""
     from pdserve.kernels import gemv
 
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(random_prompts(1, [9], seed=3), params)
-    assert not gemv.prompt_step()
+    runner = llm.engine.runner
+    _, _, meta = _decode_inputs(2, runner.kv_cache, seed=3)
+    assert plan_step(runner.model, meta) == StepPlan(ForwardPath.FUSED)
     x, w = torch.randn(2, 64), torch.randn(32, 64)
     assert gemv.linear(x, w, None) is not None
 

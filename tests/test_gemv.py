@@ -100,6 +100,7 @@ def test_packed_linear_takes_decode_rows_through_the_gemv(monkeypatch):
     """engine/models/cpu_linear.linear: up to MAX_ROWS rows go to the GEMV, which gives the
     same as F.linear; with MAX_ROWS 0 the same rows take the oneDNN/F.linear path."""
     from pdserve.engine.models.cpu_linear import linear
+    from pdserve.kernels import ops
 
     w = rand(960, 576, dtype=torch.float32, seed=5)
     x = rand(1, 576, dtype=torch.float32, seed=6)
@@ -108,7 +109,7 @@ def test_packed_linear_takes_decode_rows_through_the_gemv(monkeypatch):
     monkeypatch.setattr(gemv, "linear", lambda *a: calls.append(1) or real(*a))
     check(linear(x, w, None), x, w, None)
     assert calls == [1]
-    monkeypatch.setattr(gemv, "MAX_ROWS", 0)
+    monkeypatch.setattr(ops, "GEMV_MAX_ROWS", 0)  # the engine's threshold (kernels.ops)
     check(linear(x, w, None), x, w, None)
     assert calls == [1]
 

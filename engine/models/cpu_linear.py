@@ -74,10 +74,13 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return x.contiguous(), False
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool = True
+) -> torch.Tensor:
     """y = x W^T (+ b): a few rows (decode) through the native GEMV, which streams the plain
-    weight (kernels.ops.gemv_linear); more through the packed weight when there is one."""
-    if x.numel() <= ops.GEMV_MAX_ROWS * x.shape[-1]:
+    weight (kernels.ops.gemv_linear); more, or any number in a step with prompt tokens
+    (gemv False, engine/step_plan.py), through the packed weight when there is one."""
+    if gemv and x.numel() <= ops.GEMV_MAX_ROWS * x.shape[-1]:
         y = ops.gemv_linear(x, weight, bias)
         if y is not None:
             return y
@@ -109,10 +112,10 @@ class PackedLinear(nn.Linear):
     def pack(self) -> bool:
         return pack_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+    def forward(self, x: torch.Tensor, gemv: bool = True) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # compiled decode steps: the GEMV for few rows
             return torch.ops.pdserve.packed_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, gemv)
 
 
 class PackedGateUp(PackedLinear):

@@ -41,7 +41,7 @@ import torch
 
 from pdserve.engine.models.cpu_linear import linear, silu_fused
 from pdserve.engine.models.llama import mlp_tile_rows
-from pdserve.kernels import gemv, ops
+from pdserve.kernels import ops
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +266,10 @@ class FusedDecode:
             self._batched_rows = m
         return out
 
+    def clear_step(self) -> None:
+        """A step ran another path: `logits` has no batched step to follow."""
+        self._batched_rows = 0
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The lm_head of the batched decode step just run (its rows, fp32 [m, vocab]; bf16:
         the bf16 logits' values, as the model's own bf16 GEMM then .float()) on the packed
@@ -274,7 +278,7 @@ class FusedDecode:
         rows, self._batched_rows = self._batched_rows, 0
         if self.lm_head is None or m != rows or not ops.GEMV_MAX_ROWS < m <= BATCH_MAX_ROWS:
             return None
-        if gemv.prompt_step() or hidden.dtype != self.dtype or not hidden.is_cpu:
+        if hidden.dtype != self.dtype or not hidden.is_cpu:
             return None
         return self.lm_head.linear(hidden.contiguous())
 
