@@ -42,7 +42,7 @@ import pdserve.engine.models.fused_decode as fused_decode  # noqa: E402
 import pdserve.engine.models.llama as llama  # noqa: E402
 from benchmarks.engine_throughput import make_prompts  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.kernels import cpu_ops, elementwise, native, paged_decode  # noqa: E402
+from pdserve.kernels import cpu_ops, native  # noqa: E402
 from pdserve.kernels.argmax import argmax_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,33 +110,26 @@ def build_from(
     native.CSRC = src
     try:
         os.environ["PDSERVE_KERNEL_CACHE"] = str(cache / "lib")
-        libs = {n: ctypes.CDLL(str(native.build(n))) for n in names}
+        libs = {n: native.bind(ctypes.CDLL(str(native.build(n))), n) for n in names}
     finally:
         native.CSRC = saved
         os.environ.pop("PDSERVE_KERNEL_CACHE")
     return libs
 
 
-def kernel_sets(baseline: dict[str, ctypes.CDLL] | None) -> dict[str, tuple]:
-    """name -> (decode fn, elementwise fn table) to install before a round."""
-    elementwise.available()
-    sets = {"current": (paged_decode._decode_fn(), dict(elementwise._fns))}
+_LOAD = native.load_library  # the wrappers load through native.load_library
+
+
+def kernel_sets(baseline: dict[str, ctypes.CDLL] | None) -> dict[str, dict]:
+    """name -> {library name: library} to install before a round."""
+    sets = {"current": {n: _LOAD(n) for n in ("paged_decode", "elementwise")}}
     if baseline:
-        dec = baseline["paged_decode"].pdserve_paged_decode
-        dec.argtypes, dec.restype = paged_decode._ARGTYPES, ctypes.c_int
-        fns = {}
-        for name, (args, res) in elementwise._SIGNATURES.items():
-            fn = getattr(baseline["elementwise"], name)
-            fn.argtypes, fn.restype = args, res
-            fns[name] = fn
-        sets["baseline"] = (dec, fns)
+        sets["baseline"] = baseline
     return sets
 
 
-def install(kernels: tuple) -> None:
-    decode, fns = kernels
-    paged_decode._decode_fn = lambda: decode
-    elementwise._fns = fns
+def install(libs: dict[str, ctypes.CDLL]) -> None:
+    native.load_library = lambda name: libs.get(name) or _LOAD(name)
 
 
 def capture_decode_step(llm: LLM, rows: int, context: int) -> tuple:

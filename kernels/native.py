@@ -140,14 +140,18 @@ def load_library(name: str) -> ctypes.CDLL | None:
     """The loaded kernel library with its `SIGNATURES` applied, or None (reason logged
     once) if it cannot be built."""
     try:
-        lib = ctypes.CDLL(str(build(name)))
-        for fn_name, (restype, args) in SIGNATURES[name].items():
-            fn = getattr(lib, fn_name)
-            fn.restype, fn.argtypes = restype, [t for _, t in args]
-        return lib
+        return bind(ctypes.CDLL(str(build(name))), name)
     except Exception as e:  # any failure to locate, build or load: serve the reference
         logger.warning("CPU kernel %s unavailable, using the pure-torch reference: %s", name, e)
         return None
+
+
+def bind(lib: ctypes.CDLL, name: str) -> ctypes.CDLL:
+    """`lib` (a build of kernels/csrc/<name>.cpp) with its `SIGNATURES` applied."""
+    for fn_name, (restype, args) in SIGNATURES[name].items():
+        fn = getattr(lib, fn_name)
+        fn.restype, fn.argtypes = restype, [t for _, t in args]
+    return lib
 
 
 def address(lib: ctypes.CDLL, fn_name: str) -> int:
