@@ -1,6 +1,6 @@
 """A whole decode forward in one native call on CPU (kernels/csrc/decode_forward.cpp).
 
-For decode steps of up to `gemv.MAX_ROWS` rows, the Llama model's per-op path crosses
+For decode steps of up to `gemv.MAX_ROWS` (`kernels.ops.GEMV_MAX_ROWS`) rows, the Llama model's per-op path crosses
 from Python to native code ~10 times a layer, with nn.Module calls, views and wrapper
 checks around each crossing: ~4 ms a token at one thread for SmolLM2's 30 layers, serial
 with the weight streaming. `decode_forward` runs the same kernels (the ones

@@ -1,7 +1,7 @@
 """GEMMs on weights packed once into column panels (kernels/csrc/gemm_packed.cpp), fp32 or
 bf16.
 
-Decode steps of more than `gemv.MAX_ROWS` rows run their whole forward as one native
+Decode steps of more than `gemv.MAX_ROWS` (`kernels.ops.GEMV_MAX_ROWS`) rows run their whole forward as one native
 call (kernels/csrc/decode_forward.cpp `pdserve_decode_forward_batch`) on packed copies of
 the projection weights, made at load by `Packed`; the lm_head of such a step runs through
 `Packed.linear`. The packed layout belongs to the library's vector width: pack and

@@ -27,7 +27,17 @@ from types import ModuleType
 
 import torch
 
-from pdserve.kernels import argmax, decode_forward, gemm_packed, gemv, paged_decode
+from pdserve.kernels import (
+    argmax,
+    cpu_ops,
+    decode_forward,
+    elementwise,
+    gemm_packed,
+    gemv,
+    paged_decode,
+    prefill_attention,
+    reference,
+)
 from pdserve.kernels.triton_launch import (
     DECODE_MAX_SPLITS,
     DECODE_MIN_SPLIT_KEYS,
@@ -98,12 +108,12 @@ paged_decode_head_dim_supported = paged_decode.head_dim_supported
 
 def is_native_cpu_ops(ops: ModuleType) -> bool:
     """Whether `ops` is the native CPU op set (the one the fused decode forward chains)."""
-    from pdserve.kernels import cpu_ops
-
     return ops is cpu_ops
 
 
 def get_ops(name: str) -> ModuleType:
+    """The op set `name` ("torch" or "triton"); see the module doc. Triton is imported only
+    here, when asked for."""
     if name == "torch":
         choice = os.environ.get(CPU_ATTENTION_ENV) or "native"
         if choice not in CPU_ATTENTION_CHOICES:
@@ -111,11 +121,7 @@ def get_ops(name: str) -> ModuleType:
                 f"{CPU_ATTENTION_ENV}={choice!r}; expected one of {CPU_ATTENTION_CHOICES}"
             )
         if choice == "reference":
-            from pdserve.kernels import reference
-
             return reference
-        from pdserve.kernels import cpu_ops, elementwise, paged_decode, prefill_attention
-
         paged_decode.available()  # build (or load) the kernels now, not in the first step
         elementwise.available()
         prefill_attention.available()
