@@ -122,8 +122,8 @@ def _first_step_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
     captured: list[torch.Tensor] = []
     original = model.compute_logits
 
-    def capture(hidden):
-        logits = original(hidden)
+    def capture(hidden, *plan):  # plan: the step's (engine/step_plan.py)
+        logits = original(hidden, *plan)
         captured.append(logits.float().cpu())
         return logits
 

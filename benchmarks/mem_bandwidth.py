@@ -8,7 +8,7 @@ aside). Its tok/s cannot pass read-bandwidth / 538 MB. Measured per thread count
 `--repeats` over a 512 MiB buffer (far beyond any cache): `sum` (read only, the GEMV
 pattern), `copy` (read + write, STREAM-copy-like), and a 1-row GEMV over a [106496, 576] fp32
 weight (245 MB) as `F.linear`, as prepacked oneDNN runs it, and as the native decode GEMV
-(kernels/cpu_gemv.py, what the model's projections run at 1-8 rows).
+(kernels/gemv.py, what the model's projections run at 1-8 rows).
 Writes JSON to results/mem_bandwidth.json (or --out).
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pdserve.kernels import cpu_gemv  # noqa: E402
+from pdserve.kernels import gemv as gemv_kernel  # noqa: E402
 
 A_BYTES_PER_TOKEN = 538e6
 
@@ -65,8 +65,10 @@ def main() -> None:
         gemv = w.numel() * 4 / best(lambda: F.linear(x, w), args.repeats) / 1e9
         packed = w.numel() * 4 / best(prepacked, args.repeats) / 1e9
         native = 0.0
-        if cpu_gemv.available():
-            native = w.numel() * 4 / best(lambda: cpu_gemv.linear(x, w, None), args.repeats) / 1e9
+        if gemv_kernel.available():
+            native = (
+                w.numel() * 4 / best(lambda: gemv_kernel.linear(x, w, None), args.repeats) / 1e9
+            )
         row = {
             "threads": threads,
             "read_GBps": round(read, 1),

@@ -2,7 +2,7 @@
 
 What is compiled: the model's whole forward (embedding, every layer, final norm) as ONE
 graph per decode bucket. Paged attention is one opaque node in it, the custom op
-`pdserve::paged_attention` (engine/attention_op.py), which stores this step's K/V into
+`pdserve::paged_attention` (engine/attention.py), which stores this step's K/V into
 the cache in place and runs the native (or Triton) kernel; the GEMMs are the
 prepacked-oneDNN custom op (engine/models/cpu_linear.py); inductor fuses the rest (norms,
 RoPE, SiLU*mul, residual adds) into C++ loops. One compiled call per step: the earlier
@@ -37,6 +37,7 @@ import time
 import torch
 
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.step_plan import PER_OP
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,18 @@ class CompiledDecode:
             prefill_query_start_loc=context_lens[:1] * 0,
             prefill_seq_lens=context_lens[:0],
         )
-        return self.model(input_ids, positions, kv_cache, meta)
+        return self.model(input_ids, positions, kv_cache, meta, PER_OP)
+
+    def takes(self, meta: AttentionMetadata) -> bool:
+        """Whether a step of `meta` is one this runs: decode rows only, no more than the
+        largest bucket, block tables no wider than `max_blocks`."""
+        n = meta.num_decode_tokens
+        tables = meta.decode_block_tables
+        return (
+            not meta.num_prefills
+            and self.bucket(n) is not None
+            and tables.shape[1] <= self.max_blocks
+        )
 
     def bucket(self, rows: int) -> int | None:
         """The bucket a decode step of `rows` rows is padded to (None: larger than all)."""
@@ -109,10 +121,10 @@ class CompiledDecode:
         meta: AttentionMetadata,
     ) -> torch.Tensor | None:  # [n, hidden]
         n = input_ids.shape[0]
+        if n != meta.num_decode_tokens or not self.takes(meta):
+            return None
         b = self.bucket(n)
         tables = meta.decode_block_tables
-        if meta.num_prefills or b is None or tables.shape[1] > self.max_blocks:
-            return None
         # fresh inputs, all made under inference mode (whatever the caller's tensors are,
         # dynamo's guards see the same kind of tensor every step: no recompile)
         stance = (

@@ -31,10 +31,11 @@ from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampled, prompt_logprobs, sample
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.step_plan import StepPlan, plan_step
 from pdserve.engine.warmup import warm_up_kernels
 from pdserve.engine.weights import load_model_weights
-from pdserve.kernels import cpu_gemv, hugepages
-from pdserve.kernels.ops import default_backend, get_ops, unsupported_head_dim
+from pdserve.kernels import hugepages
+from pdserve.kernels.ops import GEMV_MAX_ROWS, default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +114,10 @@ class ModelRunner:
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         if self.device.type == "cpu":
             # the batched forward's packed weights only where a step can have > 8 rows
-            batch = mc.batched_decode and config.scheduler.max_num_seqs > cpu_gemv.MAX_ROWS
+            batch = mc.batched_decode and config.scheduler.max_num_seqs > GEMV_MAX_ROWS
             model.fused_decode = FusedDecode.build(model, batch=batch)
             fused = "one native call" if model.fused_decode is not None else "op by op"
-            logger.info("decode steps of <= %d rows: %s", cpu_gemv.MAX_ROWS, fused)
+            logger.info("decode steps of <= %d rows: %s", GEMV_MAX_ROWS, fused)
         attn = model.model.layers[0].self_attn
         self.kv_layout = config.cache.kv_layout
         self.kv_cache = allocate_kv_cache(
@@ -215,10 +216,7 @@ class ModelRunner:
         """Run one step. Returns ({request_id: sampled} for rows that sample,
         {request_id: error} for rows whose sampling failed)."""
         with self.device_guard():
-            try:
-                return self._execute(out, block_ids)
-            finally:  # the prompt-step mark is this step's: no GEMV call after it sees it
-                cpu_gemv.set_prompt_step(False)
+            return self._execute(out, block_ids)
 
     @torch.inference_mode()
     def _execute(
@@ -227,24 +225,27 @@ class ModelRunner:
         # Decode rows first: one new token that is not a prompt token. A prompt's last token
         # alone (the rest cached) is a prefill row, computed by the kernels a whole prompt
         # gets (prefill attention; with prompt tokens in the step, prepacked GEMMs and no
-        # decode GEMV, kernels/cpu_gemv.py): a prompt gets the same bits cached or not.
+        # decode GEMV, engine/step_plan.py): a prompt gets the same bits cached or not.
         rows = sorted(out.scheduled, key=lambda s: not _is_decode(s))
         if not rows:
             return {}, {}
         nd = sum(map(_is_decode, rows))
         with _phase("step.prepare"):
             input_ids, positions, meta, cu = self._prepare(rows, block_ids, nd)
-        cpu_gemv.set_prompt_step(
-            nd < len(rows)
-            and any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in rows)
+        # the forward path, chosen once for the whole step (compiled / fused / per op, GEMV)
+        plan = plan_step(
+            self.model,
+            meta,
+            prompt_tokens=nd < len(rows)
+            and any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in rows),
         )
         with _phase("step.forward"):
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            hidden = self.model(input_ids, positions, self.kv_cache, meta, plan)
         if self._step_done is not None:
             self._step_done.record()
         for i, s in enumerate(rows):
             if s.request.wants_prompt_logprobs:
-                self._prompt_logprobs(s.request, hidden[cu[i] : cu[i + 1]], s.num_new_tokens)
+                self._prompt_logprobs(s.request, hidden[cu[i] : cu[i + 1]], s.num_new_tokens, plan)
         sampling = [i for i, s in enumerate(rows) if s.samples]
         if not sampling:
             return {}, {}
@@ -252,7 +253,7 @@ class ModelRunner:
             if len(sampling) < hidden.shape[0]:  # else every row is one token, and samples
                 last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=self.device)
                 hidden = hidden[last_rows]
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden, plan)
         reqs = [rows[i].request for i in sampling]
         with _phase("step.sample"):
             sampled, errors = sample(logits, reqs)
@@ -331,7 +332,9 @@ class ModelRunner:
         )
         return as_t(input_ids), as_t(positions), meta, np.arange(n + 1, dtype=np.int64)
 
-    def _prompt_logprobs(self, req: Request, hidden: torch.Tensor, num_new: int) -> None:
+    def _prompt_logprobs(
+        self, req: Request, hidden: torch.Tensor, num_new: int, plan: StepPlan
+    ) -> None:
         """Logprobs of the prompt tokens this chunk's positions predict, appended to the
         request (positions already done before a preemption are skipped)."""
         start = req.num_computed_tokens
@@ -340,7 +343,7 @@ class ModelRunner:
         k = req.sampling_params.prompt_logprobs or 0
         for a in range(first, end, _PROMPT_LOGITS_ROWS):
             b = min(a + _PROMPT_LOGITS_ROWS, end)
-            logits = self.model.compute_logits(hidden[a - start : b - start])
+            logits = self.model.compute_logits(hidden[a - start : b - start], plan)
             req.prompt_logprobs.extend(
                 prompt_logprobs(logits, req.prompt_token_ids[a + 1 : b + 1], k)
             )

@@ -16,7 +16,7 @@ from pdserve.engine.logits_processors import process_logits
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kernels.cpu_argmax import argmax_rows
+from pdserve.kernels.ops import argmax_rows
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,10 @@ pool). No compiler, a failed build, or any other failure to locate, build or loa
 library (a `$CXX --version` that hangs past `$PDSERVE_CXX_VERSION_TIMEOUT_S`, default 10 s,
 or prints undecodable text): `load_library` returns None with the reason in the
 log, and callers fall back to the pure-torch reference.
+
+`SIGNATURES` declares every C++ entry point once, by library and name, with its argument
+names and ctypes types as the C++ declares them; `load_library` applies them, so a wrapper
+calls `load_library("gemv").pdserve_gemv(...)` with nothing of its own to set up.
 """
 
 from __future__ import annotations
@@ -133,9 +137,111 @@ def build(name: str) -> Path:
 
 @functools.cache
 def load_library(name: str) -> ctypes.CDLL | None:
-    """The loaded kernel library, or None (reason logged once) if it cannot be built."""
+    """The loaded kernel library with its `SIGNATURES` applied, or None (reason logged
+    once) if it cannot be built."""
     try:
-        return ctypes.CDLL(str(build(name)))
+        return bind(ctypes.CDLL(str(build(name))), name)
     except Exception as e:  # any failure to locate, build or load: serve the reference
         logger.warning("CPU kernel %s unavailable, using the pure-torch reference: %s", name, e)
         return None
+
+
+def bind(lib: ctypes.CDLL, name: str) -> ctypes.CDLL:
+    """`lib` (a build of kernels/csrc/<name>.cpp) with its `SIGNATURES` applied."""
+    for fn_name, (restype, args) in SIGNATURES[name].items():
+        fn = getattr(lib, fn_name)
+        fn.restype, fn.argtypes = restype, [t for _, t in args]
+    return lib
+
+
+def address(lib: ctypes.CDLL, fn_name: str) -> int:
+    """The address of `fn_name` in `lib` (decode_forward.cpp calls the other libraries'
+    kernels through such addresses)."""
+    return ctypes.cast(getattr(lib, fn_name), ctypes.c_void_p).value
+
+
+# The C++ entry points, per library (kernels/csrc/<library>.cpp): {name: (return type,
+# ((argument, type), ...))}, argument names as in the C++. `ptr` is any pointer (tensor
+# data, a struct); `dtype` arguments are 0 = float32, 1 = bfloat16.
+ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _args(spec: str) -> tuple[tuple[str, type], ...]:
+    """`"x: ptr, n: i64"` -> (("x", c_void_p), ("n", c_int64))."""
+    types = {"ptr": ptr, "i64": i64, "i32": i32, "f32": f32}
+    pairs = (a.split(":") for a in spec.split(",") if a.strip())
+    return tuple((n.strip(), types[t.strip()]) for n, t in pairs)
+
+
+_GEMM_PACKED = (
+    "x: ptr, xs: i64, wp: ptr, n: i64, k: i64, silu: i32, bias: ptr, res: ptr, rs: i64,"
+    "y: ptr, ys: i64, m: i64"
+)
+_DECODE_STEP = (
+    "ids: ptr, positions: ptr, slots: ptr, tables: ptr, width: i64, lens: ptr, m: i64,"
+    "out: ptr, threads: i32"
+)
+SIGNATURES: dict[str, dict[str, tuple[type, tuple[tuple[str, type], ...]]]] = {
+    "argmax": {
+        "pdserve_argmax_rows": (i32, _args("x: ptr, row_stride: i64, rows: i64, n: i64, out: ptr")),
+    },
+    "elementwise": {
+        "pdserve_rms_norm": (i32, _args(
+            "x: ptr, xs: i64, res: ptr, rs: i64, w: ptr, out: ptr, os: i64, res_out: ptr,"
+            "ros: i64, rows: i64, n: i64, eps: f32, dtype: i32, threads: i32")),
+        "pdserve_silu_and_mul": (i32, _args(
+            "x: ptr, xs: i64, out: ptr, os: i64, rows: i64, n: i64, dtype: i32, threads: i32")),
+        "pdserve_rope": (i32, _args(
+            "positions: ptr, q: ptr, qs_t: i64, qs_h: i64, hq: i64, k: ptr, ks_t: i64, ks_h: i64,"
+            "hk: i64, cos_sin: ptr, d: i64, tokens: i64, dtype: i32, threads: i32")),
+        "pdserve_store_kv": (i32, _args(
+            "k: ptr, ks_t: i64, v: ptr, vs_t: i64, k_cache: ptr, v_cache: ptr, slots: ptr,"
+            "tokens: i64, row_bytes: i64, block_size: i64, block_bytes: i64, num_slots: i64,"
+            "threads: i32")),
+    },
+    "gemv": {
+        "pdserve_gemv": (i32, _args(
+            "x: ptr, xs: i64, w: ptr, ws: i64, b: ptr, y: ptr, ys: i64, m: i64, n: i64, k: i64,"
+            "dtype: i32, threads: i32, silu: i32")),
+        "pdserve_norm_gemv": (i32, _args(
+            "x: ptr, xs: i64, res: ptr, rs: i64, nw: ptr, eps: f32, res_out: ptr, ros: i64,"
+            "w: ptr, ws: i64, b: ptr, y: ptr, ys: i64, m: i64, n: i64, k: i64, dtype: i32,"
+            "threads: i32, silu: i32")),
+        "pdserve_gemv_isa": (i32, ()),
+    },
+    "gemm_packed": {
+        "pdserve_packed_floats": (i64, _args("n: i64, k: i64, silu: i32")),
+        "pdserve_packed_bf16_elems": (i64, _args("n: i64, k: i64, silu: i32")),
+        "pdserve_pack": (i32, _args(
+            "w: ptr, ws: i64, n: i64, k: i64, silu: i32, out: ptr, threads: i32")),
+        "pdserve_pack_bf16": (i32, _args(
+            "w: ptr, ws: i64, n: i64, k: i64, silu: i32, out: ptr, threads: i32")),
+        "pdserve_gemm_packed": (i32, _args(_GEMM_PACKED + ", threads: i32")),
+        "pdserve_gemm_packed_bf16": (i32, _args(_GEMM_PACKED + ", y_f32: i32, threads: i32")),
+        "pdserve_gemm_packed_team": (i32, _args(_GEMM_PACKED)),
+        "pdserve_gemm_packed_bf16_team": (i32, _args(_GEMM_PACKED)),
+        "pdserve_gemm_packed_isa": (i32, ()),
+        "pdserve_gemm_packed_bf16_native": (i32, ()),
+    },
+    "paged_decode": {
+        "pdserve_paged_decode_head_dim_ok": (i32, _args("head_dim: i64")),
+        "pdserve_paged_decode": (i32, _args(
+            "q: ptr, k_cache: ptr, v_cache: ptr, block_tables: ptr, context_lens: ptr, out: ptr,"
+            "num_seqs: i64, num_heads: i64, num_kv_heads: i64, head_dim: i64, block_size: i64,"
+            "max_blocks: i64, q_stride_seq: i64, q_stride_head: i64, block_stride: i64,"
+            "split_keys: i64, num_splits: i64, scale: f32, dtype: i32, num_threads: i32")),
+    },
+    "prefill_attention": {
+        "pdserve_prefill_attention": (i32, _args(
+            "q: ptr, qs_t: i64, qs_h: i64, k: ptr, ks_t: i64, ks_h: i64, v: ptr, vs_t: i64,"
+            "vs_h: i64, out: ptr, begins: ptr, ends: ptr, kv_begins: ptr, q_offsets: ptr,"
+            "nseq: i64, h: i64, hkv: i64, d: i64, scale: f32, dtype: i32, threads: i32")),
+    },
+    "decode_forward": {  # model: a decode_forward.Model (PdserveModel), by address
+        "pdserve_decode_forward": (i32, _args("model: ptr, " + _DECODE_STEP)),
+        "pdserve_decode_forward_batch": (i32, _args("model: ptr, " + _DECODE_STEP)),
+        "pdserve_decode_attention": (i32, _args(
+            "model: ptr, layer: i64, qkv: ptr, positions: ptr, slots: ptr, tables: ptr,"
+            "width: i64, lens: ptr, m: i64, out: ptr, threads: i32")),
+    },
+}  # fmt: skip

@@ -1,12 +1,23 @@
-"""One registry of kernel implementations: `get_ops("torch")` or `get_ops("triton")`.
+"""The kernel contract: every op the engine calls, declared here; the engine imports this
+module and no other of `pdserve.kernels` (hugepages, a memory utility, aside).
 
-Every backend exposes the same functions with the contracts documented in
-`pdserve.kernels.reference`: store_kv, paged_decode_attention, paged_prefill_attention, rms_norm,
-fused_add_rms_norm, rotary_embedding, silu_and_mul.
+Per-layer ops come as an op set, `get_ops("torch")` or `get_ops("triton")`, a module whose
+functions have the signatures and semantics of their torch reference,
+`pdserve.kernels.reference` (the oracle for tests):
+  store_kv, paged_decode_attention, paged_prefill_attention, rms_norm, fused_add_rms_norm,
+  rotary_embedding, silu_and_mul: computed by every op set;
+  gate_up_silu, norm_linear: decode-row fusions an op set may decline (None), the model
+  then runs the unfused ops; FUSES_MLP_ACTIVATION: whether the MLP runs SiLU * up inside
+  its GEMMs.
+Implementations: `torch` on CPU is `pdserve.kernels.cpu_ops` (native C++ ops built with the
+system compiler on first use, kernels/csrc/<name>.cpp <-> kernels/<name>.py, each falling
+back to the reference for what it does not take; `PDSERVE_CPU_ATTENTION=reference` selects
+the pure reference); `triton` is `pdserve.kernels.triton_ops`.
 
-`torch` on CPU is `pdserve.kernels.cpu_ops`: the reference plus native ops (paged decode attention
-reading the KV blocks in place, fused elementwise ops), built with the system C++ compiler
-on first use (the reference if none). `PDSERVE_CPU_ATTENTION=reference` selects the pure reference instead.
+Engine-wide CPU ops, declared below: `argmax_rows` (the sampler's greedy pick), `gemv_linear`
+(decode rows' projections), `PackedWeight` (GEMMs on weights packed once), and the fused
+decode forward (`DecodeModel`, `DecodeLayer`, `decode_forward_libraries`): a whole decode
+step in one native call.
 """
 
 from __future__ import annotations
@@ -14,17 +25,95 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
+import torch
+
+from pdserve.kernels import (
+    argmax,
+    cpu_ops,
+    decode_forward,
+    elementwise,
+    gemm_packed,
+    gemv,
+    paged_decode,
+    prefill_attention,
+    reference,
+)
+from pdserve.kernels.triton_launch import (
+    DECODE_MAX_SPLITS,
+    DECODE_MIN_SPLIT_KEYS,
+    PREFILL_BLOCK_M,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DECODE_FORWARD_ERRORS",
+    "DECODE_MAX_SPLITS",
+    "DECODE_MIN_SPLIT_KEYS",
+    "GEMV_MAX_ROWS",
+    "PREFILL_BLOCK_M",
+    "DecodeLayer",
+    "DecodeModel",
+    "PackedWeight",
+    "argmax_rows",
+    "blocks_contiguous",
+    "decode_forward_constants",
+    "decode_forward_libraries",
+    "default_backend",
+    "gemv_linear",
+    "get_ops",
+    "is_native_cpu_ops",
+    "paged_decode_head_dim_supported",
+    "packed_team_address",
+    "unsupported_head_dim",
+]
+
 BACKENDS = ("torch", "triton")
-# Launch buckets of the Triton attention kernels (kernels.triton_attention), here so the
-# engine can plan its warm-up without importing triton.
-DECODE_MAX_SPLITS = 32  # decode split-K: a power of two up to this
-DECODE_MIN_SPLIT_KEYS = 256  # a split gets at least this many keys
-PREFILL_BLOCK_M = (16, 64)  # query rows per prefill program: chunks <= 32 rows, longer
 CPU_ATTENTION_ENV = "PDSERVE_CPU_ATTENTION"
 CPU_ATTENTION_CHOICES = ("native", "reference")
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[rows, n] -> [rows] int64, equal to `x.argmax(dim=-1)` (first index of the maximum;
+    a row with a NaN: its first NaN). Native for CPU fp32 rows, torch otherwise."""
+    return argmax.argmax_rows(x)
+
+
+GEMV_MAX_ROWS = gemv.MAX_ROWS  # decode steps of up to this many rows take the GEMV
+
+
+def gemv_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` with fp32 accumulation for up to GEMV_MAX_ROWS rows,
+    streaming the plain weight; None for what it does not take (the caller's GEMM then)."""
+    return gemv.linear(x, weight, bias)
+
+
+# A weight packed once into column panels: `PackedWeight(w, silu=False)`, `.gemm(x, ...)`,
+# `.linear(x)` (kernels/gemm_packed.py); `packed_team_address(dtype)` is the per-thread
+# GEMM the fused decode forward calls inside its own parallel region.
+PackedWeight = gemm_packed.Packed
+packed_team_address = gemm_packed.team_address
+
+# The fused decode forward (kernels/decode_forward.py): the model described once
+# (`DecodeModel` with a `DecodeLayer` per layer), a step passes only its inputs.
+DecodeModel = decode_forward.Model
+DecodeLayer = decode_forward.Layer
+DECODE_FORWARD_ERRORS = decode_forward.ERRORS
+decode_forward_libraries = decode_forward.libraries
+decode_forward_constants = decode_forward.wrapper_constants
+blocks_contiguous = paged_decode.blocks_contiguous
+paged_decode_head_dim_supported = paged_decode.head_dim_supported
+
+
+def is_native_cpu_ops(ops: ModuleType) -> bool:
+    """Whether `ops` is the native CPU op set (the one the fused decode forward chains)."""
+    return ops is cpu_ops
+
+
 def get_ops(name: str) -> ModuleType:
+    """The op set `name` ("torch" or "triton"); see the module doc. Triton is imported only
+    here, when asked for."""
     if name == "torch":
         choice = os.environ.get(CPU_ATTENTION_ENV) or "native"
         if choice not in CPU_ATTENTION_CHOICES:
@@ -32,14 +121,10 @@ def get_ops(name: str) -> ModuleType:
                 f"{CPU_ATTENTION_ENV}={choice!r}; expected one of {CPU_ATTENTION_CHOICES}"
             )
         if choice == "reference":
-            from pdserve.kernels import reference
-
             return reference
-        from pdserve.kernels import cpu_attention, cpu_elementwise, cpu_ops, cpu_prefill
-
-        cpu_attention.available()  # build (or load) the kernels now, not in the first step
-        cpu_elementwise.available()
-        cpu_prefill.available()
+        paged_decode.available()  # build (or load) the kernels now, not in the first step
+        elementwise.available()
+        prefill_attention.available()
         return cpu_ops
     if name == "triton":
         from pdserve.kernels import triton_ops

@@ -88,7 +88,7 @@ def paged_prefill_attention(
     `seq_len_i - q_len_i ... seq_len_i - 1`; each attends to every cached token at or
     before its own position (the prefix cache and earlier chunks included).
     `new_kv` is this step's K/V (already stored): a backend may read a sequence without
-    a cached prefix from it instead of the cache (pdserve.kernels.cpu_prefill); this oracle
+    a cached prefix from it instead of the cache (pdserve.kernels.prefill_attention); this oracle
     reads the cache.
     """
     h, hkv = q.shape[1], k_cache.shape[2]
@@ -156,3 +156,26 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
     i = x.shape[-1] // 2
     return F.silu(x[..., :i]) * x[..., i:]
+
+
+# Decode-row fusions (kernels/ops.py): an op set may decline any input (None), and the
+# model then runs the unfused ops above. The reference declines every input.
+FUSES_MLP_ACTIVATION = False  # the MLP runs silu_and_mul on the gate_up GEMM's output
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """silu_and_mul(F.linear(x, weight)) in one call, or None (not taken)."""
+    return None
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(Residual add +) RMSNorm, then the projection after it, in one call, or None."""
+    return None

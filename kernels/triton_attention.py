@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.ops import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_KEYS, PREFILL_BLOCK_M
+from pdserve.kernels.triton_launch import DECODE_MAX_SPLITS, DECODE_MIN_SPLIT_KEYS, PREFILL_BLOCK_M
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = DECODE_MAX_SPLITS

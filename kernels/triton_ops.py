@@ -9,6 +9,7 @@ with `TRITON_INTERPRET=1` before triton is first imported.
 
 from __future__ import annotations
 
+from pdserve.kernels.reference import FUSES_MLP_ACTIVATION, gate_up_silu, norm_linear
 from pdserve.kernels.triton_attention import paged_decode_attention, paged_prefill_attention
 from pdserve.kernels.triton_elementwise import (
     fused_add_rms_norm,
@@ -19,7 +20,10 @@ from pdserve.kernels.triton_elementwise import (
 )
 
 __all__ = [
+    "FUSES_MLP_ACTIVATION",
     "fused_add_rms_norm",
+    "gate_up_silu",
+    "norm_linear",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated
 
 from pdserve.engine.kv_tensor import BLOCK_MAJOR, LAYER_MAJOR, allocate_kv_cache, layout_of  # noqa: E402
-from pdserve.kernels import cpu_attention, native  # noqa: E402
+from pdserve.kernels import native, paged_decode  # noqa: E402
 from pdserve.kernels import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
@@ -31,7 +31,7 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2
 
 def _backends() -> dict[str, object]:
     out: dict[str, object] = {"reference": ref}
-    if native.find_compiler() is not None and cpu_attention.available():
+    if native.find_compiler() is not None and paged_decode.available():
         from pdserve.kernels import cpu_ops
 
         out["native"] = cpu_ops
@@ -131,13 +131,13 @@ def test_native_decode_reads_strided_blocks_in_place():
     bm = allocate_kv_cache(BLOCK_MAJOR, LAYERS, 40, bs, hkv, d)
     bm.normal_()
     kc, vc = bm[LAYER, 0], bm[LAYER, 1]
-    assert cpu_attention.supports(torch.zeros(2, 9, d), kc, vc)
-    assert not cpu_attention.supports(torch.zeros(2, 9, d), kc, vc.contiguous())  # strides differ
+    assert paged_decode.supports(torch.zeros(2, 9, d), kc, vc)
+    assert not paged_decode.supports(torch.zeros(2, 9, d), kc, vc.contiguous())  # strides differ
     table = torch.randperm(40)[:26].to(torch.int32).view(2, 13)
     ctx = torch.tensor([200, 150], dtype=torch.int32)
     q = torch.randn(2, 9, d)
     torch.testing.assert_close(
-        cpu_attention.paged_decode_attention(q, kc, vc, table, ctx, 0.125),
+        paged_decode.paged_decode_attention(q, kc, vc, table, ctx, 0.125),
         ref.paged_decode_attention(q, kc.contiguous(), vc.contiguous(), table, ctx, 0.125),
         **TOL[torch.float32],
     )

@@ -1,7 +1,7 @@
 """The fused decode forward (engine/models/fused_decode.py): one native call for a decode
 step of <= 8 rows and the per-layer loop without packed weights, equal bit for bit to the
-model's per-op path; the batched forward (fp32 and bf16) on packed weights for more rows,
-close to it, independent of the other rows of its step; all used by the engine."""
+model's per-op path; used by the engine. The batched forward on packed weights for more
+rows: tests/test_fused_decode_batched.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.models.fused_decode import FusedDecode
+from pdserve.engine.step_plan import ForwardPath, StepPlan, plan_step
 from tests.conftest import make_tiny_llama, skip_in_isa_view
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_compiled_model import _decode_inputs
@@ -157,194 +158,6 @@ def test_engine_uses_fused_decode_and_equals_hf(tiny_llama_dir):
     assert fused.layer_steps >= 10, fused.layer_steps
 
 
-def test_engine_takes_the_batched_forward_in_bf16(tiny_llama_dir):
-    """bf16 decode steps of more than MAX_ROWS rows run batched in the engine, and greedy
-    decoding through them gives what the per-layer path (oneDNN's bf16 GEMMs) gives but
-    where bf16 rounding in other places may flip a near-tie: the first token (the prompt's,
-    not a decode step's) always, most of the rest."""
-    llm = LLM(tiny_llama_dir, dtype="bfloat16", block_size=4, num_blocks=512)
-    model = llm.engine.runner.model
-    fused = model.fused_decode
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = random_prompts(10, [3, 9, 20], seed=12)
-    outs = [o.token_ids for o in llm.generate(prompts, params)]
-    assert fused.batch_steps >= 10, fused.batch_steps
-    model.fused_decode = by_layer = FusedDecode.build(model, batch=False)
-    ref = [o.token_ids for o in llm.generate(prompts, params)]
-    assert by_layer.layer_steps >= 10 and by_layer.batch_steps == 0
-    assert all(len(o) == params.max_tokens and o[0] == r[0] for o, r in zip(outs, ref))
-    same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
-    assert same >= 0.9 * params.max_tokens * len(prompts), same
-    llm.engine.check_integrity()
-
-
-def _batched_close_to_per_op(runner, cases) -> None:
-    """The batched forward (packed GEMMs) against the per-op path: hidden states and the
-    K/V it stores equal but for summation order (bf16: and the bf16 roundings it moves)."""
-    model = runner.model
-    fused = model.fused_decode
-    dtype = model.model.embed_tokens.weight.dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for rows, threads in cases:
-        torch.set_num_threads(threads)
-        cache = _same_layout_cache(runner, seed=rows)
-        ids, pos, meta = _decode_inputs(rows, cache, seed=rows)
-        batch_steps = fused.batch_steps
-        ref, kv_ref, got, kv_fused = _per_op_and_fused(model, ids, pos, cache, meta)
-        assert fused.batch_steps == batch_steps + 1, "the batched forward did not run"
-        assert got.shape == ref.shape and got.dtype == dtype
-        got, ref, kv_got, kv_want = got.float(), ref.float(), kv_fused.float(), kv_ref.float()
-        scale = ref.abs().max().item()
-        assert (got - ref).abs().max().item() <= tol * scale, (rows, threads)
-        assert (kv_got - kv_want).abs().max().item() <= tol * kv_want.abs().max().item()
-        if dtype == torch.bfloat16:
-            # Most values the same bf16 number: both round at the same points (the batched
-            # forward follows the per-op path's roundings, `silu_mode`); they differ where
-            # the per-op GEMMs' summation order (oneDNN's, or torch's own bf16 GEMM on a CPU
-            # without native bf16) moves an fp32 sum across a bf16 rounding boundary, and
-            # what a flipped last bit then changes downstream. Measured: 1.0 on AVX-512
-            # bf16 boxes, 0.977-1.0 on AVX2 (tests/test_fused_decode.py's cases).
-            assert (got == ref).float().mean().item() > 0.9
-        assert not torch.equal(kv_fused, cache), "nothing was stored"
-    torch.set_num_threads(1)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("layout", ["layer_major", "block_major"])
-def test_batched_forward_close_to_per_op(tiny_llama_dir, layout, dtype):
-    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512, kv_layout=layout)
-    _batched_close_to_per_op(llm.engine.runner, [(9, 1), (9, 2), (33, 2), (64, 2)])
-
-
-def test_batched_bf16_rounds_as_the_unfused_per_op_mlp(tiny_llama_dir, monkeypatch):
-    """Where oneDNN cannot pack bf16 (a CPU without native bf16: AVX2-only boxes; here the
-    runner is told so), the per-op MLP rounds the gate_up GEMM's output to bf16 before
-    SiLU * up, and the batched forward rounds there too (`silu_mode` 2): it stays as close
-    to the per-op path as where oneDNN fuses SiLU * up. (It kept the fused rounding and
-    matched a quarter of the elements on AVX2.) The GEMMs' summation order is torch's on
-    such a CPU, hence "close", not equal (scripts/avx2_view.sh runs this on AVX2 itself)."""
-    from pdserve.engine import model_runner
-
-    monkeypatch.setattr(model_runner, "onednn_available", lambda device, dtype: False)
-    llm = LLM(tiny_llama_dir, dtype="bfloat16", block_size=4, num_blocks=512)
-    runner = llm.engine.runner
-    assert runner.model.fused_decode._model.silu_mode == 2
-    _batched_close_to_per_op(runner, [(9, 1), (33, 2), (64, 2)])
-    # greedy through the engine: what the per-layer path (the per-op GEMMs) gives
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    prompts = random_prompts(10, [3, 9, 20], seed=12)
-    outs = [o.token_ids for o in llm.generate(prompts, params)]
-    assert runner.model.fused_decode.batch_steps >= 10
-    runner.model.fused_decode = FusedDecode.build(runner.model, batch=False)
-    ref = [o.token_ids for o in llm.generate(prompts, params)]
-    assert all(len(o) == params.max_tokens and o[0] == r[0] for o, r in zip(outs, ref))
-    same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
-    assert same >= 0.9 * params.max_tokens * len(prompts), same
-    llm.engine.check_integrity()
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batched_rows_do_not_depend_on_the_step(tiny_llama_dir, dtype):
-    """A row's hidden states and stored K/V are the same bits whatever other rows share its
-    step and however many threads run it (each GEMM output one FMA chain over k in order;
-    norms, RoPE and attention per row)."""
-    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
-    runner = llm.engine.runner
-    model, fused = runner.model, runner.model.fused_decode
-    cache = _same_layout_cache(runner, seed=5)
-    ids, pos, meta = _decode_inputs(40, cache, seed=6)
-    outs = []
-    with torch.inference_mode():
-        for rows, threads in [(40, 2), (9, 1), (17, 2), (40, 1)]:
-            torch.set_num_threads(threads)
-            sub = AttentionMetadata(
-                meta.slot_mapping[:rows], rows, meta.decode_block_tables[:rows].contiguous(),
-                meta.decode_context_lens[:rows], meta.prefill_block_tables,
-                meta.prefill_query_start_loc, meta.prefill_seq_lens,
-            )  # fmt: skip
-            kv = cache.clone()
-            before = fused.batch_steps
-            outs.append((model(ids[:rows], pos[:rows], kv, sub), kv))
-            assert fused.batch_steps == before + 1
-    torch.set_num_threads(1)
-    full, kv_full = outs[0]
-    for hidden, _kv in outs[1:]:
-        assert torch.equal(hidden, full[: hidden.shape[0]])
-    assert torch.equal(outs[3][0], full) and torch.equal(outs[3][1], kv_full)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batched_lm_head(tiny_llama_dir, dtype):
-    """The logits of the batched step just run come from the packed lm_head (close to
-    oneDNN's; bf16: fp32 holding bf16 values, as the model's own bf16 logits turned
-    float); any other call (a second one, prompt steps, other row counts) keeps the
-    model's own GEMMs."""
-    from pdserve.engine.models.cpu_linear import linear
-    from pdserve.kernels import cpu_gemv
-
-    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
-    runner = llm.engine.runner
-    model, fused = runner.model, runner.model.fused_decode
-    cache = _same_layout_cache(runner, seed=8)
-    ids, pos, meta = _decode_inputs(12, cache, seed=8)
-    with torch.inference_mode():
-        hidden = model(ids, pos, cache, meta)
-        assert fused._batched_rows == 12
-        ref = linear(hidden, model.lm_head_weight, None).float()
-        tol = 1e-5 if dtype == "float32" else 1e-2
-        calls = []
-        packed_linear = fused.lm_head.linear
-        fused.lm_head.linear = lambda x: calls.append(x.shape) or packed_linear(x)
-        got = model.compute_logits(hidden)  # the packed lm_head
-        assert calls == [(12, model.config.hidden_size)]
-        assert got.dtype == torch.float32
-        assert (got - ref).abs().max().item() <= tol * ref.abs().max().item()
-        assert torch.equal(got.to(model.lm_head_weight.dtype).float(), got)
-        assert torch.equal(model.compute_logits(hidden), ref)  # a second call: oneDNN's
-        assert len(calls) == 1
-        model(ids, pos, cache, meta)
-        assert fused.logits(hidden[:8]) is None  # not the step's rows
-        model(ids, pos, cache, meta)
-        cpu_gemv.set_prompt_step(True)
-        try:
-            assert fused.logits(hidden) is None
-        finally:
-            cpu_gemv.set_prompt_step(False)
-
-
-def test_batched_rows_do_not_depend_on_the_step_long_contexts(tmp_path):
-    """Long contexts and more threads than a few rows each: attention stays one key split
-    per row in the batched forward (the per-op path splits keys to keep threads busy), so a
-    row's bits still do not depend on the thread count or the other rows."""
-    path = make_tiny_llama(str(tmp_path / "m"), seed=5)
-    llm = LLM(path, block_size=16, num_blocks=512)
-    runner = llm.engine.runner
-    model, fused = runner.model, runner.model.fused_decode
-    cache = _same_layout_cache(runner, seed=9)
-    g = torch.Generator().manual_seed(2)
-    rows, width = 11, 30
-    tables = torch.randperm(512, generator=g)[: rows * width].to(torch.int32).reshape(rows, width)
-    lens = torch.randint(256, 470, (rows,), generator=g, dtype=torch.int32)
-    lens[3] = 20  # a short one among the long
-    pos = (lens - 1).long()
-    slots = tables[torch.arange(rows), pos // 16].long() * 16 + pos % 16
-    ids = torch.randint(0, 1000, (rows,), generator=g)
-    outs = []
-    with torch.inference_mode():
-        for n, threads in [(11, 1), (11, 4), (9, 3), (10, 2)]:
-            torch.set_num_threads(threads)
-            meta = AttentionMetadata(
-                slots[:n], n, tables[:n].contiguous(), lens[:n], tables[:0],
-                torch.zeros(1, dtype=torch.int32), lens[:0],
-            )  # fmt: skip
-            before = fused.batch_steps
-            outs.append(model(ids[:n], pos[:n], cache.clone(), meta))
-            assert fused.batch_steps == before + 1
-    torch.set_num_threads(1)
-    for hidden in outs[1:]:
-        assert torch.equal(hidden, outs[0][: hidden.shape[0]])
-
-
 def test_packing_skipped_where_no_step_can_take_it(tiny_llama_dir):
     """A scheduler of at most MAX_ROWS sequences never runs a batched step: no packed copy."""
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64, max_num_seqs=8)
@@ -362,10 +175,11 @@ _OTHER_BUILD = """
 import torch
 from pdserve.engine import LLM
 from tests.test_fused_decode import _decode_inputs, _per_op_and_fused, _same_layout_cache
-from pdserve.kernels import cpu_gemv
-assert cpu_gemv.isa() == 256, cpu_gemv.isa()
-from tests.test_fused_decode import _batched_close_to_per_op
+from pdserve.kernels import gemv
+assert gemv.isa() == 256, gemv.isa()
+from tests.test_fused_decode_batched import _batched_close_to_per_op
 from pdserve.engine.models.fused_decode import FusedDecode
+from pdserve.engine.step_plan import ForwardPath, StepPlan, plan_step
 for dtype in ("float32", "bfloat16"):
     llm = LLM({path!r}, dtype=dtype, block_size=4, num_blocks=256)
     runner = llm.engine.runner
@@ -418,18 +232,21 @@ def test_the_plan_keeps_what_it_points_into(tiny_llama_dir):
 
 
 def test_a_prompt_step_does_not_outlive_its_step(tiny_llama_dir):
-    """The runner marks a step with prompt tokens (no decode GEMV, no fused forward in it);
-    the mark ends with the step. A generate whose last step was a prompt step (one token
-    to generate) left it set: every later decode GEMV or fused call outside the runner's
-    steps (another engine's model, a test, a benchmark) silently took the per-op path."""
-    from pdserve.kernels import cpu_gemv
+    """The runner plans a step with prompt tokens (no decode GEMV, no fused forward in it)
+    for that step only. A generate whose last step was a prompt step (one token to
+    generate) once left a module-global mark set: every later decode GEMV or fused call
+    outside the runner's steps (another engine's model, a test, a benchmark) silently took
+    the per-op path. The plan is an argument now; a decode step still plans the fused path."""
+    from pdserve.kernels import gemv
 
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(random_prompts(1, [9], seed=3), params)
-    assert not cpu_gemv.prompt_step()
+    runner = llm.engine.runner
+    _, _, meta = _decode_inputs(2, runner.kv_cache, seed=3)
+    assert plan_step(runner.model, meta) == StepPlan(ForwardPath.FUSED)
     x, w = torch.randn(2, 64), torch.randn(32, 64)
-    assert cpu_gemv.linear(x, w, None) is not None
+    assert gemv.linear(x, w, None) is not None
 
 
 def test_inputs_of_other_row_counts_are_not_taken(tiny_llama_dir):
@@ -451,25 +268,3 @@ def test_inputs_of_other_row_counts_are_not_taken(tiny_llama_dir):
             for bad in short:
                 assert fused(ids, pos, cache, bad) is None
             assert fused(ids, pos[:-1], cache, meta) is None
-
-
-def test_batched_decode_switched_off(tiny_llama_dir, tmp_path):
-    """`batched_decode=False` (`--no-batched-decode`, YAML `model.batched_decode: false`):
-    no packed copies, larger steps by layer."""
-    from tests.test_cluster_config import GOOD, node_engine_config, write
-
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512, batched_decode=False)
-    fused = llm.engine.runner.model.fused_decode
-    assert fused._batch_fn is None and fused.lm_head is None and not fused._packed
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate(random_prompts(10, [3, 9, 20], seed=12), params)
-    assert fused.layer_steps >= 3 and fused.batch_steps == 0
-
-    def batched(argv: list[str]) -> bool:
-        return node_engine_config(argv).model.batched_decode
-
-    assert batched([]) is True and batched(["--no-batched-decode"]) is False
-    path = write(tmp_path, GOOD)
-    assert batched(["--config", str(path), "--node", "decode-0"]) is True
-    argv = ["--config", str(path), "--node", "decode-0", "--set", "model.batched_decode=false"]
-    assert batched(argv) is False

@@ -38,12 +38,6 @@ ALLOWED: dict[str, set[str]] = {
     "node": _PD | {"prefill", "decode", "api", "cluster", "node"},
     "cli": _PD | {"prefill", "decode", "api", "cluster", "node", "router", "bench", "cli"},
 }
-# Cycles through function-level imports that the kernel contract work removes; none may
-# be added (module-level cycles are not allowed at all).
-KNOWN_LAZY_CYCLES = [
-    {"pdserve.engine.attention", "pdserve.engine.attention_op"},
-    {"pdserve.kernels.ops", "pdserve.kernels.triton_attention", "pdserve.kernels.triton_ops"},
-]
 _CODE_IMPORT = re.compile(r"(?:from|import)\s+(pdserve(?:\.\w+)*)")
 
 
@@ -174,8 +168,7 @@ def test_no_import_cycle_between_files():
     for edges in (IMPORTS.module_level, IMPORTS.lazy):
         for mod, targets in edges.items():
             both[mod] |= targets
-    new = [c for c in cycles(both) if c not in KNOWN_LAZY_CYCLES]
-    assert new == [], f"new import cycles (through lazy imports): {new}"
+    assert cycles(both) == [], "files importing each other through function-level imports"
 
 
 def test_router_cluster_and_common_load_no_torch():

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.kernels import cpu_gemv
+from pdserve.kernels import ops
 
 # plain weight's data_ptr -> (weak ref to the plain weight, packed oneDNN weight; for a
 # gate_up weight, the (gate, up) halves packed apart)
@@ -74,11 +74,14 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return x.contiguous(), False
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemv: bool = True
+) -> torch.Tensor:
     """y = x W^T (+ b): a few rows (decode) through the native GEMV, which streams the plain
-    weight (kernels/cpu_gemv.py); more through the packed weight when there is one."""
-    if x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1]:
-        y = cpu_gemv.linear(x, weight, bias)
+    weight (kernels.ops.gemv_linear); more, or any number in a step with prompt tokens
+    (gemv False, engine/step_plan.py), through the packed weight when there is one."""
+    if gemv and x.numel() <= ops.GEMV_MAX_ROWS * x.shape[-1]:
+        y = ops.gemv_linear(x, weight, bias)
         if y is not None:
             return y
     packed = _packed(weight)
@@ -109,10 +112,10 @@ class PackedLinear(nn.Linear):
     def pack(self) -> bool:
         return pack_weight(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+    def forward(self, x: torch.Tensor, gemv: bool = True) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # compiled decode steps: the GEMV for few rows
             return torch.ops.pdserve.packed_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, gemv)
 
 
 class PackedGateUp(PackedLinear):

@@ -1,4 +1,4 @@
-"""A Llama model's decode steps in few native calls (kernels/cpu_decode.py).
+"""A Llama model's decode steps in few native calls (kernels/decode_forward.py).
 
 `FusedDecode.build(model)` describes the model to the native chain once, at load: every
 layer's weight and norm pointers, the RoPE table, the embedding. The KV cache's per-layer
@@ -6,7 +6,7 @@ planes are added the first time a cache is seen (a runner has one; tests bring t
 own). `__call__(input_ids, positions, kv_cache, meta)` returns a decode-only step's hidden
 states:
 
-- up to `cpu_gemv.MAX_ROWS` rows: the whole forward as one native call (`steps` counts them);
+- up to `ops.GEMV_MAX_ROWS` rows: the whole forward as one native call (`steps` counts them);
 - more rows, up to `BATCH_MAX_ROWS`, fp32 or bf16: the whole forward as one native call and
   one OpenMP parallel region on weights packed at build for kernels/csrc/gemm_packed.cpp
   (`batch_steps`; `logits` runs the lm_head of such a step the same way). Not bit-equal
@@ -41,7 +41,7 @@ import torch
 
 from pdserve.engine.models.cpu_linear import linear, silu_fused
 from pdserve.engine.models.llama import mlp_tile_rows
-from pdserve.kernels import cpu_attention, cpu_decode, cpu_gemv, cpu_ops, cpu_packed
+from pdserve.kernels import ops
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +58,16 @@ def _row_stride(w: torch.Tensor) -> int:
 
 class FusedDecode:
     def __init__(
-        self, model: torch.nn.Module, fn, attend, kernels: dict[str, int], batch: bool = True
+        self, model: torch.nn.Module, lib, kernels: dict[str, int], batch: bool = True
     ) -> None:
         cfg = model.config
         layers = model.model.layers
         attn = layers[0].self_attn
         self.model = model
         self.dtype = model.model.embed_tokens.weight.dtype
-        self._fn = fn
-        self._attend = attend
+        self._ops = attn.ops  # the native CPU op set (checked by `build`)
+        self._fn = lib.pdserve_decode_forward
+        self._attend = lib.pdserve_decode_attention
         # larger steps: (input norm, qkv, qkv bias, o, post norm, gate_up module, down) a layer
         self._weights = [
             (
@@ -90,10 +91,10 @@ class FusedDecode:
             self._bound.append(t.detach())  # shares the storage, whatever the module does
             return t.data_ptr()
 
-        self._layers = (cpu_decode.Layer * len(layers))()
+        self._layers = (ops.DecodeLayer * len(layers))()
         for i, layer in enumerate(layers):
             a, mlp = layer.self_attn, layer.mlp
-            self._layers[i] = cpu_decode.Layer(
+            self._layers[i] = ops.DecodeLayer(
                 input_norm=_ptr(layer.input_layernorm.weight),
                 qkv=_ptr(a.qkv_proj.weight), qkv_ws=_row_stride(a.qkv_proj.weight),
                 qkv_bias=_ptr(a.qkv_proj.bias),
@@ -104,22 +105,22 @@ class FusedDecode:
                 down=_ptr(mlp.down_proj.weight), down_ws=_row_stride(mlp.down_proj.weight),
             )  # fmt: skip
         # steps of more than MAX_ROWS rows: the batched forward on packed weights
-        self._batch_fn = cpu_decode.batch_forward() if batch else None
-        team = cpu_packed.team_address(self.dtype) if self._batch_fn is not None else None
-        self._packed: list[cpu_packed.Packed] = []  # kept alive: the layers point into them
-        self.lm_head: cpu_packed.Packed | None = None
+        self._batch_fn = lib.pdserve_decode_forward_batch if batch else None
+        team = ops.packed_team_address(self.dtype) if self._batch_fn is not None else None
+        self._packed: list[ops.PackedWeight] = []  # kept alive: the layers point into them
+        self.lm_head: ops.PackedWeight | None = None
         if team is not None:
             try:
                 for i, layer in enumerate(layers):
                     a, mlp = layer.self_attn, layer.mlp
-                    ps = [cpu_packed.Packed(a.qkv_proj.weight),
-                          cpu_packed.Packed(a.o_proj.weight),
-                          cpu_packed.Packed(mlp.gate_up_proj.weight, silu=True),
-                          cpu_packed.Packed(mlp.down_proj.weight)]  # fmt: skip
+                    ps = [ops.PackedWeight(a.qkv_proj.weight),
+                          ops.PackedWeight(a.o_proj.weight),
+                          ops.PackedWeight(mlp.gate_up_proj.weight, silu=True),
+                          ops.PackedWeight(mlp.down_proj.weight)]  # fmt: skip
                     self._packed += ps
                     lay = self._layers[i]
                     lay.qkv_p, lay.o_p, lay.gate_up_p, lay.down_p = (q.ptr() for q in ps)
-                self.lm_head = cpu_packed.Packed(model.lm_head_weight)
+                self.lm_head = ops.PackedWeight(model.lm_head_weight)
             except ValueError as e:  # a weight the packing does not take: by layer
                 logger.info("batched decode off: %s", e)
                 for i in range(len(layers)):
@@ -133,7 +134,7 @@ class FusedDecode:
             packed = sum(p.data.nbytes for p in [*self._packed, self.lm_head])
             logger.info("batched decode: %.0f MiB of packed weights", packed / 2**20)
         embed = model.model.embed_tokens.weight
-        self._model = cpu_decode.Model(
+        self._model = ops.DecodeModel(
             **kernels,
             num_layers=len(layers), hidden=cfg.hidden_size, num_heads=attn.num_heads,
             num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
@@ -142,12 +143,12 @@ class FusedDecode:
             embed=_ptr(embed), embed_stride=_row_stride(embed),
             final_norm=_ptr(model.model.norm.weight),
             cos_sin=_ptr(model.cos_sin), max_pos=model.cos_sin.shape[0],
-            layers=self._layers, gemm_packed_team=team, **cpu_decode.wrapper_constants(),
+            layers=self._layers, gemm_packed_team=team, **ops.decode_forward_constants(),
             # gate_up + SiLU * up rounded as the per-op MLP rounds (oneDNN post-ops on fp32
             # accumulators, or the unfused GEMM's bf16 output where oneDNN cannot pack bf16)
             silu_mode=1 if silu_fused(layers[0].mlp.gate_up_proj.weight) else 2,
         )  # fmt: skip
-        self._model_ref = ctypes.byref(self._model)
+        self._model_ref = ctypes.addressof(self._model)
         self._cache_key: tuple | None = None
         self._cache: torch.Tensor | None = None  # kept alive: the plan points into it
         self.steps = 0  # steps run as one call
@@ -164,7 +165,9 @@ class FusedDecode:
         if not embed.is_cpu or embed.dtype not in _DTYPES or not len(layers):
             return None
         attn = layers[0].self_attn
-        if attn.ops is not cpu_ops or not cpu_attention.head_dim_supported(attn.head_dim):
+        if not ops.is_native_cpu_ops(attn.ops) or not ops.paged_decode_head_dim_supported(
+            attn.head_dim
+        ):
             return None
         norms = [model.model.norm]
         for layer in layers:
@@ -178,7 +181,7 @@ class FusedDecode:
             return None
         if any(p.dtype != embed.dtype or not p.is_cpu for p in model.parameters()):
             return None
-        found = cpu_decode.libraries()
+        found = ops.decode_forward_libraries()
         if found is None:
             return None
         try:
@@ -191,7 +194,7 @@ class FusedDecode:
         if kv_cache.dtype != self.dtype or not kv_cache.is_cpu or kv_cache.dim() != 6:
             return False
         planes = kv_cache[0, 0]
-        if not cpu_attention.blocks_contiguous(planes) or kv_cache.shape[0] != len(self._layers):
+        if not ops.blocks_contiguous(planes) or kv_cache.shape[0] != len(self._layers):
             return False
         attn = self.model.model.layers[0].self_attn
         if kv_cache.shape[4:] != (attn.num_kv_heads, attn.head_dim):
@@ -242,7 +245,7 @@ class FusedDecode:
         if tables.dim() != 2 or tables.shape[0] != m:
             return None
         fn = self._fn
-        if m > cpu_gemv.MAX_ROWS:
+        if m > ops.GEMV_MAX_ROWS:
             if self._batch_fn is None or m > BATCH_MAX_ROWS:
                 return self._by_layer(input_ids, positions, slots, tables, lens, m)
             fn = self._batch_fn
@@ -253,7 +256,7 @@ class FusedDecode:
             torch.get_num_threads(),
         )  # fmt: skip
         if rc == 5:
-            raise RuntimeError(f"fused decode forward: {cpu_decode.ERRORS[rc]}")
+            raise RuntimeError(f"fused decode forward: {ops.DECODE_FORWARD_ERRORS[rc]}")
         if rc != 0:  # bad inputs, nothing written: the per-op path handles them as it does
             return None
         if fn is self._fn:
@@ -263,15 +266,19 @@ class FusedDecode:
             self._batched_rows = m
         return out
 
+    def clear_step(self) -> None:
+        """A step ran another path: `logits` has no batched step to follow."""
+        self._batched_rows = 0
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The lm_head of the batched decode step just run (its rows, fp32 [m, vocab]; bf16:
         the bf16 logits' values, as the model's own bf16 GEMM then .float()) on the packed
         weight, or None (another step, or called twice: the model's own lm_head GEMM then)."""
         m = hidden.shape[0] if hidden.dim() == 2 else 0
         rows, self._batched_rows = self._batched_rows, 0
-        if self.lm_head is None or m != rows or not cpu_gemv.MAX_ROWS < m <= BATCH_MAX_ROWS:
+        if self.lm_head is None or m != rows or not ops.GEMV_MAX_ROWS < m <= BATCH_MAX_ROWS:
             return None
-        if cpu_gemv.prompt_step() or hidden.dtype != self.dtype or not hidden.is_cpu:
+        if hidden.dtype != self.dtype or not hidden.is_cpu:
             return None
         return self.lm_head.linear(hidden.contiguous())
 
@@ -295,9 +302,9 @@ class FusedDecode:
         residual = None
         for i, (in_w, qkv_w, qkv_b, o_w, post_w, gate_up, down_w) in enumerate(self._weights):
             if residual is None:
-                h, residual = cpu_ops.rms_norm(x, in_w, eps), x
+                h, residual = self._ops.rms_norm(x, in_w, eps), x
             else:
-                h, residual = cpu_ops.fused_add_rms_norm(x, residual, in_w, eps)
+                h, residual = self._ops.fused_add_rms_norm(x, residual, in_w, eps)
             qkv = linear(h, qkv_w, qkv_b)
             if not qkv.is_contiguous():
                 return None
@@ -306,12 +313,12 @@ class FusedDecode:
             if rc:  # checked before the first store: the per-op path takes the step
                 if i == 0 and rc != 5:
                     return None
-                raise RuntimeError(f"fused decode attention: {cpu_decode.ERRORS[rc]}")
-            h, residual = cpu_ops.fused_add_rms_norm(linear(o, o_w, None), residual, post_w, eps)
+                raise RuntimeError(f"fused decode attention: {ops.DECODE_FORWARD_ERRORS[rc]}")
+            h, residual = self._ops.fused_add_rms_norm(linear(o, o_w, None), residual, post_w, eps)
             # LlamaMLP._mlp above MAX_ROWS: SiLU * up as oneDNN post-ops of the packed halves
             act = gate_up.silu_mul(h)
             if act is None:
-                act = cpu_ops.silu_and_mul(linear(h, gate_up.weight, None))
+                act = self._ops.silu_and_mul(linear(h, gate_up.weight, None))
             x = linear(act, down_w, None)
         self.layer_steps += 1
-        return cpu_ops.fused_add_rms_norm(x, residual, self.model.model.norm.weight, eps)[0]
+        return self._ops.fused_add_rms_norm(x, residual, self.model.model.norm.weight, eps)[0]

@@ -23,6 +23,7 @@ from pdserve.engine.models.cpu_linear import (
     pack_weight,
 )
 from pdserve.engine.models.rope import build_cos_sin_cache
+from pdserve.engine.step_plan import ForwardPath, StepPlan, plan_step
 
 _STACKED = {  # HF name fragment -> (merged name, shard index)
     "q_proj": ("qkv_proj", 0),
@@ -48,9 +49,9 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(ops, self.num_heads, self.num_kv_heads, self.head_dim)
         self.ops = ops
 
-    def project_qkv(self, positions, x, cos_sin):
+    def project_qkv(self, positions, x, cos_sin, gemv: bool = True):
         """[T, hidden] -> q [T, H, D], k and v [T, Hkv, D], RoPE applied."""
-        return self.split_qkv(positions, self.qkv_proj(x), cos_sin)
+        return self.split_qkv(positions, self.qkv_proj(x, gemv), cos_sin)
 
     def split_qkv(self, positions, qkv, cos_sin):
         """qkv [T, (H + 2 Hkv) D] -> q [T, H, D], k and v [T, Hkv, D], RoPE applied."""
@@ -86,34 +87,35 @@ class LlamaMLP(nn.Module):
         self.ops = ops
         self.tile_rows: int | None = None  # rows per tile; None: mlp_tile_rows; 0: never tile
 
-    def _mlp(self, x):
-        # An op set with `gate_up_silu` (the CPU one) fuses SiLU * up into gate_up: decode
-        # rows in one native call (kernels/cpu_gemv.py), more rows as oneDNN post-ops of
+    def _mlp(self, x, gemv: bool):
+        # An op set that fuses the activation (the CPU one) runs SiLU * up inside gate_up:
+        # decode rows in one native call (`gate_up_silu`), more rows as oneDNN post-ops of
         # the packed halves (PackedGateUp.silu_mul); None where neither takes x.
-        fused = getattr(self.ops, "gate_up_silu", None)
-        h = fused(x, self.gate_up_proj.weight) if fused is not None else None
-        if h is None and fused is not None:
-            h = self.gate_up_proj.silu_mul(x)
+        h = None
+        if self.ops.FUSES_MLP_ACTIVATION:
+            h = self.ops.gate_up_silu(x, self.gate_up_proj.weight) if gemv else None
+            if h is None:
+                h = self.gate_up_proj.silu_mul(x)
         if h is None:
-            h = self.ops.silu_and_mul(self.gate_up_proj(x))
-        return self.down_proj(h)
+            h = self.ops.silu_and_mul(self.gate_up_proj(x, gemv))
+        return self.down_proj(h, gemv)
 
-    def forward(self, x):
+    def forward(self, x, gemv: bool = True):
         """[T, hidden] -> [T, hidden]; above the tile's rows, in equal row tiles (each
         row's result is the same either way: the MLP is row-wise)."""
         rows = x.shape[0]
         if torch.compiler.is_compiling() or not x.is_cpu:
-            return self._mlp(x)
+            return self._mlp(x, gemv)
         tile = self.tile_rows
         if tile is None:
             tile = mlp_tile_rows(self.down_proj.in_features, x.dtype)
         if not tile or rows <= tile:
-            return self._mlp(x)
+            return self._mlp(x, gemv)
         tiles = -(-rows // tile)
         step = -(-rows // tiles)  # equal tiles: 4096 rows at 2048 -> 2 x 2048, 2100 -> 2 x 1050
         out = x.new_empty(rows, self.down_proj.out_features)
         for s in range(0, rows, step):
-            out[s : s + step] = self._mlp(x[s : s + step])
+            out[s : s + step] = self._mlp(x[s : s + step], gemv)
         return out
 
 
@@ -139,32 +141,32 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     # The layer as two halves around attention, which reads and writes the paged KV cache.
-    # CPU decode rows: an op set's `norm_linear` (kernels/cpu_gemv.py) runs a norm and the
-    # projection after it as one call; it returns None for what it does not take.
-    def before_attention(self, positions, x, residual, cos_sin):
+    # CPU decode rows: the op set's `norm_linear` runs a norm and the projection after it
+    # as one call; it returns None for what it does not take (every input, off the CPU).
+    # gemv (the step's plan, engine/step_plan.py): False in a step with prompt tokens.
+    def before_attention(self, positions, x, residual, cos_sin, gemv: bool = True):
         """Input norm (+ the residual add of the previous layer), qkv projection, RoPE."""
         attn, norm = self.self_attn, self.input_layernorm
-        fused = getattr(attn.ops, "norm_linear", None)
-        if fused is not None:
+        if gemv:
             w, b = attn.qkv_proj.weight, attn.qkv_proj.bias
-            out = fused(x, residual, norm.weight, norm.eps, w, b, False)
+            out = attn.ops.norm_linear(x, residual, norm.weight, norm.eps, w, b, False)
             if out is not None:
                 return (*attn.split_qkv(positions, out[0], cos_sin), out[1])
         x, residual = norm(x, residual)
-        q, k, v = attn.project_qkv(positions, x, cos_sin)
+        q, k, v = attn.project_qkv(positions, x, cos_sin, gemv)
         return q, k, v, residual
 
-    def after_attention(self, o, residual):
+    def after_attention(self, o, residual, gemv: bool = True):
         """o_proj, residual add + norm, MLP. o: [T, H, D]."""
-        x = self.self_attn.o_proj(o.reshape(o.shape[0], -1))
+        x = self.self_attn.o_proj(o.reshape(o.shape[0], -1), gemv)
         norm, mlp = self.post_attention_layernorm, self.mlp
-        fused = getattr(mlp.ops, "norm_linear", None)
-        if fused is not None:
-            out = fused(x, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight, None, True)
+        if gemv:
+            w = mlp.gate_up_proj.weight
+            out = mlp.ops.norm_linear(x, residual, norm.weight, norm.eps, w, None, True)
             if out is not None:
-                return mlp.down_proj(out[0]), out[1]
+                return mlp.down_proj(out[0], gemv), out[1]
         x, residual = norm(x, residual)
-        return mlp(x), residual
+        return mlp(x, gemv), residual
 
 
 def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -212,31 +214,36 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_cache: torch.Tensor,  # [L, 2, N, bs, Hkv, D]
         meta: AttentionMetadata,
+        plan: StepPlan | None = None,  # the runner's choice; None: plan_step's default
     ) -> torch.Tensor:  # [T, hidden]
-        if not torch.compiler.is_compiling() and self.compiled_decode is not None:
-            hidden = self.compiled_decode(input_ids, positions, kv_cache, meta)
-            if hidden is not None:  # None: not a step it runs (prompt tokens in it, ...)
-                return hidden
-        if self.fused_decode is not None and not torch.compiler.is_compiling():
+        if plan is None:
+            plan = plan_step(self, meta)
+        if plan.path is ForwardPath.COMPILED:
+            return self.compiled_decode(input_ids, positions, kv_cache, meta)
+        if plan.path is ForwardPath.FUSED:
             hidden = self.fused_decode(input_ids, positions, kv_cache, meta)
-            if hidden is not None:  # None: not a step it takes (prompt tokens, > 8 rows, ...)
+            if hidden is not None:  # None: inputs it declines (out of range), nothing written
                 return hidden
+        elif self.fused_decode is not None:
+            self.fused_decode.clear_step()
+        gemv = plan.gemv
         x = self.model.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            q, k, v, residual = layer.before_attention(positions, x, residual, self.cos_sin)
+            q, k, v, residual = layer.before_attention(positions, x, residual, self.cos_sin, gemv)
             o = layer.self_attn.attn(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)  # [T, H, D]
-            x, residual = layer.after_attention(o, residual)
+            x, residual = layer.after_attention(o, residual, gemv)
         return final_norm(self.model.norm, x, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, hidden] -> [S, vocab] fp32 logits, only for the rows that sample."""
+    def compute_logits(self, hidden: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+        """[S, hidden] -> [S, vocab] fp32 logits, only for the rows that sample; `plan`:
+        the step's (None: a decode step's)."""
         fused = self.fused_decode
-        if fused is not None and not torch.compiler.is_compiling():
+        if fused is not None and (plan is None or plan.path is ForwardPath.FUSED):
             logits = fused.logits(hidden)  # a batched fp32 decode step: the packed lm_head
             if logits is not None:
                 return logits
-        return linear(hidden, self.lm_head_weight, None).float()
+        return linear(hidden, self.lm_head_weight, None, gemv=plan is None or plan.gemv).float()
 
     def prepack(self) -> int:
         """CPU: reorder every projection's weight (lm_head too) for oneDNN once."""

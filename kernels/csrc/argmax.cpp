@@ -5,7 +5,7 @@
 // treats NaN as the maximum). One thread, on the caller's: torch's argmax is slower even
 // on one thread, and on two it opens a parallel region whose join waits for a descheduled
 // thread on a busy box (docs/benchmarks-history.md, "bf16 decode step"). Called through
-// ctypes (kernels/cpu_argmax.py).
+// ctypes (kernels/argmax.py).
 
 #include <cstdint>
 

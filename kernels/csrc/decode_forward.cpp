@@ -12,7 +12,7 @@
 // the per-op path calls through ctypes (pdserve_norm_gemv and pdserve_gemv in gemv.cpp,
 // pdserve_rope, pdserve_store_kv and pdserve_rms_norm in elementwise.cpp,
 // pdserve_paged_decode in paged_decode.cpp), through function pointers the caller takes
-// from those libraries (kernels/cpu_decode.py), with the arguments, thread counts and key
+// from those libraries (kernels/decode_forward.py), with the arguments, thread counts and key
 // splits the Python wrappers would pass. Each library keeps its own compiler flags
 // (elementwise.cpp's -ffp-contract=off, ...). What goes away is the Python between them:
 // ~10 ctypes calls, ~20 nn.Module calls and views a layer (docs/benchmarks-history.md,
@@ -97,7 +97,7 @@ struct PdserveModel {
   int64_t max_pos;
   int64_t block_size, block_stride, num_blocks;
   // the Python wrappers' thresholds: elementwise ops go parallel from this many elements
-  // (cpu_elementwise.PARALLEL_MIN_ELEMENTS); attention key splits (cpu_attention.num_splits)
+  // (elementwise.PARALLEL_MIN_ELEMENTS); attention key splits (paged_decode.num_splits)
   int64_t parallel_min_elements, items_per_thread, min_split_keys;
   const PdserveLayer* layers;
   // pdserve_gemm_packed_team (fp32) or pdserve_gemm_packed_bf16_team (bf16), the model's
@@ -130,7 +130,7 @@ int check_rows(const PdserveModel& md, const int64_t* ids, const int64_t* positi
 
 // Layer L's attention on this step's qkv rows [m, qkv_n] (q | k | v, contiguous rows):
 // RoPE on q and k in place, k and v stored at their slots, paged decode attention into
-// out [m, q_size]; as kernels/cpu_elementwise.py and cpu_attention.py call them.
+// out [m, q_size]; as kernels/elementwise.py and paged_decode.py call them.
 // one_split: every sequence in one key split, whatever the thread count and the other rows
 // (the batched forward: a row's bits must not depend on its step).
 int attend(const PdserveModel& md, const PdserveLayer& L, char* qkv, const int64_t* positions,
@@ -139,7 +139,7 @@ int attend(const PdserveModel& md, const PdserveLayer& L, char* qkv, const int64
   const int64_t D = md.head_dim, q_size = md.num_heads * D, kv_size = md.num_kv_heads * D;
   const int64_t qkv_n = q_size + 2 * kv_size, elem = md.dtype == 0 ? 4 : 2;
   auto small = [&](int64_t elements) { return elements >= md.parallel_min_elements ? threads : 1; };
-  // cpu_attention.num_splits: one split per sequence unless too few to keep threads busy
+  // paged_decode.num_splits: one split per sequence unless too few to keep threads busy
   const int64_t want = md.items_per_thread * threads;
   int64_t splits = 1;
   if (m < want && !one_split)

@@ -15,7 +15,7 @@
 // load; bf16 weights through avx512_bf16's dot product when the CPU has it, else widened
 // to fp32), AVX2 + FMA (8 floats), plain C++ otherwise. Output rows are split statically
 // over OpenMP threads in contiguous ranges of whole register blocks, one parallel region
-// per call. Called through ctypes (kernels/cpu_gemv.py): no torch headers.
+// per call. Called through ctypes (kernels/gemv.py): no torch headers.
 
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)

@@ -6,7 +6,7 @@
 // left alone), at positions q_offsets[b] .. q_offsets[b] + (ends[b] - begins[b]) of its
 // context, whose keys 0 .. are k/v rows kv_begins[b] .. (a fresh prompt: its own new
 // rows, offset 0; a prompt with a cached prefix: its context gathered from the cache;
-// kernels/cpu_prefill.py). kv_begins / q_offsets may be null: begins / 0. GQA: query head
+// kernels/prefill_attention.py). kv_begins / q_offsets may be null: begins / 0. GQA: query head
 // h reads kv head h / (H / Hkv). A row's arithmetic depends only on its position and the
 // keys it sees, never on which other rows are in the call: a prompt gets the same bits
 // whether its prefix was cached or computed in the same step.

@@ -10,33 +10,14 @@ compiler) goes to torch.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from pdserve.kernels.native import load_library
-
-_fn = None
+from pdserve.kernels import native
 
 
-def _load():
-    global _fn
-    if _fn is None:
-        lib = load_library("argmax")
-        if lib is None:
-            _fn = False
-        else:
-            f = lib.pdserve_argmax_rows
-            f.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_void_p,
-            ]
-            f.restype = ctypes.c_int
-            _fn = f
-    return _fn or None
+def available() -> bool:
+    """Whether the native library is built and loaded on this machine."""
+    return native.load_library("argmax") is not None
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -50,10 +31,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         or torch.compiler.is_compiling()
     ):
         return x.argmax(dim=-1)
-    fn = _load()
-    if fn is None:
+    lib = native.load_library("argmax")
+    if lib is None:
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
-        fn(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+        lib.pdserve_argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out

@@ -29,36 +29,21 @@ forces it).
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels.native import load_library
+from pdserve.kernels import native
 from pdserve.kernels.reference import _gather_kv
 
 PREFILL_ATTENTION_ENV = "PDSERVE_PREFILL_ATTENTION"  # "native" (default) or "sdpa"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_p, _i64 = ctypes.c_void_p, ctypes.c_int64
-_ARGS = [_p, _i64, _i64, _p, _i64, _i64, _p, _i64, _i64, _p, _p, _p, _p, _p, _i64, _i64, _i64,
-         _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
-_fn: list = []  # [the kernel, or None if it cannot be built], filled on first use
-
-
-def _kernel():
-    if not _fn:
-        lib = load_library("prefill_attention")
-        fn = None if lib is None else lib.pdserve_prefill_attention
-        if fn is not None:
-            fn.argtypes, fn.restype = _ARGS, ctypes.c_int
-        _fn.append(fn)
-    return _fn[0]
 
 
 def available() -> bool:
     """Whether the native kernel is built and loaded on this machine."""
-    return _kernel() is not None
+    return native.load_library("prefill_attention") is not None
 
 
 def _native(
@@ -82,15 +67,15 @@ def _native(
         not x.is_cpu or x.dtype != dtype or x.stride(-1) != 1 for x in (q, k, v, out)
     ):
         return False
-    fn = _kernel()
-    if fn is None or not out.is_contiguous():
+    lib = native.load_library("prefill_attention")
+    if lib is None or not out.is_contiguous():
         return False
     begins = torch.tensor([b for b, _ in rows], dtype=torch.int64)
     ends = torch.tensor([e for _, e in rows], dtype=torch.int64)
     kvb = None if kv_begins is None else torch.tensor(kv_begins, dtype=torch.int64)
     offs = None if q_offsets is None else torch.tensor(q_offsets, dtype=torch.int64)
     _, h, d = q.shape
-    rc = fn(
+    rc = lib.pdserve_prefill_attention(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
         v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), begins.data_ptr(),
         ends.data_ptr(), None if kvb is None else kvb.data_ptr(),
@@ -103,7 +88,7 @@ def _native(
 def _native_cached(q, k_cache, v_cache, block_tables, out, idx, starts, lens, scale) -> bool:
     """The native kernel for sequences `idx` that have a cached prefix: their contexts
     gathered from the cache into one K and one V tensor, one call."""
-    if os.environ.get(PREFILL_ATTENTION_ENV, "native") == "sdpa" or _kernel() is None:
+    if os.environ.get(PREFILL_ATTENTION_ENV, "native") == "sdpa" or not available():
         return False
     ks, vs, kv_begins, offsets, at = [], [], [], [], 0
     for i in idx:

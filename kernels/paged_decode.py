@@ -10,35 +10,18 @@ view, engine/kv_tensor.py): the kernel takes the block stride.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from pdserve.kernels import reference
-from pdserve.kernels.native import load_library
+from pdserve.kernels import native, reference
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MIN_SPLIT_KEYS = 128  # a key split gets at least this many keys
 ITEMS_PER_THREAD = 4  # split long contexts until there are this many work items per thread
 
-_i64 = ctypes.c_int64
-_ARGTYPES = [ctypes.c_void_p] * 6 + [_i64] * 11 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-
-
-def _decode_fn():
-    lib = load_library("paged_decode")
-    if lib is None:
-        return None
-    fn = lib.pdserve_paged_decode
-    if fn.argtypes is None:
-        fn.argtypes = _ARGTYPES
-        fn.restype = ctypes.c_int
-    return fn
-
 
 def available() -> bool:
     """Whether the native kernel is built and loaded on this machine."""
-    return _decode_fn() is not None
+    return native.load_library("paged_decode") is not None
 
 
 def blocks_contiguous(cache: torch.Tensor) -> bool:
@@ -83,8 +66,8 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:  # [B, H, D]
     """Attention of each sequence's newest token over its whole paged context (GQA aware)."""
-    fn = _decode_fn()
-    if fn is None or not supports(q, k_cache, v_cache):
+    lib = native.load_library("paged_decode")
+    if lib is None or not supports(q, k_cache, v_cache):
         return reference.paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale
         )
@@ -99,7 +82,7 @@ def paged_decode_attention(
     threads = torch.get_num_threads()
     splits = num_splits(b, max_len, threads)
     split_keys = max(1, -(-max_len // splits))
-    rc = fn(
+    rc = lib.pdserve_paged_decode(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

@@ -1,10 +1,10 @@
 """A whole decode forward in one native call on CPU (kernels/csrc/decode_forward.cpp).
 
-For decode steps of up to `cpu_gemv.MAX_ROWS` rows, the Llama model's per-op path crosses
+For decode steps of up to `gemv.MAX_ROWS` (`kernels.ops.GEMV_MAX_ROWS`) rows, the Llama model's per-op path crosses
 from Python to native code ~10 times a layer, with nn.Module calls, views and wrapper
 checks around each crossing, all of it serial with the weight streaming (a large share of
 a one-row token at SmolLM2's size). `decode_forward` runs the same kernels (the ones
-kernels/cpu_gemv.py, cpu_elementwise.py and cpu_attention.py call) chained in C++, with the
+kernels/gemv.py, elementwise.py and paged_decode.py call) chained in C++, with the
 arguments those wrappers would pass, so its hidden states equal the per-op path's bit for
 bit. The model is described once (`DecodePlan`: weight, norm and cache pointers, the
 kernels' addresses); a step passes only its inputs.
@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import ctypes
 
-from pdserve.kernels import cpu_attention, cpu_elementwise
-from pdserve.kernels.native import load_library
+from pdserve.kernels import elementwise, native, paged_decode
 
 _p, _i64, _f32, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 
@@ -53,11 +52,6 @@ class Model(ctypes.Structure):
     ]  # fmt: skip
 
 
-_ARGTYPES = [ctypes.POINTER(Model), _p, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
-# pdserve_decode_attention(model, layer, qkv, positions, slots, tables, width, lens, m, out,
-# threads): one layer's RoPE + KV store + paged decode attention, for steps whose GEMMs
-# stay in Python (more than cpu_gemv.MAX_ROWS rows)
-_ATTN_ARGTYPES = [ctypes.POINTER(Model), _i64, _p, _p, _p, _p, _i64, _p, _i64, _p, ctypes.c_int]
 ERRORS = {
     1: "a token id outside the vocabulary",
     2: "a position outside the RoPE table",
@@ -68,51 +62,32 @@ ERRORS = {
 }
 
 
-def _address(lib: ctypes.CDLL, name: str) -> int:
-    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
-
-
-def libraries() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, dict[str, int]] | None:
-    """(the whole-forward entry point, the per-layer attention entry point, {kernel field:
-    address}), or None if any of the libraries cannot be built here. The batched forward
-    (`batch_forward`) also needs kernels/cpu_packed.py's library."""
+def libraries() -> tuple[ctypes.CDLL, dict[str, int]] | None:
+    """(the decode_forward library, {kernel field of `Model`: address}), or None if any of
+    the libraries cannot be built here. Its entry points (kernels/native.py SIGNATURES) take
+    the `Model` by address: `pdserve_decode_forward` (a whole decode step),
+    `pdserve_decode_forward_batch` (the same on packed weights, kernels/gemm_packed.py) and
+    `pdserve_decode_attention` (one layer's RoPE + KV store + paged decode attention, for
+    steps whose GEMMs stay in Python)."""
     names = ("decode_forward", "gemv", "elementwise", "paged_decode")
-    libs = {n: load_library(n) for n in names}
+    libs = {n: native.load_library(n) for n in names}
     if any(lib is None for lib in libs.values()):
         return None
-    fn = libs["decode_forward"].pdserve_decode_forward
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    attn = libs["decode_forward"].pdserve_decode_attention
-    if attn.argtypes is None:
-        attn.argtypes, attn.restype = _ATTN_ARGTYPES, ctypes.c_int
     kernels = {
-        "norm_gemv": _address(libs["gemv"], "pdserve_norm_gemv"),
-        "gemv": _address(libs["gemv"], "pdserve_gemv"),
-        "rms_norm": _address(libs["elementwise"], "pdserve_rms_norm"),
-        "rope": _address(libs["elementwise"], "pdserve_rope"),
-        "store_kv": _address(libs["elementwise"], "pdserve_store_kv"),
-        "paged_decode": _address(libs["paged_decode"], "pdserve_paged_decode"),
+        "norm_gemv": native.address(libs["gemv"], "pdserve_norm_gemv"),
+        "gemv": native.address(libs["gemv"], "pdserve_gemv"),
+        "rms_norm": native.address(libs["elementwise"], "pdserve_rms_norm"),
+        "rope": native.address(libs["elementwise"], "pdserve_rope"),
+        "store_kv": native.address(libs["elementwise"], "pdserve_store_kv"),
+        "paged_decode": native.address(libs["paged_decode"], "pdserve_paged_decode"),
     }
-    return fn, attn, kernels
-
-
-def batch_forward() -> ctypes._CFuncPtr | None:
-    """`pdserve_decode_forward_batch` (same arguments as the whole-forward entry point), or
-    None if the library cannot be built here."""
-    lib = load_library("decode_forward")
-    if lib is None:
-        return None
-    fn = lib.pdserve_decode_forward_batch
-    if fn.argtypes is None:
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return fn
+    return libs["decode_forward"], kernels
 
 
 def wrapper_constants() -> dict[str, int]:
     """The Python wrappers' thresholds the native chain must apply the same way."""
     return {
-        "parallel_min_elements": cpu_elementwise.PARALLEL_MIN_ELEMENTS,
-        "items_per_thread": cpu_attention.ITEMS_PER_THREAD,
-        "min_split_keys": cpu_attention.MIN_SPLIT_KEYS,
+        "parallel_min_elements": elementwise.PARALLEL_MIN_ELEMENTS,
+        "items_per_thread": paged_decode.ITEMS_PER_THREAD,
+        "min_split_keys": paged_decode.MIN_SPLIT_KEYS,
     }

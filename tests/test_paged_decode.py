@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from pdserve.kernels import cpu_attention, cpu_ops, native
+from pdserve.kernels import cpu_ops, native, paged_decode
 from pdserve.kernels import reference as ref
 from pdserve.kernels.ops import CPU_ATTENTION_ENV, get_ops
 
@@ -27,7 +27,7 @@ SCALE = 0.125
 def built():
     if native.find_compiler() is None:
         pytest.skip("no C++ compiler on this machine: the kernel falls back (tested below)")
-    assert cpu_attention.available()
+    assert paged_decode.available()
 
 
 def make_case(lens, h, hkv, d, bs, dtype, seed=0, strided_q=False):
@@ -71,7 +71,7 @@ CASES = [  # (context lengths, H, Hkv, D, block_size)
 def test_native_decode_equals_reference(lens, h, hkv, d, bs, dtype):
     args = make_case(lens, h, hkv, d, bs, dtype, strided_q=len(lens) % 2 == 0)
     expected = ref.paged_decode_attention(*args, SCALE)
-    actual = cpu_attention.paged_decode_attention(*args, SCALE)
+    actual = paged_decode.paged_decode_attention(*args, SCALE)
     assert actual.dtype == dtype and actual.shape == expected.shape
     torch.testing.assert_close(actual, expected, **TOL[dtype])
 
@@ -84,35 +84,35 @@ def test_thread_count_and_key_splits_do_not_change_the_result(threads, monkeypat
     torch.set_num_threads(threads)
     try:
         for splits in (1, 2, 7, 20):
-            monkeypatch.setattr(cpu_attention, "num_splits", lambda *_, s=splits: s)
-            actual = cpu_attention.paged_decode_attention(*args, SCALE)
+            monkeypatch.setattr(paged_decode, "num_splits", lambda *_, s=splits: s)
+            actual = paged_decode.paged_decode_attention(*args, SCALE)
             torch.testing.assert_close(actual, expected, **TOL[torch.float32])
     finally:
         torch.set_num_threads(before)
 
 
 def test_num_splits_keeps_threads_busy_only_when_needed():
-    assert cpu_attention.num_splits(32, 150, 2) == 1  # 32 sequences: enough work items
-    assert cpu_attention.num_splits(1, 2000, 2) == 8  # 1 long sequence: 8 work items
-    assert cpu_attention.num_splits(3, 2000, 2) == 3  # 3 sequences: 9 work items
-    assert cpu_attention.num_splits(1, 200, 2) == 1  # too short to split
+    assert paged_decode.num_splits(32, 150, 2) == 1  # 32 sequences: enough work items
+    assert paged_decode.num_splits(1, 2000, 2) == 8  # 1 long sequence: 8 work items
+    assert paged_decode.num_splits(3, 2000, 2) == 3  # 3 sequences: 9 work items
+    assert paged_decode.num_splits(1, 200, 2) == 1  # too short to split
 
 
 def test_unsupported_inputs_use_the_reference():
     q, k, v, table, lens = make_case([20, 5], 4, 2, 16, 4, torch.float16)
-    assert not cpu_attention.supports(q, k, v)
+    assert not paged_decode.supports(q, k, v)
     torch.testing.assert_close(
-        cpu_attention.paged_decode_attention(q, k, v, table, lens, SCALE),
+        paged_decode.paged_decode_attention(q, k, v, table, lens, SCALE),
         ref.paged_decode_attention(q, k, v, table, lens, SCALE),
     )
     q32, k32, v32, _, _ = make_case([20, 5], 4, 2, 16, 4, torch.float32)
     strided_cache = torch.cat([k32, k32], dim=-1)[..., :16]
-    assert not cpu_attention.supports(q32, strided_cache, v32)
+    assert not paged_decode.supports(q32, strided_cache, v32)
     for d in (8, 72, 144):  # head dims the kernel is not built for
         q, k, v, table, lens = make_case([20, 5], 4, 2, d, 4, torch.bfloat16)
-        assert not cpu_attention.supports(q, k, v)
+        assert not paged_decode.supports(q, k, v)
         torch.testing.assert_close(
-            cpu_attention.paged_decode_attention(q, k, v, table, lens, SCALE),
+            paged_decode.paged_decode_attention(q, k, v, table, lens, SCALE),
             ref.paged_decode_attention(q, k, v, table, lens, SCALE),
         )
 
@@ -124,11 +124,11 @@ def test_no_compiler_falls_back_to_the_reference_with_a_log_line(monkeypatch, tm
     native.load_library.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="pdserve.kernels.native"):
-            assert not cpu_attention.available()
+            assert not paged_decode.available()
         assert "no C++ compiler" in caplog.text and "pure-torch reference" in caplog.text
         args = make_case([37, 5], 9, 3, 64, 16, torch.float32)
         torch.testing.assert_close(
-            cpu_attention.paged_decode_attention(*args, SCALE),
+            paged_decode.paged_decode_attention(*args, SCALE),
             ref.paged_decode_attention(*args, SCALE),
             rtol=0,
             atol=0,

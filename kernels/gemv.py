@@ -6,10 +6,10 @@ activations: memory-bound. The kernel streams the weight in its plain [out, in] 
 the OpenMP threads in one parallel region per call. Contract: `F.linear` with fp32
 accumulation (fp32 and bf16; in bf16 the result is rounded once, at the end).
 
-Only steps of generated tokens take it (`set_prompt_step`): a step with prompt tokens in
-it runs the prepacked GEMM at any row count, so a prompt's rows get the same bits whether
-its prefix was cached (a few rows left to compute) or not (the GEMV sums in another order
-than oneDNN; the same request twice would otherwise give different logprobs).
+Only steps of generated tokens call it (the runner's step plan, engine/step_plan.py): a step
+with prompt tokens in it runs the prepacked GEMM at any row count, so a prompt's rows get
+the same bits whether its prefix was cached or not (the GEMV sums in another order than
+oneDNN; the same request twice would otherwise give different logprobs).
 
 `linear` returns None for what the kernel does not take (more than `MAX_ROWS` rows, a
 dtype other than fp32/bf16 or mixed dtypes, a non-CPU tensor, an inner dimension that
@@ -19,66 +19,26 @@ cannot be built: the caller then runs its own GEMM.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from pdserve.kernels.native import load_library
+from pdserve.kernels import native
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Above this many rows the prepacked oneDNN GEMM is faster (docs/benchmarks-history.md,
 # "Decode GEMV").
 MAX_ROWS = 8
 
-_i64 = ctypes.c_int64
-_ARGTYPES = [ctypes.c_void_p, _i64, ctypes.c_void_p, _i64, ctypes.c_void_p, ctypes.c_void_p]
-_ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 3
-_p = ctypes.c_void_p
-_NORM_ARGTYPES = [_p, _i64, _p, _i64, _p, ctypes.c_float, _p, _i64, _p, _i64, _p, _p]
-_NORM_ARGTYPES += [_i64] * 4 + [ctypes.c_int] * 3
-_fn: ctypes._CFuncPtr | None | bool = False  # False: not loaded yet
-_norm_fn: ctypes._CFuncPtr | None = None
-_prompt_step = False  # set by the model runner per step: prompt tokens in it -> not here
-
-
-def set_prompt_step(prompt: bool) -> None:
-    """Whether the step about to run has prompt tokens (then every call returns None); the
-    runner clears the mark when the step ends (ModelRunner.execute)."""
-    global _prompt_step
-    _prompt_step = prompt
-
-
-def prompt_step() -> bool:
-    """Whether the step running has prompt tokens (engine/models/fused_decode.py asks)."""
-    return _prompt_step
-
-
-def _load():
-    global _fn, _norm_fn
-    if _fn is False:
-        lib = load_library("gemv")
-        if lib is None:
-            _fn = None
-        else:
-            fn = lib.pdserve_gemv
-            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-            _norm_fn = lib.pdserve_norm_gemv
-            _norm_fn.argtypes, _norm_fn.restype = _NORM_ARGTYPES, ctypes.c_int
-            _fn = fn
-    return _fn
-
-
 _threads = torch.get_num_threads
 
 
 def available() -> bool:
     """Whether the native library is built and loaded on this machine."""
-    return _load() is not None
+    return native.load_library("gemv") is not None
 
 
 def isa() -> int:
     """The build's vector width in bits (512, 256, 32), +1 with the avx512_bf16 dot."""
-    lib = load_library("gemv")
+    lib = native.load_library("gemv")
     return -1 if lib is None else int(lib.pdserve_gemv_isa())
 
 
@@ -131,7 +91,7 @@ def norm_linear(
     n = weight.shape[0] >> int(silu)
     y = torch.empty((m, n), dtype=dtype)
     res_out = x if residual is None else torch.empty((m, k), dtype=dtype)
-    _norm_fn(
+    native.load_library("gemv").pdserve_norm_gemv(
         x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0), norm_weight.data_ptr(), eps,
         res_out.data_ptr(), k, weight.data_ptr(), weight.stride(0),
@@ -154,8 +114,6 @@ def _call(
     code = _DTYPES.get(dtype)
     if code is None or m > MAX_ROWS or m == 0 or weight.dtype != dtype or weight.dim() != 2:
         return None
-    if _prompt_step:
-        return None
     n, wk = weight.shape
     ws, wstep = weight.stride()
     xs, xstep = x.stride()
@@ -163,13 +121,15 @@ def _call(
         return None
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous() or bias.shape != (n,)):
         return None
-    fn = _fn if _fn else _load()
-    if fn is None or torch.compiler.is_compiling():
+    lib = native.load_library("gemv")
+    if lib is None or torch.compiler.is_compiling():
         return None
     if check_only:
         return True
     n >>= silu  # gate_up: half the rows are outputs
     y = torch.empty((m, n), dtype=dtype)
     b = None if bias is None else bias.data_ptr()
-    fn(x.data_ptr(), xs, weight.data_ptr(), ws, b, y.data_ptr(), n, m, n, k, code, _threads(), silu)
+    lib.pdserve_gemv(
+        x.data_ptr(), xs, weight.data_ptr(), ws, b, y.data_ptr(), n, m, n, k, code, _threads(), silu
+    )
     return y

@@ -14,62 +14,26 @@ fork/join costs more than a small call's work).
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from pdserve.kernels import reference
-from pdserve.kernels.cpu_attention import blocks_contiguous
-from pdserve.kernels.native import load_library
+from pdserve.kernels import native, reference
+from pdserve.kernels.paged_decode import blocks_contiguous
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PARALLEL_MIN_ELEMENTS = 1 << 16
 
-_p, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {
-    "pdserve_rms_norm": (
-        [_p, _i64, _p, _i64, _p, _p, _i64, _p, _i64, _i64, _i64, _f32, _i32, _i32],
-        _i32,
-    ),  # fmt: skip
-    "pdserve_silu_and_mul": ([_p, _i64, _p, _i64, _i64, _i64, _i32, _i32], _i32),
-    "pdserve_rope": (
-        [_p, _p, _i64, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i64, _i32, _i32],
-        _i32,
-    ),  # fmt: skip
-    "pdserve_store_kv": (
-        [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _i32],
-        _i32,
-    ),
-}
-_fns: dict[str, ctypes._CFuncPtr] | None = None
-
-
-def _load() -> dict | None:
-    global _fns
-    if _fns is None:
-        lib = load_library("elementwise")
-        if lib is None:
-            _fns = {}
-        else:
-            _fns = {}
-            for name, (args, res) in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = args, res
-                _fns[name] = fn
-    return _fns or None
-
 
 def available() -> bool:
     """Whether the native library is built and loaded on this machine."""
-    return _load() is not None
+    return native.load_library("elementwise") is not None
 
 
 def _threads(elements: int) -> int:
     return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
 
 
-def _native(*tensors: torch.Tensor) -> dict | None:
-    """The kernel table if every tensor suits it (CPU, one supported dtype, inner dim
+def _native(*tensors: torch.Tensor):
+    """The library if every tensor suits it (CPU, one supported dtype, inner dim
     contiguous, not being traced), else None."""
     if torch.compiler.is_compiling():
         return None
@@ -79,16 +43,16 @@ def _native(*tensors: torch.Tensor) -> dict | None:
     for t in tensors:
         if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1:
             return None
-    return _fns if _fns else _load()
+    return native.load_library("elementwise")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    fns = _native(x, weight)
-    if fns is None or x.dim() != 2:
+    lib = _native(x, weight)
+    if lib is None or x.dim() != 2:
         return reference.rms_norm(x, weight, eps)
     rows, n = x.shape
     out = torch.empty_like(x)  # 2-D, inner stride 1: row-major (strided x: contiguous)
-    fns["pdserve_rms_norm"](
+    lib.pdserve_rms_norm(
         x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), out.stride(0),
         None, 0, rows, n, eps, _DTYPES[x.dtype], _threads(x.numel()),
     )  # fmt: skip
@@ -98,12 +62,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    fns = _native(x, residual, weight)
-    if fns is None or x.dim() != 2 or residual.shape != x.shape:
+    lib = _native(x, residual, weight)
+    if lib is None or x.dim() != 2 or residual.shape != x.shape:
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     rows, n = x.shape
     out, res_out = torch.empty_like(x), torch.empty_like(x)
-    fns["pdserve_rms_norm"](
+    lib.pdserve_rms_norm(
         x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
         out.data_ptr(), out.stride(0), res_out.data_ptr(), res_out.stride(0), rows, n, eps,
         _DTYPES[x.dtype],
@@ -115,9 +79,9 @@ def fused_add_rms_norm(
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
-    fns = _native(q, k)
+    lib = _native(q, k)
     if (
-        fns is None
+        lib is None
         or positions.dtype != torch.int64
         or not positions.is_contiguous()
         or cos_sin_cache.dtype != torch.float32
@@ -127,7 +91,7 @@ def rotary_embedding(
         reference.rotary_embedding(positions, q, k, cos_sin_cache)
         return
     t, hq, d = q.shape
-    rc = fns["pdserve_rope"](
+    rc = lib.pdserve_rope(
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), hq,
         k.data_ptr(), k.stride(0), k.stride(1), k.shape[1], cos_sin_cache.data_ptr(), d, t,
         _DTYPES[q.dtype], _threads(q.numel()),
@@ -137,13 +101,13 @@ def rotary_embedding(
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    fns = _native(x)
-    if fns is None or x.dim() != 2:
+    lib = _native(x)
+    if lib is None or x.dim() != 2:
         return reference.silu_and_mul(x)
     rows, n2 = x.shape
     n = n2 // 2
     out = torch.empty((rows, n), dtype=x.dtype)
-    fns["pdserve_silu_and_mul"](
+    lib.pdserve_silu_and_mul(
         x.data_ptr(), x.stride(0), out.data_ptr(), n, rows, n, _DTYPES[x.dtype],
         _threads(x.numel()),
     )  # fmt: skip
@@ -157,10 +121,10 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64; -1 = skip
 ) -> None:
-    fns = _native(key, value, k_cache, v_cache)
+    lib = _native(key, value, k_cache, v_cache)
     row = key.shape[1] * key.shape[2]
     if (
-        fns is None
+        lib is None
         or slot_mapping.dtype != torch.int64
         or not slot_mapping.is_contiguous()
         or not blocks_contiguous(k_cache)
@@ -172,7 +136,7 @@ def store_kv(
         reference.store_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     elem = key.element_size()
-    rc = fns["pdserve_store_kv"](
+    rc = lib.pdserve_store_kv(
         key.data_ptr(), key.stride(0) * elem, value.data_ptr(), value.stride(0) * elem,
         k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
         row * elem, k_cache.shape[1], k_cache.stride(0) * elem, k_cache.shape[0] * k_cache.shape[1],

@@ -1,7 +1,7 @@
 """GEMMs on weights packed once into column panels (kernels/csrc/gemm_packed.cpp), fp32 or
 bf16.
 
-Decode steps of more than `cpu_gemv.MAX_ROWS` rows run their whole forward as one native
+Decode steps of more than `gemv.MAX_ROWS` (`kernels.ops.GEMV_MAX_ROWS`) rows run their whole forward as one native
 call (kernels/csrc/decode_forward.cpp `pdserve_decode_forward_batch`) on packed copies of
 the projection weights, made at load by `Packed`; the lm_head of such a step runs through
 `Packed.linear`. The packed layout belongs to the library's vector width: pack and
@@ -15,57 +15,31 @@ per-op path's bf16 tensors round.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from pdserve.kernels import hugepages
-from pdserve.kernels.native import load_library
+from pdserve.kernels import hugepages, native
 
-_p, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_GEMM_ARGTYPES = [_p, _i64, _p, _i64, _i64, _int, _p, _p, _i64, _p, _i64, _i64, _int]
-# bf16: the same with y_f32 before threads
-_GEMM_BF16_ARGTYPES = [*_GEMM_ARGTYPES[:-1], _int, _int]
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _lib() -> ctypes.CDLL | None:
-    lib = load_library("gemm_packed")
-    if lib is not None and lib.pdserve_gemm_packed.argtypes is None:
-        for name in ("pdserve_packed_floats", "pdserve_packed_bf16_elems"):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = [_i64, _i64, _int], _i64
-        for name in ("pdserve_pack", "pdserve_pack_bf16"):
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = [_p, _i64, _i64, _i64, _int, _p, _int], _int
-        lib.pdserve_gemm_packed_bf16.argtypes = _GEMM_BF16_ARGTYPES
-        lib.pdserve_gemm_packed_bf16.restype = _int
-        lib.pdserve_gemm_packed.argtypes = _GEMM_ARGTYPES
-        lib.pdserve_gemm_packed.restype = _int
-    return lib
-
-
 def available() -> bool:
-    return _lib() is not None
+    return native.load_library("gemm_packed") is not None
 
 
 def bf16_native() -> bool:
     """True where the bf16 GEMM runs on the CPU's bf16 dot products (avx512_bf16)."""
-    lib = _lib()
+    lib = native.load_library("gemm_packed")
     return lib is not None and bool(lib.pdserve_gemm_packed_bf16_native())
 
 
 def team_address(dtype: torch.dtype = torch.float32) -> int | None:
     """Address of `pdserve_gemm_packed[_bf16]_team` (for decode_forward.cpp), or None."""
-    lib = _lib()
+    lib = native.load_library("gemm_packed")
     if lib is None or dtype not in DTYPES:
         return None
-    fn = (
-        lib.pdserve_gemm_packed_team
-        if dtype == torch.float32
-        else lib.pdserve_gemm_packed_bf16_team
-    )
-    return ctypes.cast(fn, ctypes.c_void_p).value
+    bf16 = "_bf16" if dtype == torch.bfloat16 else ""
+    fn = f"pdserve_gemm_packed{bf16}_team"
+    return native.address(lib, fn)
 
 
 class Packed:
@@ -73,7 +47,7 @@ class Packed:
     fp32 or bf16 (the weight's dtype)."""
 
     def __init__(self, weight: torch.Tensor, silu: bool = False) -> None:
-        lib = _lib()
+        lib = native.load_library("gemm_packed")
         if lib is None:
             raise RuntimeError("gemm_packed library unavailable")
         if weight.dtype not in DTYPES or weight.dim() != 2 or weight.stride(1) != 1:
@@ -151,9 +125,11 @@ class Packed:
         )  # fmt: skip
         threads = threads or torch.get_num_threads()
         if self.dtype == torch.float32:
-            rc = _lib().pdserve_gemm_packed(*args, threads)
+            rc = native.load_library("gemm_packed").pdserve_gemm_packed(*args, threads)
         else:
-            rc = _lib().pdserve_gemm_packed_bf16(*args, int(out_dtype == torch.float32), threads)
+            rc = native.load_library("gemm_packed").pdserve_gemm_packed_bf16(
+                *args, int(out_dtype == torch.float32), threads
+            )
         if rc != 0:
             raise RuntimeError("pdserve_gemm_packed refused its arguments")
         return y

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels import cpu_argmax, native
+from pdserve.kernels import argmax, native
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 
@@ -15,13 +15,13 @@ pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 def built():
     if native.find_compiler() is None:
         pytest.skip("no C++ compiler on this machine: argmax_rows falls back to torch")
-    assert cpu_argmax._load() is not None
+    assert argmax.available()
 
 
 @pytest.mark.parametrize("n", [1, 5, 16, 63, 64, 65, 130, 4096, 49152])
 def test_equals_torch_on_random_rows(n):
     x = torch.randn(33, n, generator=torch.Generator().manual_seed(n))
-    assert torch.equal(cpu_argmax.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax.argmax_rows(x), x.argmax(dim=-1))
 
 
 def test_ties_nan_and_infinite_rows_follow_torch():
@@ -33,7 +33,7 @@ def test_ties_nan_and_infinite_rows_follow_torch():
     x[4] = float("-inf")  # all -inf: index 0
     x[5, 512] = float("inf")
     x[6] = 0.0  # all equal
-    got = cpu_argmax.argmax_rows(x)
+    got = argmax.argmax_rows(x)
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[:7].tolist() == [20, 0, 40, 999, 0, 512, 0]
 
@@ -41,9 +41,9 @@ def test_ties_nan_and_infinite_rows_follow_torch():
 def test_strided_rows_and_empty_batch():
     wide = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
     view = wide[:, 10:210]  # rows 300 apart, 200 long
-    assert torch.equal(cpu_argmax.argmax_rows(view), view.argmax(dim=-1))
+    assert torch.equal(argmax.argmax_rows(view), view.argmax(dim=-1))
     empty = torch.empty(0, 49152)
-    assert cpu_argmax.argmax_rows(empty).shape == (0,)
+    assert argmax.argmax_rows(empty).shape == (0,)
 
 
 @pytest.mark.parametrize(
@@ -55,4 +55,4 @@ def test_strided_rows_and_empty_batch():
     ],
 )
 def test_what_it_does_not_take_goes_to_torch(x):
-    assert torch.equal(cpu_argmax.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax.argmax_rows(x), x.argmax(dim=-1))

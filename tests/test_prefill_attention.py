@@ -1,10 +1,10 @@
-"""CPU prefill attention (kernels/cpu_prefill.py) equals the pure-torch reference, on the
+"""CPU prefill attention (kernels/prefill_attention.py) equals the pure-torch reference, on the
 native kernel (kernels/csrc/prefill_attention.cpp) and on torch's flash SDPA
 (PDSERVE_PREFILL_ATTENTION=sdpa); fresh prompts read their own K/V (no gather from the
 cache), in one native call, or one flash call per batch of equal prompts.
 
 Each case stores the step's K/V into a paged cache first (as the model does), then runs
-both with the same arguments. Tolerances as tests/test_cpu_attention.py.
+both with the same arguments. Tolerances as tests/test_paged_decode.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from pdserve.kernels import cpu_prefill
+from pdserve.kernels import prefill_attention
 from pdserve.kernels import reference as ref
 from tests.conftest import skip_in_isa_view
 
@@ -70,9 +70,9 @@ PATHS = ["native", "sdpa"]
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    monkeypatch.setenv(cpu_prefill.PREFILL_ATTENTION_ENV, request.param)
+    monkeypatch.setenv(prefill_attention.PREFILL_ATTENTION_ENV, request.param)
     if request.param == "native":
-        assert cpu_prefill.available()  # the box has a compiler: the kernel must build
+        assert prefill_attention.available()  # the box has a compiler: the kernel must build
     return request.param
 
 
@@ -82,23 +82,23 @@ def test_prefill_equals_reference(chunks, h, hkv, d, bs, dtype, path):
     args, new_kv = make_step(chunks, h, hkv, d, bs, dtype)
     expected = ref.paged_prefill_attention(*args)
     for kv in (new_kv, None):  # this step's K/V given, or read back from the cache
-        actual = cpu_prefill.paged_prefill_attention(*args, new_kv=kv)
+        actual = prefill_attention.paged_prefill_attention(*args, new_kv=kv)
         assert actual.dtype == dtype and actual.shape == expected.shape
         torch.testing.assert_close(actual, expected, **TOL[dtype])
 
 
 _OTHER_BUILD = """
 import os, torch
-from pdserve.kernels import cpu_prefill
+from pdserve.kernels import prefill_attention
 from pdserve.kernels import reference as ref
-from tests.test_cpu_prefill import CASES, TOL, make_step
-assert cpu_prefill.available()
+from tests.test_prefill_attention import CASES, TOL, make_step
+assert prefill_attention.available()
 torch.set_num_threads(2)
 for dtype in (torch.float32, torch.bfloat16):
     for chunks, h, hkv, d, bs in CASES:
         args, new_kv = make_step(chunks, h, hkv, d, bs, dtype)
         expected = ref.paged_prefill_attention(*args)
-        actual = cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv)
+        actual = prefill_attention.paged_prefill_attention(*args, new_kv=new_kv)
         torch.testing.assert_close(actual, expected, **TOL[dtype])
 print("ok")
 """
@@ -127,7 +127,7 @@ def test_native_kernel_other_vector_paths(march, tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(root))
     env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
-    env[cpu_prefill.PREFILL_ATTENTION_ENV] = "native"
+    env[prefill_attention.PREFILL_ATTENTION_ENV] = "native"
     out = subprocess.run(
         [sys.executable, "-c", _OTHER_BUILD], env=env, capture_output=True, text=True, timeout=600
     )
@@ -141,13 +141,13 @@ def _ops(fn) -> dict[str, int]:
 
 
 def test_fresh_prompts_skip_the_cache_and_run_flash(monkeypatch):
-    monkeypatch.setenv(cpu_prefill.PREFILL_ATTENTION_ENV, "sdpa")
+    monkeypatch.setenv(prefill_attention.PREFILL_ATTENTION_ENV, "sdpa")
     args, new_kv = make_step([(0, 64)] * 4, 9, 3, 64, 16, torch.float32)
-    ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
+    ops = _ops(lambda: prefill_attention.paged_prefill_attention(*args, new_kv=new_kv))
     assert ops.get(FLASH) == 1  # one call for the batch of equal prompts
     assert "aten::index" not in ops  # no gather of K/V out of the cache
     args, new_kv = make_step([(0, 64), (0, 30), (16, 8)], 9, 3, 64, 16, torch.float32)
-    ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
+    ops = _ops(lambda: prefill_attention.paged_prefill_attention(*args, new_kv=new_kv))
     assert ops.get(FLASH) == 3
     assert ops.get("aten::index") == 2  # K and V of the one sequence with a prefix
     assert "aten::_scaled_dot_product_attention_math" not in ops
@@ -157,10 +157,10 @@ def test_native_runs_every_sequence_without_torch_attention():
     """Fresh prompts of any lengths: no torch attention op and no gather; a sequence with
     a cached prefix beside them goes to the native kernel too (its context gathered)."""
     args, new_kv = make_step([(0, 64), (0, 7), (0, 130)], 9, 3, 64, 16, torch.float32)
-    ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
+    ops = _ops(lambda: prefill_attention.paged_prefill_attention(*args, new_kv=new_kv))
     assert FLASH not in ops and "aten::index" not in ops
     args, new_kv = make_step([(0, 64), (32, 8), (0, 5)], 9, 3, 64, 16, torch.float32)
-    ops = _ops(lambda: cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv))
+    ops = _ops(lambda: prefill_attention.paged_prefill_attention(*args, new_kv=new_kv))
     assert FLASH not in ops
     assert ops.get("aten::index") == 2  # K and V of the sequence with a prefix
 
@@ -174,7 +174,7 @@ def test_a_prompt_gets_the_same_bits_with_its_prefix_cached(dtype, prefix):
     h, hkv, d, bs, n = 9, 3, 64, 16, 260
     args, new_kv = make_step([(0, n)], h, hkv, d, bs, dtype, seed=1)
     q, k_cache, v_cache, table, _, _, scale = args
-    fresh = cpu_prefill.paged_prefill_attention(*args, new_kv=new_kv)
+    fresh = prefill_attention.paged_prefill_attention(*args, new_kv=new_kv)
     # the second step: a fresh neighbour, then the same prompt's rows prefix .. n
     other, other_kv = make_step([(0, 37)], h, hkv, d, bs, dtype, seed=2)
     t = 37 + n - prefix
@@ -188,16 +188,16 @@ def test_a_prompt_gets_the_same_bits_with_its_prefix_cached(dtype, prefix):
     tables[1, : table.shape[1]] = table[0]
     starts = torch.tensor([0, 37, t], dtype=torch.int32)
     lens = torch.tensor([37, n], dtype=torch.int32)
-    cached = cpu_prefill.paged_prefill_attention(
+    cached = prefill_attention.paged_prefill_attention(
         q2, kc, vc, tables, starts, lens, scale, new_kv=(k2, v2)
     )
     assert torch.equal(cached[37:], fresh[prefix:])
-    torch.testing.assert_close(cached[:37], cpu_prefill.paged_prefill_attention(
+    torch.testing.assert_close(cached[:37], prefill_attention.paged_prefill_attention(
         *other, new_kv=other_kv), rtol=0, atol=0)  # fmt: skip
 
 
 def test_the_reference_stays_the_unfused_oracle():
-    """PDSERVE_CPU_ATTENTION=reference keeps the gather + math SDPA (what cpu_prefill is
+    """PDSERVE_CPU_ATTENTION=reference keeps the gather + math SDPA (what prefill_attention is
     checked against), not the flash kernel."""
     args, _ = make_step([(0, 16)] * 2, 4, 2, 32, 16, torch.float32)
     ops = _ops(lambda: ref.paged_prefill_attention(*args))
@@ -213,6 +213,6 @@ def test_a_block_table_short_of_its_context_is_refused(dtype, path):
     q, k_cache, v_cache, table, starts, seq_lens, scale = args
     table = table[:, :2].contiguous()  # the second sequence needs 3 blocks for 48 keys
     with pytest.raises((RuntimeError, IndexError, ValueError)):
-        cpu_prefill.paged_prefill_attention(
+        prefill_attention.paged_prefill_attention(
             q, k_cache, v_cache, table, starts, seq_lens, scale, new_kv=new_kv
         )

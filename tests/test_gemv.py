@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import cpu_gemv, native
+from pdserve.kernels import gemv, native
 from tests.conftest import skip_in_isa_view
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
@@ -33,7 +33,7 @@ SHAPES = [(1, 1), (5, 7), (37, 131), (33, 576), (960, 576), (19, 1536), (70, 100
 def built():
     if native.find_compiler() is None:
         pytest.skip("no C++ compiler on this machine: linear returns None (tested below)")
-    assert cpu_gemv.available()
+    assert gemv.available()
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -64,13 +64,13 @@ def check(y, x, w, b):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_matches_f_linear(dtype, n, k, threads, monkeypatch):
-    monkeypatch.setattr(cpu_gemv, "MAX_ROWS", 9)  # 5-9 rows: a second register-block chunk
+    monkeypatch.setattr(gemv, "MAX_ROWS", 9)  # 5-9 rows: a second register-block chunk
     w = rand(n, k, dtype=dtype, seed=n)
     b = rand(n, dtype=dtype, seed=k)
     for m in (1, 2, 3, 4, 5, 9):
         x = rand(m, k, dtype=dtype, seed=m)
-        check(cpu_gemv.linear(x, w, None), x, w, None)
-        check(cpu_gemv.linear(x, w, b), x, w, b)
+        check(gemv.linear(x, w, None), x, w, None)
+        check(gemv.linear(x, w, b), x, w, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -78,37 +78,38 @@ def test_strided_rows_and_leading_dims(dtype, threads):
     wide = rand(70, 1200, dtype=dtype, seed=1)
     w = wide[:, 3:1003]  # rows 1200 elements apart, K = 1000
     xs = rand(3, 1100, dtype=dtype, seed=2)[:, 50:1050]  # activation rows strided too
-    check(cpu_gemv.linear(xs, w, None), xs, w, None)
+    check(gemv.linear(xs, w, None), xs, w, None)
     x3 = rand(1, 2, 1000, dtype=dtype, seed=3)  # [B, T, K] -> [B, T, N]
-    y = cpu_gemv.linear(x3, w, None)
+    y = gemv.linear(x3, w, None)
     assert y.shape == (1, 2, 70)
     check(y.reshape(2, 70), x3.reshape(2, 1000), w, None)
 
 
 def test_refuses_what_it_does_not_take():
     w = torch.randn(8, 16)
-    assert cpu_gemv.linear(torch.randn(cpu_gemv.MAX_ROWS + 1, 16), w, None) is None
-    assert cpu_gemv.linear(torch.randn(0, 16), w, None) is None
-    assert cpu_gemv.linear(torch.randn(1, 16, dtype=torch.float16), w.half(), None) is None
-    assert cpu_gemv.linear(torch.randn(1, 16).bfloat16(), w, None) is None  # mixed dtypes
-    assert cpu_gemv.linear(torch.randn(1, 16), torch.randn(16, 8).T, None) is None  # K strided
-    assert cpu_gemv.linear(torch.randn(16, 2)[:, :1].T, w, None) is None  # x's K strided
-    assert cpu_gemv.linear(torch.randn(1, 16), w, torch.randn(8).double()) is None
+    assert gemv.linear(torch.randn(gemv.MAX_ROWS + 1, 16), w, None) is None
+    assert gemv.linear(torch.randn(0, 16), w, None) is None
+    assert gemv.linear(torch.randn(1, 16, dtype=torch.float16), w.half(), None) is None
+    assert gemv.linear(torch.randn(1, 16).bfloat16(), w, None) is None  # mixed dtypes
+    assert gemv.linear(torch.randn(1, 16), torch.randn(16, 8).T, None) is None  # K strided
+    assert gemv.linear(torch.randn(16, 2)[:, :1].T, w, None) is None  # x's K strided
+    assert gemv.linear(torch.randn(1, 16), w, torch.randn(8).double()) is None
 
 
 def test_packed_linear_takes_decode_rows_through_the_gemv(monkeypatch):
     """engine/models/cpu_linear.linear: up to MAX_ROWS rows go to the GEMV, which gives the
     same as F.linear; with MAX_ROWS 0 the same rows take the oneDNN/F.linear path."""
     from pdserve.engine.models.cpu_linear import linear
+    from pdserve.kernels import ops
 
     w = rand(960, 576, dtype=torch.float32, seed=5)
     x = rand(1, 576, dtype=torch.float32, seed=6)
     calls = []
-    real = cpu_gemv.linear
-    monkeypatch.setattr(cpu_gemv, "linear", lambda *a: calls.append(1) or real(*a))
+    real = gemv.linear
+    monkeypatch.setattr(gemv, "linear", lambda *a: calls.append(1) or real(*a))
     check(linear(x, w, None), x, w, None)
     assert calls == [1]
-    monkeypatch.setattr(cpu_gemv, "MAX_ROWS", 0)
+    monkeypatch.setattr(ops, "GEMV_MAX_ROWS", 0)  # the engine's threshold (kernels.ops)
     check(linear(x, w, None), x, w, None)
     assert calls == [1]
 
@@ -116,9 +117,9 @@ def test_packed_linear_takes_decode_rows_through_the_gemv(monkeypatch):
 _OTHER_BUILD = """
 import torch
 import torch.nn.functional as F
-from pdserve.kernels import cpu_gemv
-from tests.test_cpu_gemv import check
-assert cpu_gemv.isa() == {isa}, cpu_gemv.isa()
+from pdserve.kernels import gemv
+from tests.test_gemv import check
+assert gemv.isa() == {isa}, gemv.isa()
 torch.set_num_threads(2)
 torch.manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
@@ -126,10 +127,10 @@ for dtype in (torch.float32, torch.bfloat16):
         w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
         for m in (1, 2, 3, 4, 5):
             x = torch.randn(m, k).to(dtype)
-            check(cpu_gemv.linear(x, w, b), x, w, b)
+            check(gemv.linear(x, w, b), x, w, b)
             if n % 2 == 0:  # gate | up halves: fused SiLU * up, within a few bf16 ulps
                 ref = F.silu(x.double() @ w[: n // 2].double().T) * (x.double() @ w[n // 2 :].double().T)
-                got = cpu_gemv.gate_up_silu(x, w).double()
+                got = gemv.gate_up_silu(x, w).double()
                 assert (got - ref).abs().max() <= 2**-6 * ref.abs().max() + 1e-3, (got - ref).abs().max()
 print("ok")
 """
@@ -161,14 +162,14 @@ def test_gate_up_silu_equals_linear_then_silu_and_mul(dtype, i, k, threads):
     w = rand(2 * i, k, dtype=dtype, seed=i) * 0.5
     for m in (1, 2, 5):
         x = rand(m, k, dtype=dtype, seed=m)
-        y = cpu_gemv.gate_up_silu(x, w)
+        y = gemv.gate_up_silu(x, w)
         ref = reference.silu_and_mul(F.linear(x.double(), w.double()))
         assert y is not None and y.dtype == dtype and y.shape == (m, i)
         scale = ref.abs().max().item()  # fp32 error of g and u carries into g * u near zero
         tol = dict(rtol=1e-4, atol=1e-6 * scale) if dtype == torch.float32 else dict(rtol=2**-6)
         torch.testing.assert_close(y.double(), ref, **{"atol": 1e-3 * scale, **tol})
-    assert cpu_gemv.gate_up_silu(x, w[:-1]) is None  # odd row count: not gate | up
-    assert cpu_gemv.gate_up_silu(rand(cpu_gemv.MAX_ROWS + 1, k, dtype=dtype, seed=0), w) is None
+    assert gemv.gate_up_silu(x, w[:-1]) is None  # odd row count: not gate | up
+    assert gemv.gate_up_silu(rand(gemv.MAX_ROWS + 1, k, dtype=dtype, seed=0), w) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -186,7 +187,7 @@ def test_norm_linear_equals_norm_then_projection(dtype, silu, threads):
     for m in (1, 3, 6):
         x, res = rand(m, k, dtype=dtype, seed=m), rand(m, k, dtype=dtype, seed=m + 10)
         for r in (res, None):
-            out = cpu_gemv.norm_linear(x, r, nw, 1e-5, w, bias, silu)
+            out = gemv.norm_linear(x, r, nw, 1e-5, w, bias, silu)
             assert out is not None
             y, res_out = out
             if r is None:
@@ -200,6 +201,6 @@ def test_norm_linear_equals_norm_then_projection(dtype, silu, threads):
             scale = want.abs().max().item()
             tol = 1e-4 if dtype == torch.float32 else 2**-6
             torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol * scale)
-    assert cpu_gemv.norm_linear(x, res, nw, 1e-5, w[:-1], None, True) is None  # odd rows
-    big = rand(cpu_gemv.MAX_ROWS + 1, k, dtype=dtype, seed=0)
-    assert cpu_gemv.norm_linear(big, None, nw, 1e-5, w, bias, silu) is None
+    assert gemv.norm_linear(x, res, nw, 1e-5, w[:-1], None, True) is None  # odd rows
+    big = rand(gemv.MAX_ROWS + 1, k, dtype=dtype, seed=0)
+    assert gemv.norm_linear(big, None, nw, 1e-5, w, bias, silu) is None

@@ -1,4 +1,4 @@
-"""The packed-panel GEMM, fp32 and bf16 (kernels/csrc/gemm_packed.cpp, kernels/cpu_packed.py):
+"""The packed-panel GEMM, fp32 and bf16 (kernels/csrc/gemm_packed.cpp, kernels/gemm_packed.py):
 equal to a float64 reference but for fp32 summation and (bf16) the rounding of its result, for every row count and ragged shapes, with its
 epilogues (bias, residual, SiLU * up); a row's bits independent of the other rows and of
 the thread count; the AVX2 and plain C++ builds too."""
@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kernels import cpu_ops, cpu_packed
+from pdserve.kernels import cpu_ops, gemm_packed, native
 from tests.conftest import skip_in_isa_view
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [
     pytest.mark.isa,  # scripts/avx2_view.sh runs it as an AVX2-only CPU
-    pytest.mark.skipif(not cpu_packed.available(), reason="no C++ compiler"),
+    pytest.mark.skipif(not gemm_packed.available(), reason="no C++ compiler"),
 ]
 
 
@@ -48,7 +48,7 @@ def check_all(dtype=torch.float32) -> None:
 
     for n, k in [(96, 64), (100, 37), (33, 5), (17, 130), (1, 1)]:
         w = rand(n, k)
-        b, packed = rand(n), cpu_packed.Packed(w)
+        b, packed = rand(n), gemm_packed.Packed(w)
         for m in [1, 2, 5, 8, 9, 13, 32, 33, 70]:
             x, res = rand(m, k), rand(m, n)
             ref = x.double() @ w.double().T
@@ -64,7 +64,7 @@ def check_all(dtype=torch.float32) -> None:
             for rows, threads in [(1, 1), (m // 2 + 1, 2), (m, 1)]:  # any row count, threads
                 assert torch.equal(_gemm(x[:rows], packed, b, res[:rows], threads), y[:rows])
         wg = rand(2 * n, k)
-        gate_up = cpu_packed.Packed(wg, silu=True)
+        gate_up = gemm_packed.Packed(wg, silu=True)
         for m in [1, 9, 33]:
             x = rand(m, k)
             h = x.double() @ wg.double().T
@@ -93,12 +93,12 @@ def test_packed_gemm(dtype):
 
 def test_bad_inputs_are_refused():
     with pytest.raises(ValueError):
-        cpu_packed.Packed(torch.randn(4, 4, dtype=torch.float16))
+        gemm_packed.Packed(torch.randn(4, 4, dtype=torch.float16))
     with pytest.raises(ValueError):
-        cpu_packed.Packed(torch.randn(5, 4), silu=True)
+        gemm_packed.Packed(torch.randn(5, 4), silu=True)
     with pytest.raises(ValueError):
-        cpu_packed.Packed(torch.randn(4, 8).t())  # rows not contiguous
-    p = cpu_packed.Packed(torch.randn(4, 8))
+        gemm_packed.Packed(torch.randn(4, 8).t())  # rows not contiguous
+    p = gemm_packed.Packed(torch.randn(4, 8))
     with pytest.raises(ValueError):
         p.linear(torch.randn(3, 7))
     x = torch.randn(3, 8)
@@ -107,8 +107,8 @@ def test_bad_inputs_are_refused():
         with pytest.raises(ValueError):
             p.gemm(x, **bad)
     with pytest.raises(ValueError):
-        cpu_packed.Packed(torch.randn(4, 8, dtype=torch.bfloat16)).gemm(x)  # fp32 rows
-    lib = cpu_packed._lib()
+        gemm_packed.Packed(torch.randn(4, 8, dtype=torch.bfloat16)).gemm(x)  # fp32 rows
+    lib = native.load_library("gemm_packed")
     y = torch.empty(2, 4)
     bias = torch.zeros(4)
     args = (ctypes.c_void_p(p.ptr()), 4, 8)
@@ -149,7 +149,7 @@ def _cpu_flags() -> set[str]:
 def test_bf16_dot_products_where_the_cpu_has_them():
     if os.environ.get("PDSERVE_KERNEL_MARCH"):
         pytest.skip("the library is built for another CPU than this one")
-    assert cpu_packed.bf16_native() == ("avx512_bf16" in _cpu_flags())
+    assert gemm_packed.bf16_native() == ("avx512_bf16" in _cpu_flags())
 
 
 @pytest.mark.parametrize("march,bits", [("haswell", 256), ("x86-64", 32), ("skylake-avx512", 512)])
@@ -164,9 +164,9 @@ def test_other_builds(tmp_path, march, bits):
     env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(ROOT))
     env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
     code = (
-        "from pdserve.kernels import cpu_packed\n"
-        f"assert cpu_packed._lib().pdserve_gemm_packed_isa() == {bits}\n"
-        "import torch\nfrom tests.test_cpu_packed import check_all\n"
+        "from pdserve.kernels import native\n"
+        f"assert native.load_library('gemm_packed').pdserve_gemm_packed_isa() == {bits}\n"
+        "import torch\nfrom tests.test_gemm_packed import check_all\n"
         "check_all()\ncheck_all(torch.bfloat16)\n"
     )
     out = subprocess.run(
