@@ -145,8 +145,8 @@ def router_argv(
     r, m = cfg.router, cfg.model
     argv = [sys.executable, "-m", "pdserve", "router", "--log-level", log_level]
     proc = RouterProcessSettings(
-        model=m.name,
-        served_model_name=m.served_name,
+        name=m.name,
+        served_name=m.served_name,
         redis_url=redis_url,
         cluster=cfg.cluster,
         cluster_secret_file=cfg.secret_file,

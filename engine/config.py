@@ -23,7 +23,7 @@ from pdserve.config.kv import StoreSettings, TransferSettings
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = DEFAULT_MODEL  # built-in name, HF directory or .gguf path (YAML: model.name)
+    name: str = DEFAULT_MODEL  # built-in name, HF directory or .gguf path (YAML: model.name)
     dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
     device: str = "cpu"
     kernel_backend: str | None = None  # "torch" | "triton"; None picks by device
@@ -37,8 +37,8 @@ class ModelConfig:
     # CPU fp32/bf16: decode steps of 9-256 rows as one native call on weights packed for it
     # (engine/models/fused_decode.py; one more copy of the projections and lm_head)
     batched_decode: bool = default(ModelSettings, "batched_decode")
-    # The model's name in the API, the registry and the block-hash root (default: `model`).
-    served_model_name: str | None = None
+    # The model's name in the API, the registry and the block-hash root (default: `name`).
+    served_name: str | None = None
     # True: plain torch (the reference). False: the decode step compiled
     # (engine/compiled_model.py; CPU only, CUDA runs eager). None: eager, which is as fast
     # or faster on CPU (docs/benchmarks.md) and compiles nothing per process.
@@ -55,8 +55,9 @@ class ModelConfig:
         return not self.enforce_eager
 
     @property
-    def name(self) -> str:
-        return self.served_model_name or self.model
+    def api_name(self) -> str:
+        """The name clients, the registry and the block-hash root know the model by."""
+        return self.served_name or self.name
 
     @property
     def dtype_name(self) -> str:

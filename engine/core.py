@@ -78,10 +78,10 @@ class EngineCore:
         if config.model.device.startswith("cpu") and config.model.cpu_keep_freed_memory:
             keep_freed_memory()
         if arch is None:
-            self.model_dir = resolve_model(config.model.model)
+            self.model_dir = resolve_model(config.model.name)
             arch = ModelArch.from_dir(self.model_dir)
         else:
-            self.model_dir = Path(config.model.model)
+            self.model_dir = Path(config.model.name)
         self.arch = arch
         cc = config.cache
         per_block = kv_bytes_per_block(arch, cc.block_size, config.model.torch_dtype)
@@ -100,7 +100,7 @@ class EngineCore:
         self.max_model_len = min(model_max, num_blocks * cc.block_size)
         self.vocab_size = arch.vocab_size
         self.eos_token_ids = eos_token_ids(self.model_dir, arch)
-        self.hash_root = root_hash(config.model.name, cc.block_size)
+        self.hash_root = root_hash(config.model.api_name, cc.block_size)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv.pool.record_events = cc.kv_events
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)

@@ -99,7 +99,7 @@ class EngineCoreClient:
             daemon=True,
         )
         self.proc.start()
-        logger.info("engine process %d starting (%s)", self.proc.pid, self.config.model.model)
+        logger.info("engine process %d starting (%s)", self.proc.pid, self.config.model.name)
         self.info = await self._wait_ready(ready_timeout_s)
         self._tasks = [
             asyncio.create_task(self._handle_outputs(), name="engine-outputs"),

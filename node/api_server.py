@@ -70,7 +70,7 @@ def build_app(
     """`prefill_nodes` (decode role): where requests may be prefilled; default: the
     configured `kv_transfer.prefill_nodes` (see node/prefill_nodes.py for the hook), plus,
     with `cluster.redis_url`, the prefill nodes of this model in the registry."""
-    model_name = served_model_name or config.model.name
+    model_name = served_model_name or config.model.api_name
     cluster = cluster or ClusterOptions(advertise_url="http://127.0.0.1")
     registry_prefills: set[str] = set()  # kept current by the cluster agent
     if prefill_nodes is None and cluster.redis_url:

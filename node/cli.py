@@ -121,8 +121,8 @@ def engine_config(s: NodeSettings) -> EngineConfig:
     store_url = (sv.redis_url if st.url == "cluster" else st.url) if uses_store else None
     return EngineConfig(
         model=ModelConfig(
-            model=s.model.name,
-            served_model_name=s.model.served_name,
+            name=s.model.name,
+            served_name=s.model.served_name,
             device=s.compute.device,
             **s.model.model_dump(exclude={"name", "served_name"}),
         ),

@@ -89,7 +89,7 @@ class ClusterAgent:
             node_id=self.node_id,
             role=cfg.kv_transfer.role,
             url=self.options.advertise_url,
-            model=cfg.model.name,
+            model=cfg.model.api_name,
             block_size=cfg.cache.block_size,
             epoch=self.epoch,
             kv_control=cfg.kv_transfer.control_address or "",
@@ -181,7 +181,7 @@ class ClusterAgent:
         live = {
             r.kv_control
             for r in await read_nodes(self.redis, self.keys)
-            if r.role == "prefill" and r.model == self.config.model.name and r.kv_control
+            if r.role == "prefill" and r.model == self.config.model.api_name and r.kv_control
         }
         if live != self.registry_prefills:
             logger.info("prefill nodes in the registry: %s", sorted(live) or "none")

@@ -68,7 +68,7 @@ def _transfer_connector(
         extra = {
             "lmcache": LMCacheSettings(
                 remote_url=url,
-                namespace=st.namespace or config.model.model,
+                namespace=st.namespace or config.model.name,
                 chunk_size=st.chunk_size,
                 local_cpu_bytes=st.local_cpu_bytes,
             )
@@ -106,7 +106,7 @@ def store_index_id(config: EngineConfig) -> str:
     that share chunks (same namespace and dtype) share it."""
     if not config.has_prefix_store:
         return ""
-    return f"{config.kv_store.namespace or config.model.model}|{config.model.dtype_name}"
+    return f"{config.kv_store.namespace or config.model.name}|{config.model.dtype_name}"
 
 
 def _prefix_store(config: EngineConfig, b: KVBackendConfig) -> KVStore:
@@ -116,7 +116,7 @@ def _prefix_store(config: EngineConfig, b: KVBackendConfig) -> KVStore:
     cfg = config.kv_store
     url = b.remote_url or cfg.remote_url
     # Chunks are shared by every node that names the model the same way.
-    namespace = cfg.namespace or config.model.model
+    namespace = cfg.namespace or config.model.name
 
     def backend(kv_cache):
         from pdserve.kv_transfer.lmcache_store import LMCacheKVStore

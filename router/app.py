@@ -38,13 +38,13 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) -> FastAPI:
-    """The router app. `tokenizer` None: resolve `config.model` and load its tokenizer."""
+    """The router app. `tokenizer` None: resolve `config.name` and load its tokenizer."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tok = tokenizer
         if tok is None:
-            model_dir = await asyncio.to_thread(resolve_model_dir, config.model)
+            model_dir = await asyncio.to_thread(resolve_model_dir, config.name)
             tok = await asyncio.to_thread(load_router_tokenizer, model_dir)
         view = ClusterView(config)
         membership = Membership(config, view)
@@ -59,7 +59,7 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
         gc.freeze()
         logger.info(
             "router for %s: %d nodes known, Redis %s",
-            config.model_name,
+            config.api_name,
             len(view.nodes),
             "up" if membership.redis_ok else ("down" if config.redis_url else "not used"),
         )
@@ -91,7 +91,7 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
     async def models(request: Request) -> ModelList:
         lens = [n.record.max_model_len for n in request.app.state.view.usable(True)]
         return ModelList(
-            data=[ModelCard(id=config.model_name, max_model_len=min(lens, default=None))]
+            data=[ModelCard(id=config.api_name, max_model_len=min(lens, default=None))]
         )
 
     @app.get("/cluster")
@@ -99,7 +99,7 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
         state = request.app.state
         return JSONResponse(
             {
-                "model": config.model_name,
+                "model": config.api_name,
                 "redis": {"url": config.redis_url, "up": state.membership.redis_ok},
                 "policies": {"prefill": config.prefill_policy, "decode": config.decode_policy},
                 "nodes": [n.summary() for n in state.view.nodes.values()],

@@ -19,8 +19,8 @@ __all__ = ["RouterConfig", "RouterConfigError"]
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str = DEFAULT_MODEL  # tokenizer + chat template: built-in, HF dir, .gguf
-    served_model_name: str | None = None  # the name clients and nodes use (default: model)
+    name: str = DEFAULT_MODEL  # tokenizer + chat template: built-in, HF dir, .gguf
+    served_name: str | None = None  # the name clients and nodes use (default: name)
     host: str = default(S, "host")
     port: int = default(S, "port")
     redis_url: str | None = None
@@ -52,8 +52,9 @@ class RouterConfig:
     cluster_secret: bytes | None = field(default=None, repr=False)
 
     @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
+    def api_name(self) -> str:
+        """The name clients and nodes know the model by."""
+        return self.served_name or self.name
 
     def __post_init__(self) -> None:
         check("", self, S)

@@ -156,7 +156,7 @@ class ClusterView:
         order (a cached list: do not modify it)."""
         now = time.monotonic()
         if self._usable is None or now >= self._usable_until:
-            model = self.config.model_name
+            model = self.config.api_name
             ok = sorted((n for n in self.nodes.values() if n.usable(model)), key=lambda n: n.url)
             self._usable = (
                 [n for n in ok if not n.record.serves_clients],
@@ -179,7 +179,7 @@ class ClusterView:
         recs = [
             n.record
             for n in self.nodes.values()
-            if n.record and n.record.serves_clients and n.record.model == self.config.model_name
+            if n.record and n.record.serves_clients and n.record.model == self.config.api_name
         ]
         if not recs:
             return None

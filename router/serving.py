@@ -81,7 +81,7 @@ class RouterServing:
 
     # -- checks and tokens ------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
+        if model is not None and model != self.config.api_name:
             raise ModelNotFoundError(model)
 
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:

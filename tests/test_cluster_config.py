@@ -343,6 +343,6 @@ def test_every_router_flag_comes_from_yaml(tmp_path, monkeypatch):
     got = config_from_args(parser.parse_args(argv[4:]))
     section = cfg.router.model_dump(exclude={"enabled"})
     assert {k: getattr(got, k) for k in section} == section
-    assert got.served_model_name == "m" and got.redis_url == "redis://127.0.0.1:1"
+    assert got.served_name == "m" and got.redis_url == "redis://127.0.0.1:1"
     assert got.prefill_urls == ("http://127.0.0.1:9101", "http://127.0.0.1:9102")
     assert got.decode_urls == ("http://127.0.0.1:9301",) and got.cluster == "pdserve"

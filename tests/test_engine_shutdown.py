@@ -24,7 +24,7 @@ from tests.servers import ROOT, free_port, wait_healthy
 async def _start_and_stop(model: str, base: str) -> int | None:
     kv = KVTransferConfig(role="prefill", control_address=f"tcp://127.0.0.1:{free_port()}")
     config = EngineConfig(
-        model=ModelConfig(model=model), cache=CacheConfig(num_blocks=64), kv_transfer=kv
+        model=ModelConfig(name=model), cache=CacheConfig(num_blocks=64), kv_transfer=kv
     )
     client = EngineCoreClient(config, EngineAddresses.from_base(base), build_kv)
     await client.start()

@@ -83,12 +83,15 @@ class RouterProcessSettings(Settings):
     """`pdserve router` only: what the launcher derives from the rest of the cluster config
     (the model, the nodes, Redis) rather than reads from the `router` section."""
 
-    model: str = setting(
+    name: str = setting(
         DEFAULT_MODEL,
         "tokenizer and chat template: built-in name, HF dir, .gguf (YAML: `model.name`)",
+        flag="--model",
     )
-    served_model_name: str | None = setting(
-        None, "name in the API (default: --model; YAML: `model.served_name`)"
+    served_name: str | None = setting(
+        None,
+        "name in the API (default: --model; YAML: `model.served_name`)",
+        flag="--served-model-name",
     )
     redis_url: str | None = setting(None, "cluster registry, e.g. redis://127.0.0.1:6379")
     cluster: str = setting("pdserve", "Redis key prefix of the cluster")
