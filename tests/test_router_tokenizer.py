@@ -6,17 +6,10 @@ import pytest
 
 from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.router.tokenizer import RouterTokenizer, resolve_model_dir
+from tests.test_chat_template import CONVERSATIONS as ALL_CONVERSATIONS
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [
-        {"role": "system", "content": "You answer in one word."},
-        {"role": "user", "content": "Colour of the sky?"},
-        {"role": "assistant", "content": "Blue."},
-        {"role": "user", "content": "And grass? Ünïcödé, emoji 🙂, tabs\tand\nnewlines."},
-    ],
-    [{"role": "user", "content": ""}],
-]
+# the plain conversations of the shared renderer's test (no tool calls)
+CONVERSATIONS = ALL_CONVERSATIONS[:3]
 
 
 @pytest.fixture(scope="module")
