@@ -12,7 +12,26 @@ PY_DIRS="pdserve bench api node router cluster engine prefill decode kv_transfer
 # box without AVX-512): a bf16 or kernel check that holds only where the CPU has native
 # bf16 fails here, whichever box kind CI gets. Whole-suite runs only; PDSERVE_AVX2_VIEW=0
 # skips it, =1 runs it with pytest arguments too.
+# The view runs beside the main suite (it keeps one core busy for a few minutes; the main
+# suite averages under one of CI's two cores), its output kept apart and shown after.
+VIEW_PID=""
 if [ "${PDSERVE_AVX2_VIEW:-$([ $# -eq 0 ] && echo 1 || echo 0)}" = 1 ]; then
-  bash scripts/avx2_view.sh
+  VIEW_LOG=$(mktemp -t pdserve-avx2-view.XXXXXX.log)
+  bash scripts/avx2_view.sh >"$VIEW_LOG" 2>&1 &
+  VIEW_PID=$!
+  trap '[ -n "$VIEW_PID" ] && kill "$VIEW_PID" 2>/dev/null || true' EXIT
 fi
-exec .venv/bin/python -m pytest -q -ra --durations=15 "$@"
+rc=0
+.venv/bin/python -m pytest -q -ra --durations=15 "$@" || rc=$?
+if [ -n "$VIEW_PID" ]; then
+  view_rc=0
+  wait "$VIEW_PID" || view_rc=$?
+  VIEW_PID=""
+  echo "---------------- AVX2 view (scripts/avx2_view.sh, ran beside the suite) ----------------"
+  cat "$VIEW_LOG"
+  if [ "$view_rc" -ne 0 ]; then
+    echo "[avx2-view] FAILED (exit $view_rc)"
+    [ "$rc" -ne 0 ] || rc=$view_rc
+  fi
+fi
+exit "$rc"

@@ -90,7 +90,8 @@ def test_pd_latency(tiny_model, tmp_path):
         "--out", str(out))  # fmt: skip
     pd = read(out)["pd"]
     assert len(pd["ttft_s"]) == len(pd["tpot_s"]) == len(pd["kv_transfer_s"]) == 1
-    assert 0 < pd["ttft_s_median"] < 60 and 0 < pd["tpot_s_median"] < 10
+    # 4 tokens may arrive in one read on a busy box: a TPOT of 0 is a measurement, not an error
+    assert 0 < pd["ttft_s_median"] < 60 and 0 <= pd["tpot_s_median"] < 10
     assert 0 < pd["kv_transfer_s_median"] < pd["ttft_s_median"]
 
 
