@@ -214,8 +214,11 @@ class RouterServing:
                     excluded.add(decision.prefill.url)
                 else:
                     excluded.add(decision.decode.url)
-                    decision.decode.breaker.record_failure()
                     decision.decode.last_error = str(e)
+                    if e.node_fault:
+                        decision.decode.breaker.record_failure()
+                    else:  # the node answered: alive, whatever this request's trouble
+                        decision.decode.breaker.record_success()
                 logger.warning("request %s attempt %d failed: %s", rid, attempt, e)
                 if attempt < self.config.max_retries:
                     self.metrics.retries.labels(reason=e.reason).inc()

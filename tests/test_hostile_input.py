@@ -83,6 +83,8 @@ CATALOGUE = {
     "5000 stop strings": body(stop=["x"] * 5000),
     "stop int": body(stop=5),
     "logit_bias bad key": body(logit_bias={"abc": 1}),
+    "logit_bias superscript key": body(logit_bias={"²": 1}),
+    "logit_bias arabic-indic key": body(logit_bias={"\u0663": 1}),
     "logit_bias 10**9 entries key": body(logit_bias={"99999999999": 1}),
     "logit_bias NaN-ish": body(logit_bias={"1": 1e308}),
     "kv_transfer_params string": body(kv_transfer_params="x"),
@@ -143,6 +145,44 @@ def test_catalogue_gets_4xx_from_node_and_router(node, router):
         generation_works(url)
     assert bad == [], "\n".join(b.splitlines()[0][:160] for b in bad)
     print(f"\nhostile inputs: {len(statuses)} requests, statuses: {json.dumps(statuses)}")
+
+
+BOOLEAN = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
+# Constraints the sampler cannot all meet, or edge values of its filters: each is a client's
+# own business, so it ends with a finish reason (200), never a 5xx.
+UNSATISFIABLE = {
+    "min_tokens vs finished grammar": dict(response_format=BOOLEAN, min_tokens=20, max_tokens=30,
+                                           temperature=1),
+    "min_tokens vs finished grammar, greedy": dict(response_format=BOOLEAN, min_tokens=20,
+                                                   max_tokens=30, temperature=0),
+    "stop ids vs grammar": dict(response_format=BOOLEAN, min_tokens=5, max_tokens=10,
+                                stop_token_ids=[2], temperature=1),
+    "logit_bias -100 on all": dict(logit_bias={str(t): -100 for t in range(1024)}, temperature=1),
+    "top_p tiny": dict(top_p=1e-12, temperature=1),
+    "min_p 1": dict(min_p=1.0, temperature=1),
+    "top_k 1, temperature 100": dict(top_k=1, temperature=100),
+    "temperature just above greedy": dict(temperature=1.1e-5),
+    "repetition_penalty 1e-300": dict(repetition_penalty=1e-300, temperature=1),
+}  # fmt: skip
+
+
+def test_unsatisfiable_constraints_end_cleanly_and_open_no_breaker(node, router):
+    """Issue 29 item 6: three `boolean` + `min_tokens: 20` requests used to answer 500 and
+    open the decode node's breaker (every later request: 503). Now each ends "stop", the
+    other edge combinations end with a finish reason too, and normal requests still work."""
+    for url in (node, router):
+        for name, fields in UNSATISFIABLE.items():
+            for _ in range(3 if name.startswith("min_tokens") else 1):
+                r = httpx.post(f"{url}{CHAT}", json={"messages": MSG, "max_tokens": 4, **fields},
+                               timeout=120)  # fmt: skip
+                assert r.status_code == 200, (name, r.status_code, r.text[:300])
+                choice = r.json()["choices"][0]
+                assert choice["finish_reason"] in ("stop", "length"), (name, choice)
+                if "grammar" in name:
+                    assert choice["message"]["content"] in ("true", "false"), (name, choice)
+        generation_works(url)
+    breakers = [n["breaker"] for n in httpx.get(f"{router}/cluster", timeout=10).json()["nodes"]]
+    assert breakers == ["closed"], breakers
 
 
 def test_oversized_body_is_413(node, router):
