@@ -12,6 +12,8 @@ router: no answer is ever a 5xx.
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -252,3 +254,69 @@ def test_property_random_bodies_never_get_a_5xx(router, node):
     print(f"\nproperty run: {len(seen)} bodies, statuses {counts}")
     assert 200 in counts  # the run also covers requests that generate
     generation_works(router)
+
+
+# Issue 29 item 1: 64 prompts x n=16 x echo x logprobs=20 is 1,024 sequences, each keeping
+# prompt length x 21 logprob entries. Refused before any work, naming the limit.
+COSTLY_PROMPTS = [[42] * 400] * 64
+COSTLY = {
+    "max_sequences_per_request": (
+        C, {"prompt": COSTLY_PROMPTS, "n": 16, "echo": True, "logprobs": 20, "max_tokens": 1}
+    ),
+    "max_logprob_entries_per_request": (
+        C, {"prompt": COSTLY_PROMPTS, "n": 4, "echo": True, "logprobs": 20, "max_tokens": 1}
+    ),
+    "max_logprob_entries_per_request ": (
+        CHAT, {"messages": MSG, "n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 4000}
+    ),
+}  # fmt: skip
+
+
+def test_costly_requests_get_a_400_naming_the_limit(node, router):
+    for url in (node, router):
+        for limit, (path, fields) in COSTLY.items():
+            r = httpx.post(f"{url}{path}", json=fields, timeout=120)
+            assert r.status_code == 400, (url, limit, r.status_code, r.text[:300])
+            assert limit.strip() in r.json()["error"]["message"], (url, limit, r.text[:300])
+        generation_works(url)
+
+
+@pytest.mark.parametrize("target", ["router", "node"])
+def test_big_body_does_not_stall_a_concurrent_stream(node, router, target):
+    """Issue 29 item 7: a 1.3 MB body of 64 text prompts (about 320k tokens, under the
+    cost limits, each prompt beyond the context) used to be tokenized on the event loop,
+    stalling every other stream for seconds. Now tokens of a concurrent stream keep
+    arriving while it is tokenized, at no less than a tenth of the stream's own rate
+    measured just before (the tokenizing thread takes CPU from the engine on a small
+    box; tokenized on the loop, about none arrive), and it still gets its 400."""
+    url = router if target == "router" else node
+    stamps: list[float] = []
+    done = threading.Event()
+    stream_body = {**OK, "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}{C}", json=stream_body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.monotonic())
+                if done.is_set():
+                    return  # closing the stream aborts the rest
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 120
+    while len(stamps) < 8 and time.monotonic() < deadline and reader.is_alive():
+        time.sleep(0.01)
+    assert len(stamps) >= 8, "the stream did not start"
+    rate = (len(stamps) - 2) / (stamps[-1] - stamps[1])  # tokens/s before the big body
+    big = {"prompt": ["hello world, this is some text. " * 640] * 64, "max_tokens": 1}
+    t0 = time.monotonic()
+    r = httpx.post(f"{url}{C}", json=big, timeout=120)
+    t1 = time.monotonic()
+    done.set()
+    reader.join(120)
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text[:300]
+    during = sum(t0 < s < t1 for s in stamps)
+    assert during >= max(3, 0.1 * rate * (t1 - t0)), (during, rate, t1 - t0)
+    print(f"\n{target}: big body answered in {t1 - t0:.2f} s; {during} stream tokens meanwhile "
+          f"(stream rate {rate:.1f}/s)")  # fmt: skip

@@ -8,12 +8,13 @@ from pydantic import ValidationInfo, field_validator
 
 from pdserve.config.engine import DEFAULT_MODEL
 from pdserve.config.fields import Settings, setting
+from pdserve.config.limits import RequestCostSettings
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 Policy = Literal["round_robin", "least_loaded", "kv_aware"]
 
 
-class RouterSettings(Settings):
+class RouterSettings(RequestCostSettings):
     """The cluster's front door (`pdserve router`): the only endpoint clients use."""
 
     host: str = setting("127.0.0.1", "address the router binds")
