@@ -42,6 +42,7 @@ class RouterConfig:
     max_retries: int = default(S, "max_retries")
     breaker_failures: int = default(S, "breaker_failures")
     breaker_cooldown_s: float = default(S, "breaker_cooldown_s")
+    engine_stuck_after_s: float = default(S, "engine_stuck_after_s")
     max_body_bytes: int = 4 << 20
     body_timeout_s: float = default(S, "body_timeout_s")
     max_sequences_per_request: int = default(S, "max_sequences_per_request")

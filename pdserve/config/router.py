@@ -41,6 +41,12 @@ class RouterSettings(RequestCostSettings):
     breaker_failures: int = setting(
         3, "consecutive failures that open a node's circuit breaker", ge=1
     )
+    engine_stuck_after_s: float = setting(
+        30.0,
+        "a decode node whose engine holds work and makes no progress this long (its /v1/node "
+        "step count) gets no new requests until it does (0: never)",
+        ge=0,
+    )
     breaker_cooldown_s: float = setting(
         5.0, "first open period of a breaker (doubles while failures go on)", gt=0
     )
