@@ -279,4 +279,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        if request.app.state.llm.client.dead is not None:  # a node fault, not this request's
+            return error_response(503, str(exc), "server_error", code="engine_dead")
         return error_response(500, str(exc), "server_error", code="engine_error")
