@@ -21,6 +21,7 @@ from starlette.types import Message, Receive, Scope, Send
 from pdserve.api.body_deadline import BodyTimeout, body_timeout_response
 from pdserve.api.protocol import ErrorInfo, ErrorResponse
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_rules import ascii_int
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
@@ -33,9 +34,9 @@ def trace_id(headers) -> str | None:
     given = headers.get("x-request-id")
     if not given or not _REQUEST_ID.fullmatch(given):
         return None
-    attempt = headers.get("x-attempt", "0")
-    if attempt.isdigit() and 0 < int(attempt) < 100:
-        return f"{given}.{int(attempt)}"
+    attempt = ascii_int(headers.get("x-attempt", "0")) or 0
+    if 0 < attempt < 100:
+        return f"{given}.{attempt}"
     return given
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.api.structured import DeltaToolCall, NamedToolChoice, ResponseFormat, ToolCall, ToolDef
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.sampling_rules import ascii_int
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +90,13 @@ class _SamplingRequest(_TopRequest):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or len(key) > 20:
+            token = ascii_int(key)
+            if token is None:
                 raise InvalidRequestError(
-                    f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias"
+                    f"logit_bias keys must be token ids (decimal digits), got {key[:40]!r}",
+                    "logit_bias",
                 )
-            bias[int(key)] = value
+            bias[token] = value
         return dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,

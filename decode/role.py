@@ -65,11 +65,13 @@ class DecodeRole:
             core.arch, cfg.cache.block_size, cfg.model.torch_dtype
         )
         self.connector.register_kv_cache(core.kv_cache)
+        self.connector.vocab_size = core.arch.vocab_size
 
     def stats(self) -> dict[str, int]:
         return {
             "pd_remote_prefills": self.num_remote_prefills,
             "pd_failures": self.num_failures,
+            "pd_bad_dones": self.connector.num_bad_dones,
             "kv_bytes_received": self.bytes_received,
         }
 

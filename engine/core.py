@@ -25,6 +25,7 @@ from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
 from pdserve.engine.outputs import EngineCoreOutput, EngineStats, RequestTimings, TokenLogprobs
 from pdserve.engine.pending_grammars import PendingGrammars
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import Unsatisfiable
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.store_driver import StoreDriver
@@ -264,7 +265,11 @@ class EngineCore:
                     )
                 )
             for rid, error in failed.items():  # confined to these requests
-                out = self.end_request(rid, RequestStatus.FINISHED_ERROR, error)
+                if isinstance(error, Unsatisfiable):  # its own constraints: it ends "stop"
+                    logger.info("request %s stops: %s", rid, error)
+                    out = self.end_request(rid, RequestStatus.FINISHED_STOPPED)
+                else:
+                    out = self.end_request(rid, RequestStatus.FINISHED_ERROR, error)
                 if out is not None:
                     outs.append(out)
         if role is not None:

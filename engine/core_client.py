@@ -69,6 +69,7 @@ class EngineCoreClient:
         self.info: Ready | None = None
         self.dead: str | None = None
         self.latest_stats: EngineStats | None = None
+        self.num_batches = 0  # output batches received: the engine loop's visible progress
         self.on_batch: Callable[[OutputBatch], None] | None = None  # e.g. metrics
         self._queues: dict[str, asyncio.Queue[TimedOutput]] = {}
         self._calls: dict[int, asyncio.Future[UtilityResult]] = {}
@@ -162,6 +163,11 @@ class EngineCoreClient:
         self._input.send(frame, copy=False)
         return q
 
+    @property
+    def num_open(self) -> int:
+        """Requests given to the engine and not yet finished: the work it holds."""
+        return len(self._queues)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Forget these requests here and end them in the engine (frees their blocks)."""
         for rid in request_ids:
@@ -207,6 +213,7 @@ class EngineCoreClient:
             now = time.monotonic()
             if isinstance(msg, OutputBatch):
                 self.latest_stats = msg.stats
+                self.num_batches += 1
                 for out in msg.outputs:
                     q = self._queues.get(out.request_id)
                     if q is None:

@@ -7,9 +7,12 @@ mask lazily in tens of microseconds on the CPU with no per-schema warm-up, and i
 JSON schemas, Lark and regexes through one grammar format. The mask is a bitmask the
 sampler unpacks for just the constrained rows (`pdserve.engine.logits_processors`).
 
-`GrammarCompiler` compiles on a worker thread, with a cache keyed by grammar, so the engine
-loop keeps stepping while a new schema (or, the first time, the tokenizer view: about a
-second) compiles; `Grammar` wraps one request's matcher (requests waiting for a compile
+`GrammarCompiler` compiles on worker threads (`COMPILE_WORKERS`: one slow compile does not
+hold up the others; llguidance drops the GIL while it builds), with a cache keyed by
+grammar, so the engine loop keeps stepping while a new schema (or, the first time, the
+tokenizer view: about a second) compiles; each compile runs under `parser_limits()`
+(llguidance's own fuel and size caps, checked as it works: a hostile grammar ends in an
+error, not a long compile), and a request waits at most `COMPILE_DEADLINE_S` for it; `Grammar` wraps one request's matcher (requests waiting for a compile
 wait in `pdserve.engine.pending_grammars`). When the grammar is complete
 the request's EOS tokens are allowed (and the matcher's own EOS), so generation ends.
 """
@@ -28,6 +31,18 @@ from pdserve.common.errors import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 COMPILE_DEADLINE_S = 60.0  # a request waits at most this long for its grammar
+COMPILE_WORKERS = 2
+MAX_GRAMMAR_SIZE = 100_000  # grammar symbols (llguidance's default: 500,000)
+MAX_LEXER_STATES = 50_000  # lexer states, 1-2 kB each (default: 250,000)
+
+
+def parser_limits():
+    """llguidance's resource caps for one grammar, for its validation and its matchers."""
+    import llguidance
+
+    return llguidance.LLParserLimits(
+        max_grammar_size=MAX_GRAMMAR_SIZE, max_lexer_states=MAX_LEXER_STATES, verbose_errors=False
+    )
 
 
 class Grammar:
@@ -51,7 +66,7 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Compiles grammars on one worker thread, never on the engine loop.
+    """Compiles grammars on worker threads, never on the engine loop.
 
     `submit(grammar)` returns a future of a template matcher, cached by the grammar text
     (the front end derives it from the schema); each request gets `instantiate(future)`,
@@ -86,7 +101,9 @@ class GrammarCompiler:
             self._cache.move_to_end(grammar)
             return fut
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+            self._executor = ThreadPoolExecutor(
+                COMPILE_WORKERS, thread_name_prefix="grammar-compile"
+            )
         fut = self._executor.submit(self._compile, grammar)
         self._cache[grammar] = fut
         while len(self._cache) > self.cache_size:
@@ -117,7 +134,9 @@ class GrammarCompiler:
         """A template matcher (worker thread); an invalid grammar is an InvalidRequestError."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(
+            self._llg_tokenizer(), grammar, log_level=0, limits=parser_limits()
+        )
         if matcher.is_error():
             raise InvalidRequestError(
                 f"invalid structured-output grammar: {matcher.get_error()}", "response_format"

@@ -4,8 +4,15 @@
 flag check) when no row uses a penalty, a bias, `min_tokens` or a grammar. Otherwise it
 gathers just those rows and applies, in order: the repetition penalty (transformers'
 `RepetitionPenaltyLogitsProcessor`), frequency and presence penalties (OpenAI's formula),
-`logit_bias`, `min_tokens` (transformers' `MinNewTokensLengthLogitsProcessor`, also barring
-`stop_token_ids`), and the grammar mask. Each is one tensor op over the selected rows.
+`logit_bias`, the grammar mask, and `min_tokens` (transformers'
+`MinNewTokensLengthLogitsProcessor`, also barring `stop_token_ids`). Each is one tensor op
+over the selected rows.
+
+No combination of a client's fields leaves a row without a token: `min_tokens` yields to
+the grammar (when the grammar allows nothing but EOS or stop tokens, e.g. a complete
+`{"type": "boolean"}` answer, they stay allowed and the request ends "stop"), and a
+repetition penalty near 0 saturates at the largest finite logit instead of overflowing to
+inf (whose softmax is NaN).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import torch
 
 from pdserve.engine.request import Request
 
-_BIT = None  # torch.arange(32) as int32, built on first use per device
+_TINY = 1e-30  # the smallest repetition penalty applied (fp32 rounds 1e-300 to 0)
 
 
 def process_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -28,8 +35,8 @@ def process_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     sub = logits.index_select(0, idx)  # [k, V]
     _penalties(sub, sel)
     _logit_bias(sub, sel)
-    _min_tokens(sub, sel)
     _grammar(sub, sel)
+    _min_tokens(sub, sel)
     logits.index_copy_(0, idx, sub)
     return logits
 
@@ -49,8 +56,10 @@ def _penalties(sub: torch.Tensor, reqs: list[Request]) -> None:
         seen = torch.zeros(k, vocab + 1, dtype=torch.bool, device=dev)
         seen.scatter_(1, ids, True)
         seen = seen[:, :vocab]
-        pen = torch.tensor(rep, dtype=sub.dtype, device=dev)[:, None]
+        pen = torch.tensor(rep, dtype=sub.dtype, device=dev)[:, None].clamp_min(_TINY)
         penalized = torch.where(sub > 0, sub / pen, sub * pen)
+        fmax = torch.finfo(sub.dtype).max
+        penalized = penalized.nan_to_num(nan=-fmax, posinf=fmax, neginf=-fmax)
         sub.copy_(torch.where(seen, penalized, sub))
     freq = [r.sampling_params.frequency_penalty for r in reqs]
     pres = [r.sampling_params.presence_penalty for r in reqs]
@@ -85,8 +94,14 @@ def _min_tokens(sub: torch.Tensor, reqs: list[Request]) -> None:
         p = r.sampling_params
         if r.num_output_tokens < p.min_tokens:
             barred = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-            if barred:
-                sub[i, barred] = float("-inf")
+            if not barred:
+                continue
+            if r.grammar is not None:  # yield to the grammar if it allows nothing else
+                rest = sub[i].clone()
+                rest[barred] = float("-inf")
+                if bool(torch.isneginf(rest).all()):
+                    continue
+            sub[i, barred] = float("-inf")
 
 
 def _grammar(sub: torch.Tensor, reqs: list[Request]) -> None:

@@ -95,6 +95,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     grammars_compiling: int = 0  # requests waiting for their grammar (off the loop)
     pd_remote_prefills: int = 0  # decode: prefills ordered from prefill nodes
     pd_failures: int = 0  # decode: remote prefills that failed or timed out
+    pd_bad_dones: int = 0  # decode: PrefillDones from a peer that failed their checks
     kv_bytes_received: int = 0  # decode
     pd_orders: int = 0  # prefill: orders taken
     kv_bytes_sent: int = 0  # prefill

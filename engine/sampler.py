@@ -1,8 +1,11 @@
 """Turn logits into tokens: logits processing, greedy, temperature, top-k, top-p, min-p,
 per-request seeds, and the logprobs (with top alternatives) each request asks for.
 
-Fault isolation: a row whose distribution cannot be sampled (non-finite logits, a filter
-that leaves nothing) fails alone; the other rows of the batch are unaffected.
+Fault isolation: a row whose distribution cannot be sampled (non-finite logits) fails
+alone; the other rows of the batch are unaffected. A row whose own constraints leave no
+token at all (every logit -inf after processing) is `Unsatisfiable`: its request ends
+with finish_reason "stop" (it cannot go on), never as an engine error. The filters
+(top-k, top-p, min-p) always keep the most likely token.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kernels.ops import argmax_rows
 
 logger = logging.getLogger(__name__)
+
+
+class Unsatisfiable(str):
+    """Why a row has no token left: its request ends "stop", not as an error."""
 
 
 class Sampled(NamedTuple):
@@ -40,8 +47,12 @@ def sample(
     processed = process_logits(logits, reqs)
     tokens = argmax_rows(processed).tolist()  # greedy picks (a native call on CPU)
     errors: dict[int, str] = {}
+    if processed is not logits:  # only processing bars tokens (sets -inf)
+        none_left = torch.isneginf(processed).all(dim=-1).nonzero().flatten().tolist()
+        for i in none_left:
+            errors[i] = Unsatisfiable("no token satisfies the request's constraints")
     for i, r in enumerate(reqs):
-        if not r.sampling_params.greedy:
+        if not r.sampling_params.greedy and i not in errors:
             try:
                 tokens[i] = _sample_row(
                     processed[i], r.sampling_params, r.generator(processed.device)

@@ -128,6 +128,9 @@ class _Connector(abc.ABC):
 
 
 class DecodeConnector(_Connector):
+    vocab_size: int | None = None  # the model's, set on attach: a peer's token ids are checked
+    num_bad_dones: int = 0  # PrefillDones that failed their checks (a broken or hostile peer)
+
     @abc.abstractmethod
     def poll(self) -> list[DecodeEvent]: ...
 

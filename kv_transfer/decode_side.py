@@ -163,11 +163,15 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         if msg.num_blocks != expected:
             reason = f"incomplete KV: {msg.num_blocks} of {expected} blocks"
             return [RecvFailed(key, reason), Released(key)]
-        problem = done_problem(att.order, msg)
+        problem = done_problem(att.order, msg, self.vocab_size)
         if problem is not None:
-            logger.warning("request %s (attempt %d): bad done from %s: %s", *key, agent, problem)
+            self.num_bad_dones += 1
+            logger.warning(
+                "request %s (attempt %d): bad done from prefill node %s (agent %s): %s",
+                *key, att.node, agent, problem,
+            )  # fmt: skip
             return [
-                RecvFailed(key, f"bad logprobs from the prefill node: {problem}"),
+                RecvFailed(key, f"bad done from the prefill node: {problem}"),
                 Released(key),
             ]
         timing = (msg.prefill_queue_s, msg.prefill_compute_s)

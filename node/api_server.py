@@ -8,8 +8,11 @@ disconnects aborts its request in the engine, streaming or not.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -42,6 +45,7 @@ from pdserve.api.tokenize import (
     TokenizeResponse,
 )
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.request_cost import CostLimits
 from pdserve.common.sampling_rules import check_token_ids
 from pdserve.engine.async_llm import AsyncLLM, RequestFailedError
 from pdserve.engine.config import EngineConfig
@@ -56,6 +60,9 @@ from pdserve.node.roles import build_kv
 
 logger = logging.getLogger(__name__)
 
+ENGINE_WATCH_S = 0.2  # how often the node checks that its EngineCore lives
+EXIT_ENGINE_DEAD = 3  # `pdserve serve`'s exit code when its engine died
+
 
 def build_app(
     config: EngineConfig,
@@ -66,6 +73,7 @@ def build_app(
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     prefill_nodes: PrefillNodes | None = None,
     cluster: ClusterOptions | None = None,
+    limits: CostLimits | None = None,
 ) -> FastAPI:
     """`prefill_nodes` (decode role): where requests may be prefilled; default: the
     configured `kv_transfer.prefill_nodes` (see node/prefill_nodes.py for the hook), plus,
@@ -94,11 +102,13 @@ def build_app(
         app.state.agent = agent
         app.state.metrics = metrics
         app.state.serving = OpenAIServing(
-            llm, metrics, model_name, config.kv_transfer, prefill_nodes
+            llm, metrics, model_name, config.kv_transfer, prefill_nodes, limits
         )
+        watch = None
         try:
             await llm.start()
             await agent.start()
+            watch = asyncio.create_task(_exit_when_engine_dies(app, llm, agent), name="engine")
             # What startup made (torch, transformers, the tokenizer, the app) lives as long
             # as the process: out of the collector's sight. Else a full collection, which
             # the streams' allocations trigger now and then, walks it all with every stream
@@ -109,6 +119,8 @@ def build_app(
             logger.info("serving %s (max_model_len=%d)", model_name, llm.max_model_len)
             yield
         finally:
+            if watch is not None:
+                watch.cancel()
             await agent.stop()
             await llm.shutdown()
 
@@ -136,9 +148,16 @@ def build_app(
 
     @app.get("/v1/node")
     async def node_info(request: Request) -> Response:
-        """This node's registry record: role, urls, model, block size, epoch, load."""
-        record = request.app.state.agent.record()
-        return Response(msgspec.json.encode(record), media_type="application/json")
+        """This node's registry record (role, urls, model, block size, epoch, load) and
+        its engine's progress, `engine: {steps, busy}` (output batches received so far;
+        whether it holds unfinished requests): a router takes a busy engine whose steps do
+        not advance for stuck. A dead engine: 503 `engine_dead`."""
+        client = request.app.state.llm.client
+        if client.dead is not None:
+            return error_response(503, client.dead, "server_error", code="engine_dead")
+        engine = {"steps": client.num_batches, "busy": client.num_open > 0}
+        body = msgspec.to_builtins(request.app.state.agent.record()) | {"engine": engine}
+        return Response(msgspec.json.encode(body), media_type="application/json")
 
     @app.get("/v1/models")
     async def models(request: Request) -> ModelList:
@@ -172,7 +191,7 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving: OpenAIServing = request.app.state.serving
         plan = await serving.plans.plan(body)  # compiles a schema off the event loop
-        p = serving.prepare_completion(body, trace_id(request.headers), plan)
+        p = await serving.prepare_completion(body, trace_id(request.headers), plan)
         return await _generate(
             request, body, p, responses.stream_completion, responses.completion_response
         )
@@ -181,7 +200,7 @@ def build_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving: OpenAIServing = request.app.state.serving
         plan = await serving.plans.plan(body)
-        p = serving.prepare_chat(body, trace_id(request.headers), plan)
+        p = await serving.prepare_chat(body, trace_id(request.headers), plan)
         return await _generate(request, body, p, responses.stream_chat, responses.chat_response)
 
     @app.post("/tokenize")
@@ -211,6 +230,20 @@ def build_app(
         return DetokenizeResponse(prompt=serving.llm.tokenizer.decode(body.tokens))
 
     return app
+
+
+async def _exit_when_engine_dies(app: FastAPI, llm: AsyncLLM, agent: ClusterAgent) -> None:
+    """A node whose EngineCore is gone serves nothing: it leaves the registry and exits
+    (the open requests already got their terminal error), so whatever runs it (the
+    launcher's supervisor, systemd, Kubernetes) starts a fresh one. The drain of SIGTERM
+    answers what arrives meanwhile with a 503; `pdserve serve` exits with
+    `EXIT_ENGINE_DEAD`."""
+    while llm.client.dead is None:
+        await asyncio.sleep(ENGINE_WATCH_S)
+    logger.error("the engine is dead (%s): leaving the registry and exiting", llm.client.dead)
+    app.state.engine_died = llm.client.dead
+    await agent.stop()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _generate(request: Request, body, p, stream_fn, response_fn) -> Response:
@@ -246,4 +279,6 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestFailedError)
     async def request_failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        if request.app.state.llm.client.dead is not None:  # a node fault, not this request's
+            return error_response(503, str(exc), "server_error", code="engine_dead")
         return error_response(500, str(exc), "server_error", code="engine_error")

@@ -170,7 +170,7 @@ def parse_backends(specs: list[str], redis_url: str | None) -> tuple[KVBackendCo
 
 def serve(args: argparse.Namespace) -> None:
     from pdserve.api.drain import serve as serve_draining
-    from pdserve.node.api_server import build_app
+    from pdserve.node.api_server import EXIT_ENGINE_DEAD, build_app
 
     settings = NodeSettings.from_args(args)
     config = engine_config(settings)
@@ -189,6 +189,7 @@ def serve(args: argparse.Namespace) -> None:
             settings.http.max_body_bytes,
             cluster=cluster,
             body_timeout_s=settings.http.body_timeout_s,
+            limits=settings.http.cost_limits,
         )
         serve_draining(
             app,
@@ -197,6 +198,8 @@ def serve(args: argparse.Namespace) -> None:
             log_level=args.log_level,
             drain_timeout_s=settings.registry.drain_timeout_s,
         )
+        if getattr(app.state, "engine_died", None):  # node/api_server.py: restart me
+            raise SystemExit(EXIT_ENGINE_DEAD)
     finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -78,6 +78,7 @@ class ClusterAgent:
         self.publisher: KVIndexPublisher | None = None
         self._tasks: list[asyncio.Task] = []
         self._registered = False
+        self._stopped = False
 
     @property
     def node_id(self) -> str:
@@ -137,6 +138,10 @@ class ClusterAgent:
         )
 
     async def stop(self) -> None:
+        """Stop heartbeats and leave the registry (again: a no-op)."""
+        if self._stopped:
+            return
+        self._stopped = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -89,6 +89,11 @@ class _EngineStatsCollector(Collector):
                 "PD decode: remote prefills failed or timed out",
                 s.pd_failures,
             ),
+            (
+                "pdserve_pd_bad_dones",
+                "PD decode: prefill results from a peer that failed their checks",
+                s.pd_bad_dones,
+            ),
             ("pdserve_kv_received_bytes", "PD decode: KV bytes received", s.kv_bytes_received),
             ("pdserve_pd_orders", "PD prefill: prefill orders taken", s.pd_orders),
             ("pdserve_kv_sent_bytes", "PD prefill: KV bytes pushed", s.kv_bytes_sent),

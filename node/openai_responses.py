@@ -273,9 +273,8 @@ async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_
                     yield f"data: {body}\n\n"
     except RequestFailedError as e:
         logger.error("request %s failed: %s", p.request_id, e)
-        err = ErrorResponse(
-            error=ErrorInfo(message=str(e), type="server_error", code="engine_error")
-        )
+        code = "engine_dead" if s.llm.client.dead is not None else "engine_error"
+        err = ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code=code))
         yield f"data: {err.model_dump_json()}\n\n"
     else:
         if include_usage:

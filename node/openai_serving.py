@@ -26,7 +26,10 @@ import msgspec
 
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.off_loop import off_loop, text_size
+from pdserve.common.request_cost import CostLimits, meter_for
 from pdserve.common.sampling_rules import INT64_MIN, check_token_ids
+from pdserve.config.limits import RequestCostSettings
 from pdserve.engine.async_llm import AsyncLLM
 from pdserve.engine.config import KVTransferConfig
 from pdserve.engine.outputs import RequestDelta, RequestOutput
@@ -78,6 +81,7 @@ class OpenAIServing:
         model_name: str,
         pd: KVTransferConfig | None = None,
         prefill_nodes: PrefillNodes | None = None,
+        limits: CostLimits | None = None,
     ):
         """`prefill_nodes` (decode role): the allowed prefill nodes; by default the
         configured ones. A cluster registry passes `PrefillNodes(its_callable)`."""
@@ -89,6 +93,7 @@ class OpenAIServing:
             self.pd.prefill_nodes, self.pd.role
         )
         self.plans = GrammarPlans()  # schema -> grammar, off the event loop, cached
+        self.limits = limits or RequestCostSettings().cost_limits
 
     def server_timings(self, g: RequestOutput) -> dict | None:
         """`pdserve_timings` (docs/benchmarks-history.md, "Server timings"): where this request's
@@ -130,7 +135,20 @@ class OpenAIServing:
                 f"the chat template rejected the messages: {e}", "messages"
             ) from e
 
-    def prepare_completion(
+    async def prompt_ids(self, req: CompletionRequest) -> list[list[int]]:
+        """Each prompt's token ids, charged to the request's cost limits prompt by prompt
+        (a prompt is tokenized only while the request still fits; large text off the
+        event loop)."""
+        prompts = req.prompts()
+        meter = meter_for(req, self.limits, len(prompts))
+        out = []
+        for p in prompts:
+            ids = p if isinstance(p, list) else await off_loop(len(p), self.encode, p)
+            meter.add_prompt(len(ids))
+            out.append(ids)
+        return out
+
+    async def prepare_completion(
         self, req: CompletionRequest, trace: str | None = None, plan: structured.Plan | None = None
     ) -> Prepared:
         """`trace`: the caller's request id (a router's X-Request-Id), kept in ours.
@@ -138,19 +156,22 @@ class OpenAIServing:
         arrival = time.monotonic()
         self.check_model(req.model)
         prompts = req.prompts()
-        ids = [self.encode(p) for p in prompts]
+        ids = await self.prompt_ids(req)
         max_tokens = req.max_tokens or None  # 0 (echo only) is checked as 1
         plan = plan or structured.plan(req)
         p = self._prepare("cmpl", ids, req, max_tokens, arrival, plan, trace)
         p.echo, p.drop_output = req.echo, req.max_tokens == 0
         p.logprobs = req.logprobs is not None
         if req.echo:
+            texts = [
+                q if isinstance(q, str) else await off_loop(len(q), self._decode, q)
+                for q in prompts
+            ]
             for c in p.choices:
-                prompt = prompts[c.index // req.n]
-                c.prompt_text = prompt if isinstance(prompt, str) else self._decode(prompt)
+                c.prompt_text = texts[c.index // req.n]
         return p
 
-    def prepare_chat(
+    async def prepare_chat(
         self,
         req: ChatCompletionRequest,
         trace: str | None = None,
@@ -158,6 +179,7 @@ class OpenAIServing:
     ) -> Prepared:
         arrival = time.monotonic()
         self.check_model(req.model)
+        meter = meter_for(req, self.limits)
         plan = plan or structured.plan(req)
         if req.prompt_token_ids is not None:
             ids = req.prompt_token_ids
@@ -165,7 +187,8 @@ class OpenAIServing:
             raise InvalidRequestError("messages must not be empty", "messages")
         else:
             messages, extra = structured.template_tools(req, self.llm.tokenizer)
-            ids = self.chat_ids(messages, **extra)
+            ids = await off_loop(text_size(messages), lambda: self.chat_ids(messages, **extra))
+        meter.add_prompt(len(ids))
         p = self._prepare("chatcmpl", [ids], req, req.requested_max_tokens, arrival, plan, trace)
         p.logprobs = req.logprobs
         return p

@@ -25,7 +25,10 @@ from pdserve.api import chat_tools
 from pdserve.api.protocol import ChatCompletionRequest
 from pdserve.api.structured import FunctionCall, ToolCall
 from pdserve.common.errors import InvalidRequestError
+from pdserve.engine.grammar import parser_limits
 
+MAX_SCHEMA_BYTES = 64 << 10  # a response_format or tools schema, as JSON
+MAX_SCHEMA_DEPTH = 48  # nested objects and arrays
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -38,14 +41,37 @@ class Plan:
     tool_names: frozenset[str] = frozenset()
 
 
+def check_schema_bounds(schema: object, param: str) -> None:
+    """A schema's size and depth are capped before anything compiles it, so a hostile one
+    costs its own request a 400, not the node's grammar workers."""
+    size = len(json.dumps(schema))
+    if size > MAX_SCHEMA_BYTES:
+        raise InvalidRequestError(
+            f"the schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted", param
+        )
+    todo, deepest = [(schema, 1)], 0
+    while todo:
+        node, depth = todo.pop()
+        deepest = max(deepest, depth)
+        if deepest > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(
+                f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param
+            )
+        children = (
+            node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        )
+        todo += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
+
+
 def json_grammar(schema: dict[str, Any], param: str) -> str:
     import llguidance
 
+    check_schema_bounds(schema, param)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
         raise InvalidRequestError(f"invalid JSON schema: {e}", param) from e
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if error:
         raise InvalidRequestError(f"unsupported JSON schema: {error}", param)
     return grammar

@@ -118,14 +118,14 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving: RouterServing = request.app.state.serving
-        prompts = serving.completion_prompts(body)
+        prompts = await serving.completion_prompts(body)
         # max_tokens 0 (echo only) is checked as 1, as on a node
         return await serving.handle("completions", body, prompts, body.max_tokens or None, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         serving: RouterServing = request.app.state.serving
-        tokens = serving.chat_tokens(body)
+        tokens = await serving.chat_tokens(body)
         return await serving.handle("chat", body, [tokens], body.requested_max_tokens, request)
 
     return app

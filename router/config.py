@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pdserve.common.request_cost import CostLimits
 from pdserve.config.engine import DEFAULT_MODEL
 from pdserve.config.fields import ConfigError as RouterConfigError
 from pdserve.config.fields import check, default
@@ -41,8 +42,12 @@ class RouterConfig:
     max_retries: int = default(S, "max_retries")
     breaker_failures: int = default(S, "breaker_failures")
     breaker_cooldown_s: float = default(S, "breaker_cooldown_s")
+    engine_stuck_after_s: float = default(S, "engine_stuck_after_s")
     max_body_bytes: int = 4 << 20
     body_timeout_s: float = default(S, "body_timeout_s")
+    max_sequences_per_request: int = default(S, "max_sequences_per_request")
+    max_sequence_tokens_per_request: int = default(S, "max_sequence_tokens_per_request")
+    max_logprob_entries_per_request: int = default(S, "max_logprob_entries_per_request")
     max_concurrent_per_key: int = default(S, "max_concurrent_per_key")
     prompt_tokens_per_minute_per_key: int = default(S, "prompt_tokens_per_minute_per_key")
     max_prompt_tokens_per_request: int = default(S, "max_prompt_tokens_per_request")
@@ -50,6 +55,14 @@ class RouterConfig:
     ssl_keyfile: str | None = None  # ... and this private key
     # sent to nodes as their HTTP key (api/cluster_secret.py); None: nodes are open
     cluster_secret: bytes | None = field(default=None, repr=False)
+
+    @property
+    def cost_limits(self) -> CostLimits:
+        return CostLimits(
+            self.max_sequences_per_request,
+            self.max_sequence_tokens_per_request,
+            self.max_logprob_entries_per_request,
+        )
 
     @property
     def api_name(self) -> str:

@@ -100,12 +100,12 @@ class FastGeneration:
         try:
             try:
                 if model is ChatCompletionRequest:
-                    tokens = serving.chat_tokens(req)
+                    tokens = await serving.chat_tokens(req)
                     resp = await serving.handle(
                         "chat", req, [tokens], req.requested_max_tokens, request
                     )
                 else:
-                    prompts = serving.completion_prompts(req)
+                    prompts = await serving.completion_prompts(req)
                     # max_tokens 0 (echo only) is checked as 1, as on a node
                     resp = await serving.handle(
                         "completions", req, prompts, req.max_tokens or None, request

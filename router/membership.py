@@ -7,7 +7,10 @@
   until Redis answers again, then rebuilds the view from the registry.
 - Probes: `GET /v1/node` (the node's record, with its load) every `health_interval_s`,
   for static nodes always, for registry nodes while Redis is down or their circuit is
-  open (a successful probe then closes it).
+  open (a successful probe then closes it), and for every decode-capable node while
+  `engine_stuck_after_s` is set: the probe carries the engine's progress (`engine:
+  {steps, busy}`), and a node whose engine is busy without progress that long gets no
+  new requests until its steps advance again (a dead engine answers 503: unhealthy).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import aiohttp
 import msgspec
@@ -32,6 +36,17 @@ logger = logging.getLogger(__name__)
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 
+class _Engine(msgspec.Struct):
+    steps: int = 0
+    busy: bool = False
+
+
+class _Progress(msgspec.Struct):
+    """The engine part of a /v1/node answer (absent from older nodes)."""
+
+    engine: _Engine | None = None
+
+
 class Membership:
     def __init__(self, config: RouterConfig, view: ClusterView):
         self.config = config
@@ -43,6 +58,7 @@ class Membership:
         self.redis_ok = False
         self._tasks: list[asyncio.Task] = []
         self._decoder = msgspec.json.Decoder(NodeRecord)
+        self._progress = msgspec.json.Decoder(_Progress)
 
     async def start(self) -> None:
         if self.config.redis_url:
@@ -94,6 +110,8 @@ class Membership:
             or node.breaker.state != "closed"
             or not node.in_registry
             and node.healthy
+            or self.config.engine_stuck_after_s > 0
+            and node.role != "prefill"
         )
 
     async def probe_all(self) -> None:
@@ -105,12 +123,24 @@ class Membership:
             async with node.client.get(node.url + "/v1/node", timeout=_PROBE_TIMEOUT) as resp:
                 if resp.status != 200:
                     raise ValueError(f"/v1/node answered {resp.status}")
-                record = self._decoder.decode(await resp.read())
+                raw = await resp.read()
+                record, progress = self._decoder.decode(raw), self._progress.decode(raw)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgspec.DecodeError) as e:
             self.view.apply_probe(node, None, f"{type(e).__name__}: {e}")
             return
         if node.breaker.state == "half_open":
             node.breaker.record_success()
+        engine = progress.engine
+        if engine is not None and node.observe_engine(
+            engine.steps, engine.busy, time.monotonic(), self.config.engine_stuck_after_s
+        ):
+            if node.stuck:
+                logger.warning(
+                    "node %s: its engine has made no progress for %g s while busy: "
+                    "no new requests until it does", node.url, self.config.engine_stuck_after_s,
+                )  # fmt: skip
+            else:
+                logger.info("node %s: its engine makes progress again", node.url)
         self.view.apply_probe(node, record, None)
 
     async def _probe_loop(self) -> None:

@@ -48,6 +48,10 @@ class NodeState:
     inflight_blocks: int = 0  # decode: prompt blocks of requests in flight
     prefill_blocks: int = 0  # prefill: prompt blocks whose first token has not arrived
     selections: dict[str, int] = field(default_factory=dict)
+    # the engine's progress in /v1/node probes: steps seen, and when they last advanced
+    engine_steps: int | None = None
+    steps_advanced_at: float = 0.0
+    stuck: bool = False  # busy with no progress for `engine_stuck_after_s`: no new requests
 
     @property
     def role(self) -> str | None:
@@ -61,9 +65,19 @@ class NodeState:
         return (
             self.record is not None
             and self.alive
+            and not self.stuck
             and self.breaker.allows()
             and self.record.model == model
         )
+
+    def observe_engine(self, steps: int, busy: bool, now: float, stuck_after_s: float) -> bool:
+        """Take a probe's engine progress; True if `stuck` changed. Stuck: busy, and its
+        step count has not moved for `stuck_after_s` (0: never); unstuck when it moves."""
+        if steps != self.engine_steps:
+            self.engine_steps, self.steps_advanced_at = steps, now
+        stuck = busy and stuck_after_s > 0 and now - self.steps_advanced_at > stuck_after_s
+        changed, self.stuck = stuck != self.stuck, stuck
+        return changed
 
     def summary(self) -> dict:
         r = self.record
@@ -86,6 +100,7 @@ class NodeState:
             "in_registry": self.in_registry,
             "healthy": self.healthy,
             "breaker": self.breaker.state,
+            "engine_stuck": self.stuck,
             "last_error": self.last_error,
             "record_age_s": round(time.time() - r.updated, 3) if r and r.updated else None,
         }

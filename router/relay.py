@@ -4,7 +4,10 @@ it is safe to commit to.
 An attempt *fails* (and may be retried on another node) when the connection fails, the node
 answers 5xx, or, streaming, the stream breaks or carries an error before its first token.
 Until then nothing has reached the client. A 4xx is the client's fault: it is relayed as it
-is, never retried. Once a token has been relayed, a broken stream ends with an OpenAI-style
+is, never retried. Only a *node fault* counts toward the node's circuit breaker
+(`AttemptFailed.node_fault`): a transport error, a 503, or an `engine_dead` error; a 500
+about one request (whose own input may have caused it) does not, so no client can open
+every node's breaker. Once a token has been relayed, a broken stream ends with an OpenAI-style
 error event and `data: [DONE]`.
 
 The node client is `NodePool` (router/node_http.py: keep-alive connections, httptools
@@ -36,11 +39,23 @@ DONE = b"data: [DONE]\n\n"
 class AttemptFailed(Exception):
     """The node could not serve this attempt; another node may."""
 
-    def __init__(self, reason: str, message: str, status: int = 502, body: bytes | None = None):
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        status: int = 502,
+        body: bytes | None = None,
+        node_fault: bool = True,
+    ):
         super().__init__(message)
         self.reason = reason  # connect | status | stream | prefill_rejected
         self.status = status
         self.body = body  # the node's own error body, relayed if no retry is left
+        self.node_fault = node_fault  # counts toward the node's breaker
+
+
+def _engine_dead(error: object) -> bool:
+    return isinstance(error, dict) and error.get("code") == "engine_dead"
 
 
 class _Details(msgspec.Struct):
@@ -124,7 +139,13 @@ def _check_status(node: NodeState, status: int, content: bytes) -> None:
     """Raise AttemptFailed for a 5xx, or for a decode node refusing the chosen prefill node
     (it may not have seen that node in the registry yet): another choice may work."""
     if status >= 500:
-        raise AttemptFailed("status", f"{node.url} answered {status}", status, content)
+        fault = status != 500
+        if not fault:
+            try:
+                fault = _engine_dead(msgspec.json.decode(content).get("error"))
+            except (msgspec.DecodeError, AttributeError):
+                fault = True  # not a node's own error body: something broke on the way
+        raise AttemptFailed("status", f"{node.url} answered {status}", status, content, fault)
     if status == 400 and b"kv_transfer_params.prefill_node" in content:
         try:
             param = msgspec.json.decode(content)["error"]["param"]
@@ -188,7 +209,9 @@ async def open_stream(
                 chunk = decode_event(event)
                 if chunk is not None and chunk.error is not None:
                     raise AttemptFailed(
-                        "stream", f"{node.url} failed the request: {event[6:200]!r}"
+                        "stream",
+                        f"{node.url} failed the request: {event[6:200]!r}",
+                        node_fault=_engine_dead(chunk.error),
                     )
                 held += events[k + 1 :]  # the first token is in: the rest of the read too
                 return OpenStream(resp, held, raw, splitter)

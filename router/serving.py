@@ -24,6 +24,8 @@ from pdserve.api.chat_tools import template_tools
 from pdserve.api.http import error_response, until_disconnect
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.off_loop import off_loop, text_size
+from pdserve.common.request_cost import meter_for
 from pdserve.common.sampling_rules import INT32_MAX, check_sampling_values, check_token_ids
 from pdserve.router.client_watch import ClientWatch
 from pdserve.router.config import RouterConfig
@@ -84,17 +86,27 @@ class RouterServing:
         if model is not None and model != self.config.api_name:
             raise ModelNotFoundError(model)
 
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """Token ids of each prompt (one, or a batch: the node answers every prompt)."""
+    async def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """Token ids of each prompt (one, or a batch: the node answers every prompt),
+        charged to the request's cost limits prompt by prompt: a prompt is tokenized only
+        while the request still fits (pdserve/common/request_cost.py)."""
         self._check_model(req.model)
         prompts = req.prompts()
+        meter = meter_for(req, self.config.cost_limits, len(prompts))
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
-        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        out = []
+        for p in prompts:
+            ids = p if isinstance(p, list) else await off_loop(len(p), self.tokenizer.encode, p)
+            meter.add_prompt(len(ids))
+            out.append(ids)
+        return out
 
-    def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
+    async def chat_tokens(self, req: ChatCompletionRequest) -> list[int]:
         self._check_model(req.model)
+        meter = meter_for(req, self.config.cost_limits)
         if req.prompt_token_ids is not None:
+            meter.add_prompt(len(req.prompt_token_ids))
             return req.prompt_token_ids
         if not req.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
@@ -102,11 +114,16 @@ class RouterServing:
             raise InvalidRequestError("this model has no tokenizer: chat needs one", "messages")
         messages, extra = template_tools(req, self.tokenizer.chat_template)  # as a node does
         try:
-            return self.tokenizer.apply_chat_template(messages, extra.get("tools"))
+            ids = await off_loop(
+                text_size(messages), self.tokenizer.apply_chat_template, messages,
+                extra.get("tools"),
+            )  # fmt: skip
         except Exception as e:  # the template itself may reject a conversation
             raise InvalidRequestError(
                 f"the chat template rejected the messages: {e}", "messages"
             ) from e
+        meter.add_prompt(len(ids))
+        return ids
 
     def check_prompt(self, tokens: list[int], max_tokens: int | None) -> tuple[int, int] | None:
         """What a node would reject, checked against the limits nodes report (same messages).
@@ -170,7 +187,8 @@ class RouterServing:
         try:
             body, path = self._node_body(route, req, prompts, limits)
             if self.budget.enabled:  # after the checks: a refused request is not charged
-                self.budget.admit(client_key(request.scope), sum(map(len, prompts)))
+                charged = sum(map(len, prompts)) * req.n  # every sequence's prompt
+                self.budget.admit(client_key(request.scope), charged)
             rid = self.request_id(request.scope)
         except BaseException:
             if first is not None:
@@ -214,8 +232,11 @@ class RouterServing:
                     excluded.add(decision.prefill.url)
                 else:
                     excluded.add(decision.decode.url)
-                    decision.decode.breaker.record_failure()
                     decision.decode.last_error = str(e)
+                    if e.node_fault:
+                        decision.decode.breaker.record_failure()
+                    else:  # the node answered: alive, whatever this request's trouble
+                        decision.decode.breaker.record_success()
                 logger.warning("request %s attempt %d failed: %s", rid, attempt, e)
                 if attempt < self.config.max_retries:
                     self.metrics.retries.labels(reason=e.reason).inc()

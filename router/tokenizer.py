@@ -19,6 +19,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from pdserve.common.chat_template import ChatTemplate
+from pdserve.common.off_loop import INLINE_CHARS
 
 _RESOLVE = "import sys; from pdserve.common.model_files import resolve_model; print(resolve_model(sys.argv[1]))"
 
@@ -55,6 +56,11 @@ class RouterTokenizer:
         return self.template is not None
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text`. A long text goes through `encode_batch`, which releases
+        the GIL while it works (`encode` holds it): run on a worker thread
+        (pdserve/common/off_loop.py), it leaves the event loop free meanwhile."""
+        if len(text) > INLINE_CHARS:
+            return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def apply_chat_template(

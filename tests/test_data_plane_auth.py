@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import messages as m
-from pdserve.kv_transfer.base import NewOrder, RecvDone
+from pdserve.kv_transfer.base import NewOrder, RecvDone, RecvFailed, Released
 from pdserve.kv_transfer.frame_auth import FrameAuth
 from pdserve.kv_transfer.nixl_connector import nixl_connector
 from tests.servers import free_port
@@ -140,3 +140,27 @@ def test_nixl_metadata_side_channel_is_off(prefill):
     """NIXL can listen for metadata on its own socket (`enable_listen_thread`); pdserve
     never turns it on: metadata arrives only inside sealed control frames."""
     assert prefill.data._agent_config.enable_listen is False
+
+
+@pytest.mark.parametrize("first_token", [2**40, -1])
+def test_out_of_vocabulary_first_token_fails_the_attempt_over(prefill, first_token, caplog):
+    """Issue 29 item 2: a prefill node holding the secret (a broken or hostile one) that
+    pushes every block and a sealed `PrefillDone` whose `first_token` lies outside the
+    vocabulary: the attempt fails (the request fails over) and its blocks are released,
+    with a count and a log line naming the peer; the token never reaches the engine."""
+    decode = decode_side(SECRET)
+    decode.vocab_size = 1000
+    try:
+        decode.request_prefill(order(decode.local_name, "r3"), prefill.control_address)
+        events = drive([prefill, decode], 60.0, lambda ev: any(isinstance(e, NewOrder) for e in ev))
+        assert any(isinstance(e, NewOrder) for e in events)
+        prefill.finish(("r3", 0), [2, 3], 0, first_token=first_token, logprob=None)
+        events = drive([prefill, decode], 60.0, lambda ev: any(isinstance(e, Released) for e in ev))
+        assert not any(isinstance(e, RecvDone) for e in events)
+        (failed,) = [e for e in events if isinstance(e, RecvFailed)]
+        assert f"first token {first_token} outside the vocabulary [0, 1000)" in failed.reason
+        assert [e.key for e in events if isinstance(e, Released)] == [("r3", 0)]
+        assert decode.num_bad_dones == 1 and ("r3", 0) not in decode._attempts
+        assert f"bad done from prefill node {prefill.control_address}" in caplog.text
+    finally:
+        decode.close()

@@ -1,5 +1,6 @@
-"""The decode node's check of the logprobs a prefill node returns in `PrefillDone`:
-counts, the tokens described and the values must answer its own order exactly."""
+"""The decode node's check of what a prefill node returns in `PrefillDone`: the first
+token in the vocabulary, and logprobs whose counts, tokens and values answer its own
+order exactly."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.done_check import done_problem
 
 PROMPT = [5, 6, 7, 8]
+VOCAB = 200
 
 
 def order(**params) -> m.PrefillOrder:
@@ -35,8 +37,8 @@ def plp(k: int) -> list[TokenLogprobs]:
 def test_what_was_asked_passes_and_survives_the_wire():
     o = order(logprobs=True, top_logprobs=2, prompt_logprobs=2)
     d = done(logprob=-0.5, top=TokenLogprobs([9, 1, 2], [-0.5, -1.0, -2.0]), prompt_logprobs=plp(2))
-    assert done_problem(o, m.decode_to_decode(m.encode(d))) is None
-    assert done_problem(order(), done(logprob=None)) is None
+    assert done_problem(o, m.decode_to_decode(m.encode(d)), VOCAB) is None
+    assert done_problem(order(), done(logprob=None), VOCAB) is None
 
 
 @pytest.mark.parametrize(
@@ -55,10 +57,16 @@ def test_what_was_asked_passes_and_survives_the_wire():
         ({"prompt_logprobs": 0}, {"prompt_logprobs": plp(0)[::-1]}, "not 6"),
         ({"prompt_logprobs": 0}, {"prompt_logprobs": [TokenLogprobs([t], [math.nan]) for t in PROMPT[1:]]}, "log-probability"),
         ({"prompt_logprobs": 0}, {"prompt_logprobs": [TokenLogprobs([t], [3.0]) for t in PROMPT[1:]]}, "log-probability"),
-        ({"prompt_logprobs": 1}, {"prompt_logprobs": [TokenLogprobs([t, -4], [-1.0, -2.0]) for t in PROMPT[1:]]}, "out of range"),
+        ({"prompt_logprobs": 1}, {"prompt_logprobs": [TokenLogprobs([t, -4], [-1.0, -2.0]) for t in PROMPT[1:]]}, "outside the vocabulary"),
+        ({"logprobs": True, "top_logprobs": 1}, {"logprob": -1.0, "top": TokenLogprobs([9, 200], [-1.0] * 2)}, "outside the vocabulary"),
+        ({}, {"first_token": 2**40}, "first token 1099511627776 outside the vocabulary"),
+        ({}, {"first_token": -1}, "first token -1 outside"),
+        ({}, {"first_token": 200}, "first token 200 outside"),
+        ({}, {"logprob": math.inf}, "not a log-probability"),
+        ({}, {"logprob": 5.0}, "not a log-probability"),
     ],
 )  # fmt: skip
 def test_anything_else_is_a_problem(params, kw, problem):
     kw.setdefault("logprob", None)
     d = msgspec.structs.replace(done(logprob=None), **kw)
-    assert problem in (done_problem(order(**params), d) or "")
+    assert problem in (done_problem(order(**params), d, VOCAB) or "")

@@ -71,6 +71,9 @@ def test_prompt_token_limits_through_the_router(node, tiny_llama_dir):
             err = r.json()["error"]
             assert err["code"] == "request_too_large" and err["type"] == "rate_limit_error"
             assert "at most 300 prompt tokens per request" in err["message"]
+            # the budget charges every sequence: 200 tokens x n=2 is 400 (issue 29)
+            r = c.post("/v1/completions", json=body(200) | {"n": 2}, headers=a)
+            assert r.status_code == 429 and "has 400 tokens" in r.json()["error"]["message"]
             # 600 tokens per minute (10 per second): two 250-token prompts pass, a third
             # one right after does not (unless 10 s passed meanwhile)
             t0 = time.monotonic()

@@ -15,7 +15,7 @@ from pdserve.router.breaker import CircuitBreaker
 from pdserve.router.config import RouterConfig, RouterConfigError
 from pdserve.router.nodes import NodeState
 from pdserve.router.policies import Context, KVAware, LeastLoaded, RoundRobin
-from pdserve.router.relay import SSESplitter, decode_event
+from pdserve.router.relay import AttemptFailed, SSESplitter, _check_status, decode_event
 
 
 def node(url: str, role: str = "prefill", **load) -> NodeState:
@@ -41,6 +41,24 @@ def test_breaker_opens_half_opens_and_closes():
     b.on_dispatch()
     b.record_success()
     assert b.state == "closed" and b.allows() and b.cooldown_s == 0.05
+
+
+def test_only_node_faults_count_toward_the_breaker():
+    """Issue 29 item 6: a 500 about one request (the node's own `engine_error` body) is
+    not a node fault; a 503, a 502, `engine_dead` or a body that is not the node's are."""
+    n = node("http://a")
+    err = b'{"error": {"message": "x", "type": "server_error", "code": "%s"}}'
+
+    def fault(status: int, content: bytes) -> bool:
+        with pytest.raises(AttemptFailed) as e:
+            _check_status(n, status, content)
+        return e.value.node_fault
+
+    assert not fault(500, err % b"engine_error")
+    assert fault(500, err % b"engine_dead")
+    assert fault(500, b"Internal Server Error")
+    assert fault(503, err % b"engine_error") and fault(502, b"")
+    _check_status(n, 400, err % b"x")  # a 4xx: relayed, not a failure at all
 
 
 def test_kv_aware_prefers_the_holder_unless_it_is_far_more_loaded():

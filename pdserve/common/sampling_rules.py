@@ -12,6 +12,7 @@ a rule here.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -115,6 +116,16 @@ def check_sampling_values(values: Mapping[str, object]) -> None:
         raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
     if any(not isinstance(s, str) or not s for s in stop):
         raise InvalidRequestError("stop strings must be non-empty", "stop")
+
+
+_ASCII_INT = re.compile(r"-?[0-9]{1,19}")
+
+
+def ascii_int(text: str) -> int | None:
+    """`text` as an integer if it is one written in ASCII decimal digits (an optional
+    minus, 1-19 digits), else None. `str.isdigit()` is not that test: it accepts
+    superscripts such as "²", which `int()` then refuses."""
+    return int(text) if _ASCII_INT.fullmatch(text) else None
 
 
 def check_token_ids(ids: Iterable[int], vocab_size: int | None, field: str) -> None:

@@ -13,11 +13,12 @@ from pdserve.config.engine import (
 )
 from pdserve.config.fields import Settings, setting
 from pdserve.config.kv import StoreSettings, TransferSettings
+from pdserve.config.limits import RequestCostSettings
 
 LOG_LEVELS = Literal["debug", "info", "warning", "error"]
 
 
-class HTTPSettings(Settings):
+class HTTPSettings(RequestCostSettings):
     """A node's HTTP server."""
 
     host: str = setting("127.0.0.1", "address the node binds")

@@ -8,12 +8,13 @@ from pydantic import ValidationInfo, field_validator
 
 from pdserve.config.engine import DEFAULT_MODEL
 from pdserve.config.fields import Settings, setting
+from pdserve.config.limits import RequestCostSettings
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
 Policy = Literal["round_robin", "least_loaded", "kv_aware"]
 
 
-class RouterSettings(Settings):
+class RouterSettings(RequestCostSettings):
     """The cluster's front door (`pdserve router`): the only endpoint clients use."""
 
     host: str = setting("127.0.0.1", "address the router binds")
@@ -39,6 +40,12 @@ class RouterSettings(Settings):
     request_timeout_s: float = setting(600.0, "whole request deadline", gt=0)
     breaker_failures: int = setting(
         3, "consecutive failures that open a node's circuit breaker", ge=1
+    )
+    engine_stuck_after_s: float = setting(
+        30.0,
+        "a decode node whose engine holds work and makes no progress this long (its /v1/node "
+        "step count) gets no new requests until it does (0: never)",
+        ge=0,
     )
     breaker_cooldown_s: float = setting(
         5.0, "first open period of a breaker (doubles while failures go on)", gt=0

@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -131,6 +132,27 @@ def test_sigkill_prefill_node(cluster):
 
 def test_sigkill_decode_node(cluster):
     run_drill(cluster, "SIGKILL decode-0", lambda: kill(cluster, "decode-0"),
+              restarted="decode-0")  # fmt: skip
+
+
+def engine_core_pid(cluster: Cluster, name: str) -> int:
+    """The EngineCore process of node `name` (the node's multiprocessing-spawned child)."""
+    for pid in descendants(cluster.service(name)["pid"]):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            return pid
+    raise AssertionError(f"{name} has no EngineCore process")
+
+
+def test_sigkill_decode_engine_core(cluster):
+    """Issue 29 item 3: the OOM killer's usual pick, the EngineCore, dies alone. The node
+    does not stay up as a zombie: its requests end, it leaves the registry and exits, the
+    launcher restarts it, and the cluster serves again unaided."""
+    pid = engine_core_pid(cluster, "decode-0")
+    run_drill(cluster, "SIGKILL decode-0's EngineCore", lambda: os.kill(pid, signal.SIGKILL),
               restarted="decode-0")  # fmt: skip
 
 
