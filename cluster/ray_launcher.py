@@ -10,8 +10,12 @@ its own host; a group with `host: auto` binds the IP of the Ray node it landed o
 launcher passes every node's resolved host with `--set GROUP.host=[...]`, so decode nodes
 and the router learn the prefill nodes' addresses from the same loader).
 
-Redis (embedded) and the router run on the launcher's machine, as with the local
-launcher; for nodes on other machines give them a reachable `redis.host`/`router.host`.
+The router (and an embedded Redis) run on the launcher's machine, as with the local
+launcher. Across machines every node must reach them there: `router.host` is the
+launcher machine's address, and Redis is a `redis://:PASSWORD@HOST:PORT` server bound to
+it (the embedded one serves loopback only); each node's NIXL/UCX data plane listens on the
+interface holding its own `host` (node/cli.py `_net_devices`). configs/multihost-ray.yaml
+and docs/operations.md "Multi-host" show the whole layout.
 Ray is an optional dependency: `pip install 'pdserve[ray]'`.
 """
 

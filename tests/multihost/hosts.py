@@ -3,7 +3,8 @@
 Host `h1..hN` is the namespace `<prefix>-h<i>`, joined to the bridge `<prefix>-br` by a veth
 pair (`<prefix>-h<i>` on the bridge side, `eth0` inside), with the fixed address
 `<subnet>.<10 + i>`; the bridge itself holds `<subnet>.1`, so the machine's own processes (a
-test, the Ray launcher) reach every host and nothing else is routed. Each namespace's own
+test) reach every host; each host's default route points at the bridge, where the machine
+(which forwards nothing) ends it. Each namespace's own
 `lo` is up, so a process may still talk to itself on 127.0.0.1.
 
 Faults: `cut(host)` sets the bridge side of the host's veth down (the host keeps its
@@ -154,6 +155,10 @@ class Hosts:
             sh("ip", "-n", ns, "addr", "add", f"{self.addr(host)}/{plen}", "dev", "eth0")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            # A default route to the bridge: tools that find "my address" by routing to a
+            # public one (Ray) get this host's. The machine forwards nothing, so no packet
+            # leaves the bridge.
+            sh("ip", "-n", ns, "route", "add", "default", "via", self.gateway)
         return self
 
     def down(self) -> None:
