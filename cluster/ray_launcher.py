@@ -33,6 +33,7 @@ from pdserve.cluster.schema import ClusterConfig
 from pdserve.cluster.supervisor import LaunchError, Service
 
 PLACEMENT_TIMEOUT_S = 120.0
+POLL_TIMEOUT_S = 3.0  # a supervisor tick waits at most this for a node's host
 # Environment a node process needs from the launcher (the actor's own may differ).
 PASS_ENV = (
     "PYTHONPATH",
@@ -101,13 +102,22 @@ class RayHandle:
         return ray.get(ref, timeout=timeout_s)
 
     def start(self) -> None:
-        self.pid = self._get(self.actor.start.remote(self.args, self.log_path))
-
-    def poll(self) -> int | None:
         import ray
 
         try:
-            return self._get(self.actor.poll.remote())
+            self.pid = self._get(self.actor.start.remote(self.args, self.log_path))
+        except ray.exceptions.RayActorError as e:
+            raise LaunchError(f"its Ray actor is gone, with the host it ran on ({e})") from None
+
+    def poll(self) -> int | None:
+        """None while running, or while its host does not answer (a network cut is not a
+        lost host); -1 once Ray declares the actor dead (its node died or was lost)."""
+        import ray
+
+        try:
+            return self._get(self.actor.poll.remote(), timeout_s=POLL_TIMEOUT_S)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return None  # unreachable for now: Ray tells when it is dead
         except ray.exceptions.RayActorError:
             return -1  # the actor (and with it the node) is gone
 

@@ -76,6 +76,9 @@ class MultiHostCluster:
             "RAY_memory_monitor_refresh_ms": "0",  # Ray's OOM killer judges the whole box
             "RAY_USAGE_STATS_ENABLED": "0",
             "PYTHONPATH": str(ROOT),
+            # Hosts on one machine: UCX would move KV through its shared-memory transports
+            # across namespaces; TCP only makes it cross the veth links like between machines.
+            "UCX_TLS": "tcp",
         }
 
     # -- start and stop ------------------------------------------------------------------
