@@ -29,21 +29,22 @@ METHODS = ("paged_contig", "paged_scattered", "nixl_flat")
 
 def tcp_limit_gbps(hosts: Hosts, seconds: float) -> float:
     """One iperf3 TCP stream h1 -> h2, in GB/s (bytes, like the KV figures)."""
-    server = hosts.run("h2", ["iperf3", "-s", "-1", "-B", hosts.addr("h2"), "-p", str(IPERF_PORT)])
+    cmd = ["iperf3", "-c", hosts.addr("h2"), "-p", str(IPERF_PORT), "-B", hosts.addr("h1"),
+           "-t", str(seconds), "-J"]  # fmt: skip
+    server = hosts.run("h2", ["iperf3", "-s", "-B", hosts.addr("h2"), "-p", str(IPERF_PORT)])
     try:
-        for _ in range(50):
-            try:
-                out = hosts.check("h1", ["iperf3", "-c", hosts.addr("h2"), "-p", str(IPERF_PORT),
-                                         "-B", hosts.addr("h1"), "-t", str(seconds), "-J"],
-                                  timeout_s=seconds + 30)  # fmt: skip
-                break
-            except subprocess.CalledProcessError:
-                time.sleep(0.1)  # the server is not listening yet
-        else:
-            raise RuntimeError("iperf3 server on h2 never answered")
+        deadline = time.monotonic() + 30
+        while True:  # until the server listens (iperf3 -J reports a refusal as "error")
+            run = subprocess.run(hosts.wrap("h1", cmd), capture_output=True, text=True,
+                                 timeout=seconds + 30)  # fmt: skip
+            data = json.loads(run.stdout or "{}")
+            if "error" not in data and "sum_received" in data.get("end", {}):
+                return data["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"iperf3 h1 -> h2 failed: {data.get('error', run.stderr)}")
+            time.sleep(0.2)
     finally:
         server.stop(2)
-    return json.loads(out)["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
 
 
 def kv_rows(hosts: Hosts, tokens: list[int], iters: int, out: Path) -> dict:
