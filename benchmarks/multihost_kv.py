@@ -6,7 +6,7 @@ otherwise take its shared-memory transports across namespaces) on each host's `e
 limit is an iperf3 TCP stream from h1 to h2 over the same veth link; each paged NIXL WRITE
 size is reported as a fraction of it.
 
-    python -m benchmarks.multihost_kv --tokens 256 1024 4096 --out results/multihost_kv.json
+    python benchmarks/multihost_kv.py --tokens 256 1024 4096 --out results/multihost_kv.json
 
 Needs root (namespaces) and iperf3. docs/benchmarks.md "KV transfer between two hosts".
 """
@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.multihost.hosts import Hosts
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # as a script: the repo root
+from tests.multihost.hosts import Hosts  # noqa: E402
 
 PORT, IPERF_PORT = 7300, 5201
 METHODS = ("paged_contig", "paged_scattered", "nixl_flat")
