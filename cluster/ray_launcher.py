@@ -10,8 +10,12 @@ its own host; a group with `host: auto` binds the IP of the Ray node it landed o
 launcher passes every node's resolved host with `--set GROUP.host=[...]`, so decode nodes
 and the router learn the prefill nodes' addresses from the same loader).
 
-Redis (embedded) and the router run on the launcher's machine, as with the local
-launcher; for nodes on other machines give them a reachable `redis.host`/`router.host`.
+The router (and an embedded Redis) run on the launcher's machine, as with the local
+launcher. Across machines every node must reach them there: `router.host` is the
+launcher machine's address, and Redis is a `redis://:PASSWORD@HOST:PORT` server bound to
+it (the embedded one serves loopback only); each node's NIXL/UCX data plane listens on the
+interface holding its own `host` (node/cli.py `_net_devices`). configs/multihost-ray.yaml
+and docs/operations.md "Multi-host" show the whole layout.
 Ray is an optional dependency: `pip install 'pdserve[ray]'`.
 """
 
@@ -29,6 +33,7 @@ from pdserve.cluster.schema import ClusterConfig
 from pdserve.cluster.supervisor import LaunchError, Service
 
 PLACEMENT_TIMEOUT_S = 120.0
+POLL_TIMEOUT_S = 3.0  # a supervisor tick waits at most this for a node's host
 # Environment a node process needs from the launcher (the actor's own may differ).
 PASS_ENV = (
     "PYTHONPATH",
@@ -97,13 +102,22 @@ class RayHandle:
         return ray.get(ref, timeout=timeout_s)
 
     def start(self) -> None:
-        self.pid = self._get(self.actor.start.remote(self.args, self.log_path))
-
-    def poll(self) -> int | None:
         import ray
 
         try:
-            return self._get(self.actor.poll.remote())
+            self.pid = self._get(self.actor.start.remote(self.args, self.log_path))
+        except ray.exceptions.RayActorError as e:
+            raise LaunchError(f"its Ray actor is gone, with the host it ran on ({e})") from None
+
+    def poll(self) -> int | None:
+        """None while running, or while its host does not answer (a network cut is not a
+        lost host); -1 once Ray declares the actor dead (its node died or was lost)."""
+        import ray
+
+        try:
+            return self._get(self.actor.poll.remote(), timeout_s=POLL_TIMEOUT_S)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return None  # unreachable for now: Ray tells when it is dead
         except ray.exceptions.RayActorError:
             return -1  # the actor (and with it the node) is gone
 

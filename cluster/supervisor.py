@@ -148,7 +148,13 @@ class Supervisor:
                 svc.restarts += 1
                 svc.total_restarts += 1
                 self.say(f"[launch] restarting {svc.name} (restart {svc.restarts})")
-                svc.handle.start()
+                try:
+                    svc.handle.start()
+                except LaunchError as e:  # e.g. its Ray host is lost: the rest runs on
+                    self.say(f"[launch] {svc.name} cannot be restarted: {e}")
+                    svc.set("failed")
+                    self.on_change()
+                    continue
                 svc.set("starting")
                 self.on_change()
             elif svc.state == "starting":

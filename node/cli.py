@@ -94,11 +94,32 @@ def cluster_options(s: NodeSettings) -> ClusterOptions:
 
 
 def _net_devices(devices: str, host: str) -> str | None:
-    """UCX_NET_DEVICES for the data plane: loopback nodes keep it on `lo` (None: all)."""
+    """UCX_NET_DEVICES for the data plane: the interface that holds the node's address
+    (`lo` for loopback), so UCX listens where the node binds; None (all) only for a
+    wildcard bind or an address no local interface holds."""
     if devices != "auto":
         return devices
-    loopback = host in ("localhost", "::1") or host.startswith("127.")
-    return "lo" if loopback else None
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return "lo"
+    return _interface_of(host)
+
+
+def _interface_of(addr: str) -> str | None:
+    """The local interface whose IPv4 address is `addr` (SIOCGIFADDR on each one)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                got = fcntl.ioctl(s.fileno(), 0x8915, req)  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(got[20:24]) == addr:
+                return name
+    return None
 
 
 def _cluster_secret(path: str | None) -> bytes | None:

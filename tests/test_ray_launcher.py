@@ -20,6 +20,7 @@ import time
 import httpx
 import pytest
 
+from tests.multihost.cluster import ray_cmd
 from tests.servers import ROOT, alive, free_port
 
 pytestmark = pytest.mark.slow
@@ -27,14 +28,8 @@ pytest.importorskip("nixl")
 pytest.importorskip("ray", reason="ray is not installed (pip install 'pdserve[ray]')")
 
 
-def ray_exe() -> str:
-    exe = shutil.which("ray", path=os.path.dirname(sys.executable))
-    assert exe, "the ray command is missing next to the python running the tests"
-    return exe
-
-
 def start_raylet(args: list[str]) -> subprocess.Popen:
-    cmd = [ray_exe(), "start", "--block", "--disable-usage-stats", *args]
+    cmd = [*ray_cmd(), "start", "--block", "--disable-usage-stats", *args]
     # Ray's OOM killer judges the whole machine's memory, which other work on a shared CI
     # box fills: it would kill our node actors for memory they do not use.
     env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0"}

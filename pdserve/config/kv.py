@@ -43,7 +43,8 @@ class TransferSettings(Settings):
     net_devices: str = setting(
         "auto",
         "network devices the NIXL/UCX data plane listens on (UCX_NET_DEVICES, e.g. `lo`, "
-        "`eth0`, `mlx5_0:1`); `auto`: `lo` when the node binds loopback, else all",
+        "`eth0`, `mlx5_0:1`); `auto`: the interface holding the node's `host` address (`lo` "
+        "for loopback), all for a wildcard bind",
     )
 
 
