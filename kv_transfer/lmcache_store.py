@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from pdserve.common.redis_auth import redact
 from pdserve.kv_transfer.kv_layout import KVLayout
 from pdserve.kv_transfer.kv_slots import SlotRows
 
@@ -150,7 +151,7 @@ class LMCacheKVStore:
             model_name,
             chunk_size,
             local_cpu_bytes / 2**30,
-            remote_url or "none",
+            redact(remote_url) or "none",
         )
 
     # -- operations (blocking) -------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from pdserve.api.cluster_secret import load_cluster_secret
 from pdserve.common.errors import ConfigError
+from pdserve.common.redis_auth import with_password
 from pdserve.config.engine import (
     CacheSettings,
     ComputeSettings,
@@ -84,7 +85,7 @@ def cluster_options(s: NodeSettings) -> ClusterOptions:
     try:
         return ClusterOptions(
             advertise_url=sv.advertise_url or f"http://{http.host}:{http.port}",
-            redis_url=sv.redis_url,
+            redis_url=_redis(sv.redis_url),
             cluster=sv.cluster,
             heartbeat_s=s.registry.heartbeat_s,
             node_ttl_s=s.registry.node_ttl_s,
@@ -99,6 +100,12 @@ def _net_devices(devices: str, host: str) -> str | None:
         return devices
     loopback = host in ("localhost", "::1") or host.startswith("127.")
     return "lo" if loopback else None
+
+
+def _redis(url: str | None) -> str | None:
+    """A Redis URL as this process connects to it: with the password from the environment
+    (pdserve/common/redis_auth.py), which never rides on the command line."""
+    return with_password(url) if url else None
 
 
 def _cluster_secret(path: str | None) -> bytes | None:
@@ -118,7 +125,7 @@ def engine_config(s: NodeSettings) -> EngineConfig:
     sv, t, st = s.serve, s.transfer, s.store
     lmcache_transfer = sv.role != "colocated" and t.kind == "lmcache"
     uses_store = st.backend is not None or lmcache_transfer or bool(sv.kv_backend)
-    store_url = (sv.redis_url if st.url == "cluster" else st.url) if uses_store else None
+    store_url = _redis(sv.redis_url if st.url == "cluster" else st.url) if uses_store else None
     return EngineConfig(
         model=ModelConfig(
             name=s.model.name,
@@ -146,7 +153,7 @@ def engine_config(s: NodeSettings) -> EngineConfig:
             namespace=sv.kv_store_namespace,
             **st.model_dump(exclude={"url"}),
         ),
-        kv_backends=parse_backends(sv.kv_backend, sv.redis_url),
+        kv_backends=parse_backends(sv.kv_backend, _redis(sv.redis_url)),
         num_threads=s.compute.num_threads,
     )
 
