@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> None:
     except ConfigFileError as e:
         print(f"{e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from pdserve.cluster.checks import insecure_warning
     from pdserve.cluster.nodes import cluster_nodes
 
     nodes = cluster_nodes(cfg)
@@ -45,3 +46,5 @@ def run(args: argparse.Namespace) -> None:
         print(f"  {node.name:<10} {node.url}{extra} device {node.device}")
     if cfg.router.enabled:
         print(f"  {'router':<10} http://{cfg.router.host}:{cfg.router.port}")
+    if warning := insecure_warning(cfg):
+        print(warning, file=sys.stderr)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.cluster.checks import ports_in_use
+from pdserve.cluster.checks import insecure_warning, ports_in_use
 from pdserve.cluster.config_file import ConfigFileError, Issue
 from pdserve.cluster.embedded_redis import EmbeddedRedis, _free_port
 from pdserve.cluster.nodes import NodeSpec, cluster_nodes, router_argv, router_env, serve_argv
@@ -271,6 +271,8 @@ def run_cluster(
     code = 0
     try:
         say(f"[launch] cluster '{cfg.cluster}': {len(state.services)} processes, run dir {run_dir}")
+        if warning := insecure_warning(cfg):
+            say(f"[launch] {warning}")
         sup.start_all()
         say(status_screen(state, time.monotonic() - t0))
         sup.supervise()
