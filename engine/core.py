@@ -162,7 +162,11 @@ class EngineCore:
             self.config.cache.block_size,
             self.eos_token_ids,
             remote_prefill=remote_prefill,
-            hash_root=self.hash_root,
+            hash_root=self.hash_root
+            if not params.cache_salt
+            else root_hash(
+                self.config.model.api_name, self.config.cache.block_size, params.cache_salt
+            ),
         )
         # A grammar compiles off this thread: the request is scheduled once it is ready.
         ready = params.grammar is None or self.grammars.start(req, params.grammar)

@@ -91,8 +91,10 @@ class StoreDriver:
         bs = self.block_size
         for s in sched.scheduled:
             req, n = s.request, s.request.num_prompt_tokens
-            if req.store_saved or not (
-                req.num_computed_tokens < n <= req.num_computed_tokens + s.num_new_tokens
+            if (
+                req.store_saved
+                or req.params.cache_salt
+                or not (req.num_computed_tokens < n <= req.num_computed_tokens + s.num_new_tokens)
             ):
                 continue
             req.store_saved = True

@@ -166,7 +166,8 @@ class RouterServing:
             limits = self.check_prompt(ids, max_tokens)
         tokens = prompts[0]
         # the KV index lookup goes out now; the rest of the checks run while Redis answers
-        first = self.selector.begin(tokens, set())
+        salt = req.cache_salt or ""  # the KV index is read under the request's salt
+        first = self.selector.begin(tokens, set(), salt)
         try:
             body, path = self._node_body(route, req, prompts, limits)
             if self.budget.enabled:  # after the checks: a refused request is not charged
@@ -182,7 +183,7 @@ class RouterServing:
             if attempt == 0:
                 decision = None if first is None else await self.selector.finish(tokens, first)
             else:
-                decision = await self.selector.select(tokens, excluded)
+                decision = await self.selector.select(tokens, excluded, salt)
             if decision is None:
                 break
             if len(prompts) > 1:  # the node's load: every prompt of the batch

@@ -277,3 +277,23 @@ def test_rotating_bearer_tokens_share_one_budget(cluster):
         assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429], codes
     finally:
         kill_server(proc)
+
+
+def test_cache_salt_keeps_tenants_prefix_hits_apart(cluster):
+    """A prompt cached under one `cache_salt` is invisible to another salt (and to no salt):
+    `cached_tokens` is 0 for them, and the same salt still hits."""
+    router = cluster.service("router")["url"]
+    prompt = [(37 * i + 11) % 1000 for i in range(50)]  # 3 full blocks of 16
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        resp = complete(router, prompt, AUTH, **extra)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("tenant-a") == 0  # first sight
+    assert cached("tenant-b") == 0  # another tenant probing the same prompt learns nothing
+    assert cached(None) == 0
+    assert cached("tenant-a") == 48  # the tenant's own hits stay
+    resp = complete(router, prompt, AUTH, cache_salt="x" * 257)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt"

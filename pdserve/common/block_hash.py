@@ -1,11 +1,13 @@
 """Chained block hashes: the identity of a block of KV, shared by every engine and the router.
 
-    root        = blake2b("pdserve-root-v2" || model name || block size)
+    root        = blake2b("pdserve-root-v2" || model name || block size [|| cache salt])
     hash(block) = blake2b(hash(previous block), or root for the first || its int32 token ids)
 
 Stable across processes and runs (never Python's `hash()`), so nodes and the router agree
 on the hash of the same tokens. The root is keyed by the model name and the block size:
-blocks of two models, or of two block sizes, never share a hash. A leaf module (stdlib
+blocks of two models, or of two block sizes, never share a hash; nor do the blocks of
+requests with different `cache_salt`s (a tenant's prefix hits are visible only to requests
+with its salt; no salt is the shared, unsalted root). A leaf module (stdlib
 only): the router imports it without pulling in the engine or torch.
 """
 
@@ -18,13 +20,16 @@ HASH_BYTES = 16
 _ROOT_TAG = b"pdserve-root-v2"
 
 
-def root_hash(model: str, block_size: int) -> bytes:
-    """The parent of a prompt's first block for this model and block size."""
+def root_hash(model: str, block_size: int, salt: str = "") -> bytes:
+    """The parent of a prompt's first block for this model, block size and cache salt."""
     h = hashlib.blake2b(digest_size=HASH_BYTES)
     h.update(_ROOT_TAG)
     h.update(model.encode())
     h.update(b"\x00")
     h.update(block_size.to_bytes(4, "little"))
+    if salt:
+        h.update(b"salt\x00")
+        h.update(salt.encode())
     return h.digest()
 
 
