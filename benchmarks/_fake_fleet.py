@@ -180,7 +180,9 @@ class Fleet:
             tokens = body.get("prompt_token_ids") if chat else body.get("prompt")
             max_tokens = int(body.get("max_tokens") or 16)
             rec = node.record
-            chain = hash_prompt_blocks(tokens, rec.block_size, root_hash(rec.model, rec.block_size))
+            chain = hash_prompt_blocks(
+                tokens, rec.block_size, root_hash(rec.model, rec.block_size, "", rec.weights)
+            )
             hit = node.hits(chain) * rec.block_size
             prefill = (body.get("kv_transfer_params") or {}).get("prefill_node")
             where = self.by_control.get(prefill, node) if prefill else node

@@ -35,7 +35,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     node_id: str
     role: str  # "colocated" | "prefill" | "decode"
     url: str  # HTTP base url of its OpenAI API
-    model: str  # served model name (also the block-hash root key)
+    model: str  # served model name (a block-hash root key, with `weights`)
     block_size: int
     epoch: int  # boot epoch: changes whenever the node restarts
     kv_control: str = ""  # prefill: its KV control address (decode nodes connect to it)
@@ -51,6 +51,7 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     # the shared KV store this node loads prefixes from ("": none); its blocks are in the
     # index set `{prefix}:kv:store:{kv_store}`, so they count as this node's hits too
     kv_store: str = ""
+    weights: str = ""  # digest of the model's weights and config (block-hash root key)
     sig: str = ""  # with a cluster secret: `record_mac` of the other fields
 
     @property

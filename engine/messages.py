@@ -64,6 +64,7 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     eos_token_ids: list[int]
     block_size: int
     num_blocks: int
+    weights_digest: str = ""  # pdserve/common/weights_digest.py: the block-hash root's key
 
 
 class OutputBatch(msgspec.Struct, tag=True, kw_only=True):

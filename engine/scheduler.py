@@ -120,7 +120,7 @@ class Scheduler:
                 self.store_loads_enabled
                 and not req.store_checked
                 and not req.wants_prompt_logprobs
-                and not req.params.cache_salt  # the shared store is the unsalted tenant's
+                and not req.sampling_params.cache_salt  # the shared store is the unsalted tenant's
             ):
                 req.store_checked = True
                 if num_new > self.kv.block_size and self._admit_store_load(

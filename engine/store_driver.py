@@ -93,7 +93,7 @@ class StoreDriver:
             req, n = s.request, s.request.num_prompt_tokens
             if (
                 req.store_saved
-                or req.params.cache_salt
+                or req.sampling_params.cache_salt
                 or not (req.num_computed_tokens < n <= req.num_computed_tokens + s.num_new_tokens)
             ):
                 continue

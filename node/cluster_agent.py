@@ -105,6 +105,7 @@ class ClusterAgent:
             kv_total=info.num_blocks if info else 0,
             updated=time.time(),
             kv_store=self.store_id,
+            weights=info.weights_digest if info else "",
         )
         if stats is not None:
             rec.running, rec.waiting = stats.num_running, stats.num_waiting

@@ -64,17 +64,18 @@ class Selector:
         self.prefill_policy = make_policy(config.prefill_policy, "prefill", w, t)
         self.kv_aware = "kv_aware" in (config.decode_policy, config.prefill_policy)
         self.mean_prompt_blocks = 8.0  # running mean, for queue estimates
-        self._roots: dict[tuple[str, int], bytes] = {}  # unsalted roots (salted: per request)
+        # unsalted roots by (model, block size, weights digest); salted: per request
+        self._roots: dict[tuple[str, int, str], bytes] = {}
         self._hits: PrefixHits | None = None
         self._hits_redis = None
 
-    def _root(self, model: str, block_size: int, salt: str = "") -> bytes:
+    def _root(self, model: str, block_size: int, weights: str, salt: str = "") -> bytes:
         if salt:  # clients choose salts: not cached (one blake2b per request)
-            return root_hash(model, block_size, salt)
-        key = (model, block_size)
+            return root_hash(model, block_size, salt, weights)
+        key = (model, block_size, weights)
         root = self._roots.get(key)
         if root is None:
-            root = self._roots[key] = root_hash(model, block_size)
+            root = self._roots[key] = root_hash(model, block_size, "", weights)
         return root
 
     def start_hits(
@@ -85,10 +86,10 @@ class Selector:
         redis = self.membership.lookup_redis or self.membership.redis
         if not self.kv_aware or redis is None or not self.membership.redis_ok or not nodes:
             return None
-        chains: dict[tuple[str, int], list[bytes]] = {}
+        chains: dict[tuple[str, int, str], list[bytes]] = {}
 
         def chain_of(rec: NodeRecord) -> list[bytes]:
-            key = (rec.model, rec.block_size)
+            key = (rec.model, rec.block_size, rec.weights)
             if key not in chains:
                 chains[key] = hash_prompt_blocks(tokens, rec.block_size, self._root(*key, salt))
             return chains[key]
