@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from pdserve.cluster.nodes import cluster_nodes
 from pdserve.cluster.schema import ClusterConfig, NodeGroup
+from pdserve.common.cluster_secret import is_loopback
 
 Problem = tuple[tuple[str | int, ...], str]
 WILDCARD = ("0.0.0.0", "")
@@ -122,11 +123,6 @@ def ports_in_use(cfg: ClusterConfig) -> list[Problem]:
             except OSError as e:
                 problems.append((path, f"{what}: cannot bind {host}:{port} ({e.strerror})"))
     return problems
-
-
-def is_loopback(host: str) -> bool:
-    """A bind address only this machine reaches (a hostname counts as open)."""
-    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def open_binds(cfg: ClusterConfig) -> list[tuple[str, str, str]]:

@@ -17,6 +17,7 @@ import typing
 from typing import NamedTuple
 
 from pdserve.api.cluster_secret import load_cluster_secret
+from pdserve.common.cluster_secret import warn_if_open
 from pdserve.common.errors import ConfigError
 from pdserve.common.redis_auth import with_password
 from pdserve.config.engine import (
@@ -102,6 +103,18 @@ def _net_devices(devices: str, host: str) -> str | None:
     return "lo" if loopback else None
 
 
+def engine_address(base: str) -> str:
+    """The engine channels' base address: ipc:// only. Over tcp:// anyone who reaches the
+    port could feed the engine requests (the channel has no authentication)."""
+    if not base.startswith("ipc://"):
+        raise ConfigError(
+            "engine_address",
+            f"{base!r}: only ipc:///path/name (a tcp:// engine channel would be open to "
+            "anyone who reaches its port)",
+        )
+    return base
+
+
 def _redis(url: str | None) -> str | None:
     """A Redis URL as this process connects to it: with the password from the environment
     (pdserve/common/redis_auth.py), which never rides on the command line."""
@@ -182,9 +195,10 @@ def serve(args: argparse.Namespace) -> None:
     settings = NodeSettings.from_args(args)
     config = engine_config(settings)
     cluster = cluster_options(settings)
+    warn_if_open("this node", settings.http.host, config.kv_transfer.cluster_secret)
     tmpdir = None
     if settings.serve.engine_address:
-        addresses = EngineAddresses.from_base(settings.serve.engine_address)
+        addresses = EngineAddresses.from_base(engine_address(settings.serve.engine_address))
     else:
         tmpdir = tempfile.mkdtemp(prefix="pdserve-")
         addresses = EngineAddresses.from_base(f"ipc://{tmpdir}/engine")

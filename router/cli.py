@@ -12,6 +12,7 @@ import os
 import typing
 
 from pdserve.api.cluster_secret import load_cluster_secret
+from pdserve.common.cluster_secret import warn_if_open
 from pdserve.common.redis_auth import with_password
 from pdserve.config.fields import add_flags, from_args
 from pdserve.config.node import LOG_LEVELS
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> None:
         config = config_from_args(args)
     except RouterConfigError as e:
         raise SystemExit(f"pdserve router: configuration error: {e}") from None
+    warn_if_open("the router", config.host, config.cluster_secret)
     serve_draining(
         build_app(config),
         host=config.host,

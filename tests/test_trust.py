@@ -31,7 +31,6 @@ from pdserve.cluster.registry import NodeRecord
 from pdserve.common.cluster_secret import NODE_KEY_HEADER, node_key
 from pdserve.common.redis_auth import PASSWORD_ENV, embedded_password
 from pdserve.common.redis_keys import ClusterKeys
-from tests.conftest import make_tiny_llama
 from tests.servers import ROOT, alive, free_port, kill_server, launch_server, wait_healthy
 
 SECRET = b"trust-test-secret-0123456789abcdef"
@@ -82,9 +81,9 @@ PASSWORD = embedded_password(SECRET)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("trust")
-    model = make_tiny_llama(str(tmp / "model"))
+    model = tiny_llama_dir
     secret_file = tmp / "cluster.secret"
     secret_file.write_bytes(SECRET)
     secret_file.chmod(0o600)
@@ -105,6 +104,7 @@ def cluster(tmp_path_factory):
         cmd = [sys.executable, "-m", "pdserve", "launch", str(config)]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
     c = Cluster(proc, tmp, out)
+    c.model = model
     try:
         deadline = time.monotonic() + 240
         while not (
@@ -255,7 +255,7 @@ def test_no_secret_in_argv_logs_cluster_json_or_status(cluster):
 def test_rotating_bearer_tokens_share_one_budget(cluster):
     """A router without an API key: limits are per client address, whatever it sends."""
     redis_url = cluster.service("redis")["url"]
-    args = ["--model", str(cluster.tmp / "model"), "--served-model-name", "tiny",
+    args = ["--model", cluster.model, "--served-model-name", "tiny",
             "--redis-url", redis_url, "--cluster", "trust", "--log-level", "warning",
             "--cluster-secret-file", str(cluster.tmp / "cluster.secret"),
             "--prompt-tokens-per-minute-per-key", "30"]  # fmt: skip

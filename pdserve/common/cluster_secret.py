@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
 SECRET_FILE_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
@@ -42,3 +45,23 @@ def load_cluster_secret(path: str | None = None) -> bytes | None:
 def node_key(secret: bytes) -> str:
     """The HTTP key nodes accept: derived from the secret, so the secret stays home."""
     return hmac.new(secret, b"pdserve node http", hashlib.sha256).hexdigest()
+
+
+def is_loopback(host: str) -> bool:
+    """A bind address only this machine reaches."""
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def warn_if_open(what: str, host: str, secret: bytes | None) -> bool:
+    """Log a loud warning when `what` listens beyond loopback without a cluster secret
+    (`pdserve config check` refuses such a cluster; a hand-started process only warns).
+    Returns whether it warned."""
+    if secret is not None or is_loopback(host):
+        return False
+    logger.warning(
+        "%s listens on %s, beyond loopback, WITHOUT a cluster secret: anyone who reaches it "
+        "can use it (set --cluster-secret-file; docs/operations.md)",
+        what,
+        host or "0.0.0.0",
+    )
+    return True
