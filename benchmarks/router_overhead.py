@@ -17,6 +17,9 @@ router's cost.
     python benchmarks/router_overhead.py --requests 300 --out results/router_overhead.json
     # two trees in one run, taking turns (before/after on a loaded box)
     python benchmarks/router_overhead.py --router-root /tmp/before --router-root .
+    # with a cluster secret: Redis wants a password, records are signed, this tree's
+    # routers check every signature (an older tree's routers ignore the signature)
+    python benchmarks/router_overhead.py --secure --router-root /tmp/before --router-root .
 
 Writes results/router_overhead.json (or --out).
 """
@@ -36,6 +39,7 @@ import httpx
 import redis
 
 from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.common.redis_auth import with_password
 from pdserve.common.redis_keys import ClusterKeys
 
 # run as a script: benchmarks/ is not installed, the repository root holds it
@@ -143,16 +147,25 @@ def main() -> None:
         "turns per prompt; default: this tree)",
     )  # fmt: skip
     ap.add_argument("--out", default="results/router_overhead.json")
+    ap.add_argument(
+        "--secure", action="store_true",
+        help="Redis with a password (in the routers' URL, so older trees connect too), "
+        "registry records signed with a cluster secret that the routers check",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.secure:  # every process spawned below inherits it: fleet signs, routers check
+        os.environ["PDSERVE_CLUSTER_SECRET"] = "router-overhead-benchmark-secret"
     roots = [Path(r).resolve() for r in args.router_root] or [ROOT]
     model = str(write_tokenizerless_model())
     procs = []
     results: dict = {}
-    with EmbeddedRedis() as redis:
+    password = "router-overhead-redis-password" if args.secure else None
+    with EmbeddedRedis(password=password) as redis:
+        url = with_password(redis.url, password)
         try:
-            procs.append(spawn(["-m", "benchmarks._fake_fleet", "--redis-url", redis.url,
+            procs.append(spawn(["-m", "benchmarks._fake_fleet", "--redis-url", url,
                                 "--prefill", "0", "--decode", "1"]))  # fmt: skip
-            node = wait_for_fake_node(redis.url)
+            node = wait_for_fake_node(url)
             routers: dict[str, list[tuple[str, int]]] = {"static_round_robin": [],
                                                          "redis_kv_aware": []}  # fmt: skip
             for root in roots:
@@ -160,7 +173,7 @@ def main() -> None:
                                            "--decode", node, "--decode-policy", "round_robin",
                                            "--prefill-policy", "round_robin"], root)  # fmt: skip
                 kv, p2 = start_router(["--model", model, "--served-model-name", "fake",
-                                       "--redis-url", redis.url], root)  # fmt: skip
+                                       "--redis-url", url], root)  # fmt: skip
                 procs += [p1, p2]
                 routers["static_round_robin"].append((static, p1.pid))
                 routers["redis_kv_aware"].append((kv, p2.pid))
@@ -179,6 +192,7 @@ def main() -> None:
                 p.kill()
                 p.wait()
     results["requests_per_case"] = args.requests
+    results["secure"] = args.secure
     results["load_average"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
