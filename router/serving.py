@@ -13,6 +13,7 @@ every node with `X-Attempt`; a retry is a new attempt on another node.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -166,10 +167,12 @@ class RouterServing:
             limits = self.check_prompt(ids, max_tokens)
         tokens = prompts[0]
         # the KV index lookup goes out now; the rest of the checks run while Redis answers
-        salt = req.cache_salt or ""  # the KV index is read under the request's salt
+        salt = self.cache_salt(req, request.scope)  # the KV index is read under it
         first = self.selector.begin(tokens, set(), salt)
         try:
             body, path = self._node_body(route, req, prompts, limits)
+            if salt:
+                body["cache_salt"] = salt
             if self.budget.enabled:  # after the checks: a refused request is not charged
                 self.budget.admit(client_key(request.scope), sum(map(len, prompts)))
             rid = self.request_id(request.scope)
@@ -225,6 +228,16 @@ class RouterServing:
         if last is not None:
             return error_response(502, str(last), "server_error", code="upstream_error")
         raise NoNodeError("no healthy decode node is available")
+
+    def cache_salt(self, req, scope) -> str:
+        """The request's `cache_salt`; with `cache_salt_per_client`, a digest of the client
+        (router/token_budget.py `client_key`) and that salt, so clients never share hits."""
+        salt = req.cache_salt or ""
+        if not self.config.cache_salt_per_client:
+            return salt
+        h = hashlib.blake2b(client_key(scope), digest_size=16, person=b"pdserve-tenant")
+        h.update(b"\0" + salt.encode())
+        return h.hexdigest()
 
     def _node_body(self, route: str, req, prompts: list[list[int]], limits) -> tuple[dict, str]:
         """The sampling checks, then the body for the node (its prompt as token ids; the

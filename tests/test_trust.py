@@ -252,13 +252,15 @@ def test_no_secret_in_argv_logs_cluster_json_or_status(cluster):
         assert not any(s in text for s in secrets), name
 
 
-def test_rotating_bearer_tokens_share_one_budget(cluster):
-    """A router without an API key: limits are per client address, whatever it sends."""
+@pytest.fixture(scope="module")
+def open_router(cluster):
+    """A second router on the same cluster, without an API key: limits and the per-client
+    cache salt go by client address."""
     redis_url = cluster.service("redis")["url"]
     args = ["--model", cluster.model, "--served-model-name", "tiny",
             "--redis-url", redis_url, "--cluster", "trust", "--log-level", "warning",
             "--cluster-secret-file", str(cluster.tmp / "cluster.secret"),
-            "--prompt-tokens-per-minute-per-key", "30"]  # fmt: skip
+            "--prompt-tokens-per-minute-per-key", "100", "--cache-salt-per-client"]  # fmt: skip
     env_before = os.environ.get(PASSWORD_ENV)
     os.environ[PASSWORD_ENV] = PASSWORD  # the router's environment: how it gets in
     try:
@@ -270,13 +272,39 @@ def test_rotating_bearer_tokens_share_one_budget(cluster):
             os.environ[PASSWORD_ENV] = env_before
     try:
         wait_healthy(url, proc, timeout_s=120)
-        codes = []
-        for i in range(5):
-            headers = {"Authorization": f"Bearer {os.urandom(8).hex()}"}
-            codes.append(complete(url, list(range(10 + i, 20 + i)), headers).status_code)
-        assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429], codes
+        yield url
     finally:
         kill_server(proc)
+
+
+def from_address(url: str, address: str, prompt: list[int], headers: dict | None = None):
+    transport = httpx.HTTPTransport(local_address=address)
+    with httpx.Client(transport=transport, timeout=60) as c:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        return c.post(f"{url}/v1/completions", json=body, headers=headers or {})
+
+
+def test_rotating_bearer_tokens_share_one_budget(open_router):
+    """Without an API key, limits are per client address, whatever header it sends."""
+    codes = []
+    for i in range(5):
+        headers = {"Authorization": f"Bearer {os.urandom(8).hex()}"}
+        prompt = list(range(10 + i, 40 + i))  # 30 tokens: 3 fit in 100
+        codes.append(from_address(open_router, "127.0.0.1", prompt, headers).status_code)
+    assert codes == [200, 200, 200, 429, 429], codes
+
+
+def test_per_client_salt_hides_one_clients_prompts_from_another(open_router):
+    prompt = [(41 * i + 3) % 1000 for i in range(36)]  # 2 full blocks
+
+    def cached(address: str) -> int:
+        resp = from_address(open_router, address, prompt)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("127.0.0.3") == 0
+    assert cached("127.0.0.4") == 0  # another client: nothing to detect
+    assert cached("127.0.0.3") == 32  # its own prompt still hits
 
 
 def test_cache_salt_keeps_tenants_prefix_hits_apart(cluster):

@@ -64,6 +64,11 @@ class RouterSettings(Settings):
         "context length limits it)",
         ge=0,
     )
+    cache_salt_per_client: bool = setting(
+        False,
+        "key every request's prefix-cache salt by its client (API key, else address) too: "
+        "one client's cached prompts are invisible to every other (cached_tokens, routing)",
+    )
     ssl_certfile: str | None = setting(
         None, "serve HTTPS with this certificate (PEM; needs `ssl_keyfile`)"
     )
