@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 import redis
+import redis as redis_client
 
 from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.common.redis_auth import with_password
@@ -100,7 +101,15 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def measure(direct: str, routers: list[tuple[str, int]], n: int, stream: bool) -> list[dict]:
+def lookups(r: redis.Redis) -> int:
+    """KV index lookups Redis has served so far (EVALSHA + EVAL calls)."""
+    stats = r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+
+def measure(
+    direct: str, routers: list[tuple[str, int]], n: int, stream: bool, salt: str | None = None
+) -> list[dict]:
     """Per router (url, pid): its figures against `direct`, every router and the direct
     path taking turns on each prompt (the order rotating per prompt)."""
     rng = random.Random(0)
@@ -112,6 +121,8 @@ def measure(direct: str, routers: list[tuple[str, int]], n: int, stream: bool) -
                 cpu0 = [cpu_ns(pid) for _, pid in routers]
             body = {"prompt": [rng.randrange(1000) for _ in range(64)], "max_tokens": 2,
                     "temperature": 0, "stream": stream}  # fmt: skip
+            if salt is not None:
+                body["cache_salt"] = salt
             warm = client.post(f"{direct}/v1/completions", json={**body, "stream": False})
             assert warm.status_code == 200, warm.text  # every measured request hits the cache
             k = i % len(urls)
@@ -147,6 +158,7 @@ def main() -> None:
         "turns per prompt; default: this tree)",
     )  # fmt: skip
     ap.add_argument("--out", default="results/router_overhead.json")
+    ap.add_argument("--cache-salt", default=None, help="send this cache_salt in every request")
     ap.add_argument(
         "--secure", action="store_true",
         help="Redis with a password (in the routers' URL, so older trees connect too), "
@@ -179,8 +191,16 @@ def main() -> None:
                 routers["redis_kv_aware"].append((kv, p2.pid))
             every = [u for rs in routers.values() for u, _ in rs]
             wait_until("routers", lambda: all(usable_nodes(u) == 1 for u in every))
+            counter = redis_client.Redis.from_url(url)
             for name, rs in routers.items():
-                json_, sse = (measure(node, rs, args.requests, s) for s in (False, True))
+                before = lookups(counter)
+                json_, sse = (
+                    measure(node, rs, args.requests, s, args.cache_salt) for s in (False, True)
+                )
+                routed = 2 * (args.requests + 20) * len(rs)  # JSON + SSE, warm-up included
+                results[f"{name}_redis_lookups_per_request"] = round(
+                    (lookups(counter) - before) / routed, 3
+                )
                 for root, j, e in zip(roots, json_, sse):
                     case = {"json": j, "sse_ttft": e}
                     if len(roots) == 1:
@@ -193,6 +213,7 @@ def main() -> None:
                 p.wait()
     results["requests_per_case"] = args.requests
     results["secure"] = args.secure
+    results["cache_salt"] = args.cache_salt
     results["load_average"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

@@ -143,6 +143,9 @@ def run(args: argparse.Namespace) -> None:
         state, nodes = read_status(redis_url, cluster, RecordCheck(secret))
     except Exception as e:
         msg = str(e).replace(url_password(redis_url) or "\0", "***")
+        if "auth" in msg.lower():
+            msg += " (a cluster with a secret: give its config, PDSERVE_CLUSTER_SECRET_FILE "
+            msg += f"or {PASSWORD_ENV})"
         raise SystemExit(f"pdserve status: cannot read {redact(redis_url)}: {msg}") from None
     if state is None and not nodes:
         raise SystemExit(f"pdserve status: no cluster '{cluster}' in {redact(redis_url)}")

@@ -199,6 +199,10 @@ def test_forged_registry_records_are_ignored(cluster):
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 2
         assert evil.received == []
+        # the decode node, which reads the registry for prefill nodes, refused them too
+        decode_log = (cluster.run_dir / "decode-0.log").read_text()
+        assert "ignoring node evil: unsigned record" in decode_log
+        assert "ignoring node evil2: bad signature" in decode_log
         status = subprocess.run(
             [sys.executable, "-m", "pdserve", "status", "--run-dir", str(cluster.tmp / "runs")],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
