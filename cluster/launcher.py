@@ -161,7 +161,10 @@ def redis_stage(
         if state.redis_password:
             node_overrides.append(f"redis.url={state.redis_url}")
         return [], node_overrides
-    secret = load_cluster_secret(cfg.secret_file) if cfg.secret_file else None
+    try:
+        secret = load_cluster_secret(cfg.secret_file) if cfg.secret_file else None
+    except ValueError as e:
+        raise LaunchError(f"secret_file: {e}") from None
     state.redis_password = embedded_password(secret) if secret else None
     port = cfg.redis.port or _free_port(cfg.redis.host)
     conf = run_dir / "redis.conf"
@@ -185,7 +188,7 @@ def router_stage(
     url = f"{scheme}://{'127.0.0.1' if r.host in ('0.0.0.0', '') else r.host}:{r.port}"
     argv = router_argv(cfg, state.redis_url, nodes, cfg.launcher.log_level)
     state.router_url = url
-    env = {**router_env(cfg), **process_env(state, {})}
+    env = process_env(state, router_env(cfg))
     return [[_service("router", "router", argv, url, run_dir, env=env)]]
 
 
