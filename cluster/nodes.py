@@ -160,6 +160,8 @@ def router_argv(
             flag = flag_of(cls, name)
             if isinstance(value, bool):  # --x / --no-x
                 argv.append(flag if value else f"--no-{flag[2:]}")
+            elif isinstance(value, list):  # repeatable
+                argv += [a for v in value for a in (flag, str(v))]
             else:
                 argv += [flag, str(value)]
     for node in nodes:

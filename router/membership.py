@@ -45,6 +45,7 @@ class Membership:
         self._decoder = msgspec.json.Decoder(NodeRecord)
         # registry records: signed with the cluster secret, on the static nodes' hosts
         hosts = {host_of(u) for u in config.prefill_urls + config.decode_urls}
+        hosts |= set(config.node_hosts)
         self.check = RecordCheck(config.cluster_secret, hosts or None)
 
     async def start(self) -> None:

@@ -3,8 +3,9 @@ self-signed certificate and a password) and follows its registry, signed records
 
 * plain TCP and a TLS client that does not trust the certificate get nothing;
 * the router (password by environment, CA in the URL's `ssl_ca_certs`) reads the registry:
-  a record signed with the cluster secret on an allowed host joins its view; an unsigned
-  one, and a signed one naming a host outside the config's, do not.
+  a record signed with the cluster secret on an allowed host (the static nodes' or one
+  named by `--node-hosts`) joins its view; an unsigned one, and a signed one naming
+  another host, do not.
 """
 
 from __future__ import annotations
@@ -68,17 +69,20 @@ def test_router_follows_a_tls_registry_with_signed_records_only(tls_redis, tiny_
         with redis.Redis.from_url(f"rediss://127.0.0.1:{port}", password=PASSWORD) as r:
             r.ping()  # a client that does not trust the certificate
     good, off_host, unsigned = (f"http://127.0.0.1:{free_port()}" for _ in range(3))
+    listed = f"http://127.0.0.2:{free_port()}"  # a host named by --node-hosts
     with redis.Redis.from_url(url, password=PASSWORD) as r:
         for node_id, rec, secret in (
             ("good", record("good", good), SECRET),
             ("far", record("far", "http://localhost:9"), SECRET),  # signed, host not allowed
+            ("listed", record("listed", listed), SECRET),
             ("evil", record("evil", unsigned), None),
         ):
             r.hset(KEYS.node(node_id), mapping=rec.to_redis(secret))
             r.expire(KEYS.node(node_id), 120)
             r.sadd(KEYS.nodes, node_id)
     args = ["--model", tiny_llama_dir, "--served-model-name", "tiny", "--redis-url", url,
-            "--cluster", "tls", "--decode", off_host, "--log-level", "warning"]  # fmt: skip
+            "--cluster", "tls", "--decode", off_host, "--log-level", "warning",
+            "--node-hosts", "127.0.0.2"]  # fmt: skip
     os.environ[PASSWORD_ENV] = PASSWORD  # the router's environment carries the password
     secret_env = {"PDSERVE_CLUSTER_SECRET": SECRET.decode()}
     os.environ.update(secret_env)
@@ -94,14 +98,14 @@ def test_router_follows_a_tls_registry_with_signed_records_only(tls_redis, tiny_
             assert time.monotonic() < deadline, "router never read the registry"
             try:
                 view = httpx.get(f"{router}/cluster", timeout=5).json()
-                if view["redis"]["up"] and len(view["nodes"]) > 1:
+                if view["redis"]["up"] and len(view["nodes"]) > 2:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
         time.sleep(1.0)  # two more registry reads
         view = httpx.get(f"{router}/cluster", timeout=5).json()
-        assert sorted(n["url"] for n in view["nodes"]) == sorted([good, off_host]), view
+        assert sorted(n["url"] for n in view["nodes"]) == sorted([good, off_host, listed]), view
         assert PASSWORD not in str(view) and view["redis"]["url"].startswith("rediss://")
     finally:
         kill_server(proc)
