@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from pdserve.cluster.config_file import ConfigFileError, load_config
+from pdserve.common.redis_auth import redact
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> None:
     nodes = cluster_nodes(cfg)
     print(
         f"{args.config}: ok (cluster '{cfg.cluster}', model {cfg.model.name}, launcher "
-        f"{cfg.launcher.kind}, redis {cfg.redis.url})"
+        f"{cfg.launcher.kind}, redis {redact(cfg.redis.url)})"
     )
     for node in nodes:
         extra = f" kv {node.control_address}" if node.control_address else ""

@@ -117,3 +117,18 @@ def test_native_cache_loads_only_this_users_private_files(tmp_path, monkeypatch)
     (tmp_path / "elsewhere.so").write_bytes(b"x")
     with pytest.raises(RuntimeError, match="not a regular file"):
         native.build("argmax")
+
+
+def test_redis_urls_are_shown_without_password_and_connect_with_it(monkeypatch):
+    from pdserve.common.redis_auth import PASSWORD_ENV, redact, url_password, with_password
+
+    assert redact("redis://:s3cret@h:1/0") == "redis://h:1/0"
+    assert (
+        redact("rediss://user:s3cret@h:1?ssl_ca_certs=/ca") == "rediss://user@h:1?ssl_ca_certs=/ca"
+    )
+    monkeypatch.setenv(PASSWORD_ENV, "p@ss word")
+    url = with_password("rediss://h:1/0?ssl_ca_certs=/ca")
+    assert url == "rediss://:p%40ss%20word@h:1/0?ssl_ca_certs=/ca"
+    assert url_password(url) == "p@ss word" and redact(url) == "rediss://h:1/0?ssl_ca_certs=/ca"
+    assert with_password("redis://:own@h:1") == "redis://:own@h:1"  # the URL's own wins
+    assert with_password("unix:///tmp/r.sock") == "unix:///tmp/r.sock"
