@@ -61,8 +61,10 @@ class EmbeddedRedis:
         self.port = port or _free_port(host)
         self.log_file = Path(log_file) if log_file else None
         self.executable = executable
-        self.password = password
-        if conf_file is None and password:
+        self.password = password or None
+        if not password:
+            conf_file = None  # an open server (loopback, no secret) needs no config file
+        elif conf_file is None:
             folder = self.log_file.parent if self.log_file else Path("/tmp")
             conf_file = folder / f"pdserve-redis-{self.port}-{os.getpid()}.conf"
         self.conf_file = Path(conf_file) if conf_file else None
