@@ -116,12 +116,7 @@ class Scheduler:
             else:
                 computed, num_computed = self.kv.get_computed_blocks(req)
             num_new = req.num_tokens - num_computed
-            if (
-                self.store_loads_enabled
-                and not req.store_checked
-                and not req.wants_prompt_logprobs
-                and not req.sampling_params.cache_salt  # the shared store is the unsalted tenant's
-            ):
+            if self.store_loads_enabled and not req.store_checked and not req.wants_prompt_logprobs:
                 req.store_checked = True
                 if num_new > self.kv.block_size and self._admit_store_load(
                     req, computed, num_computed
