@@ -56,7 +56,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     grammar: str | None = None
     # prefix-cache tenant: blocks hash from a root keyed by it (pdserve/common/block_hash.py),
-    # so only requests with the same salt hit them; a salted request skips the shared store
+    # so only requests with the same salt hit them, in the shared store too (its chunk keys)
     cache_salt: str = ""
 
     def __post_init__(self) -> None:
