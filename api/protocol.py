@@ -83,6 +83,7 @@ class _SamplingRequest(_TopRequest):
     min_tokens: int = 0
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among the same salt
 
     def _sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         if not 1 <= self.n <= MAX_N:
@@ -112,6 +113,7 @@ class _SamplingRequest(_TopRequest):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias,
             min_tokens=self.min_tokens,
+            cache_salt=self.cache_salt or "",
         )
 
     @property

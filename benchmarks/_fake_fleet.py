@@ -37,6 +37,7 @@ from redis.asyncio import Redis
 from pdserve.cluster.kv_index import KVIndexPublisher
 from pdserve.cluster.registry import NodeRecord
 from pdserve.common.block_hash import hash_prompt_blocks, root_hash
+from pdserve.common.cluster_secret import load_cluster_secret
 from pdserve.common.redis_keys import ClusterKeys
 
 
@@ -147,12 +148,18 @@ class Fleet:
 
         return snapshot
 
+    @property
+    def secret(self) -> bytes | None:
+        """The cluster secret from the environment (PDSERVE_CLUSTER_SECRET): records signed."""
+        return load_cluster_secret()
+
     async def heartbeat(self, period_s: float = 1.0, ttl_s: float = 5.0) -> None:
         while True:
             pipe = self.redis.pipeline(transaction=False)
             for n in self.nodes:
                 n.report().updated = time.time()
-                pipe.hset(self.keys.node(n.record.node_id), mapping=n.record.to_redis())
+                mapping = n.record.to_redis(self.secret)  # signed with a cluster secret
+                pipe.hset(self.keys.node(n.record.node_id), mapping=mapping)
                 pipe.pexpire(self.keys.node(n.record.node_id), int(ttl_s * 1000))
                 pipe.sadd(self.keys.nodes, n.record.node_id)
                 pipe.pexpire(n.publisher.key, int(ttl_s * 1000))
@@ -180,7 +187,9 @@ class Fleet:
             tokens = body.get("prompt_token_ids") if chat else body.get("prompt")
             max_tokens = int(body.get("max_tokens") or 16)
             rec = node.record
-            chain = hash_prompt_blocks(tokens, rec.block_size, root_hash(rec.model, rec.block_size))
+            chain = hash_prompt_blocks(
+                tokens, rec.block_size, root_hash(rec.model, rec.block_size, "", rec.weights)
+            )
             hit = node.hits(chain) * rec.block_size
             prefill = (body.get("kv_transfer_params") or {}).get("prefill_node")
             where = self.by_control.get(prefill, node) if prefill else node

@@ -17,6 +17,9 @@ router's cost.
     python benchmarks/router_overhead.py --requests 300 --out results/router_overhead.json
     # two trees in one run, taking turns (before/after on a loaded box)
     python benchmarks/router_overhead.py --router-root /tmp/before --router-root .
+    # with a cluster secret: Redis wants a password, records are signed, this tree's
+    # routers check every signature (an older tree's routers ignore the signature)
+    python benchmarks/router_overhead.py --secure --router-root /tmp/before --router-root .
 
 Writes results/router_overhead.json (or --out).
 """
@@ -34,8 +37,10 @@ from pathlib import Path
 
 import httpx
 import redis
+import redis as redis_client
 
 from pdserve.cluster.embedded_redis import EmbeddedRedis
+from pdserve.common.redis_auth import with_password
 from pdserve.common.redis_keys import ClusterKeys
 
 # run as a script: benchmarks/ is not installed, the repository root holds it
@@ -96,7 +101,15 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def measure(direct: str, routers: list[tuple[str, int]], n: int, stream: bool) -> list[dict]:
+def lookups(r: redis.Redis) -> int:
+    """KV index lookups Redis has served so far (EVALSHA + EVAL calls)."""
+    stats = r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+
+def measure(
+    direct: str, routers: list[tuple[str, int]], n: int, stream: bool, salt: str | None = None
+) -> list[dict]:
     """Per router (url, pid): its figures against `direct`, every router and the direct
     path taking turns on each prompt (the order rotating per prompt)."""
     rng = random.Random(0)
@@ -108,6 +121,8 @@ def measure(direct: str, routers: list[tuple[str, int]], n: int, stream: bool) -
                 cpu0 = [cpu_ns(pid) for _, pid in routers]
             body = {"prompt": [rng.randrange(1000) for _ in range(64)], "max_tokens": 2,
                     "temperature": 0, "stream": stream}  # fmt: skip
+            if salt is not None:
+                body["cache_salt"] = salt
             warm = client.post(f"{direct}/v1/completions", json={**body, "stream": False})
             assert warm.status_code == 200, warm.text  # every measured request hits the cache
             k = i % len(urls)
@@ -143,16 +158,26 @@ def main() -> None:
         "turns per prompt; default: this tree)",
     )  # fmt: skip
     ap.add_argument("--out", default="results/router_overhead.json")
+    ap.add_argument("--cache-salt", default=None, help="send this cache_salt in every request")
+    ap.add_argument(
+        "--secure", action="store_true",
+        help="Redis with a password (in the routers' URL, so older trees connect too), "
+        "registry records signed with a cluster secret that the routers check",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.secure:  # every process spawned below inherits it: fleet signs, routers check
+        os.environ["PDSERVE_CLUSTER_SECRET"] = "router-overhead-benchmark-secret"
     roots = [Path(r).resolve() for r in args.router_root] or [ROOT]
     model = str(write_tokenizerless_model())
     procs = []
     results: dict = {}
-    with EmbeddedRedis() as redis:
+    password = "router-overhead-redis-password" if args.secure else None
+    with EmbeddedRedis(password=password) as redis:
+        url = with_password(redis.url, password)
         try:
-            procs.append(spawn(["-m", "benchmarks._fake_fleet", "--redis-url", redis.url,
+            procs.append(spawn(["-m", "benchmarks._fake_fleet", "--redis-url", url,
                                 "--prefill", "0", "--decode", "1"]))  # fmt: skip
-            node = wait_for_fake_node(redis.url)
+            node = wait_for_fake_node(url)
             routers: dict[str, list[tuple[str, int]]] = {"static_round_robin": [],
                                                          "redis_kv_aware": []}  # fmt: skip
             for root in roots:
@@ -160,14 +185,22 @@ def main() -> None:
                                            "--decode", node, "--decode-policy", "round_robin",
                                            "--prefill-policy", "round_robin"], root)  # fmt: skip
                 kv, p2 = start_router(["--model", model, "--served-model-name", "fake",
-                                       "--redis-url", redis.url], root)  # fmt: skip
+                                       "--redis-url", url], root)  # fmt: skip
                 procs += [p1, p2]
                 routers["static_round_robin"].append((static, p1.pid))
                 routers["redis_kv_aware"].append((kv, p2.pid))
             every = [u for rs in routers.values() for u, _ in rs]
             wait_until("routers", lambda: all(usable_nodes(u) == 1 for u in every))
+            counter = redis_client.Redis.from_url(url)
             for name, rs in routers.items():
-                json_, sse = (measure(node, rs, args.requests, s) for s in (False, True))
+                before = lookups(counter)
+                json_, sse = (
+                    measure(node, rs, args.requests, s, args.cache_salt) for s in (False, True)
+                )
+                routed = 2 * (args.requests + 20) * len(rs)  # JSON + SSE, warm-up included
+                results[f"{name}_redis_lookups_per_request"] = round(
+                    (lookups(counter) - before) / routed, 3
+                )
                 for root, j, e in zip(roots, json_, sse):
                     case = {"json": j, "sse_ttft": e}
                     if len(roots) == 1:
@@ -179,6 +212,8 @@ def main() -> None:
                 p.kill()
                 p.wait()
     results["requests_per_case"] = args.requests
+    results["secure"] = args.secure
+    results["cache_salt"] = args.cache_salt
     results["load_average"] = os.getloadavg()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))

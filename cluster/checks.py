@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from pdserve.cluster.nodes import cluster_nodes
 from pdserve.cluster.schema import ClusterConfig, NodeGroup
+from pdserve.common.cluster_secret import is_loopback
 
 Problem = tuple[tuple[str | int, ...], str]
 WILDCARD = ("0.0.0.0", "")
@@ -124,6 +125,44 @@ def ports_in_use(cfg: ClusterConfig) -> list[Problem]:
     return problems
 
 
+def open_binds(cfg: ClusterConfig) -> list[tuple[str, str, str]]:
+    """(host, section, what) of each process that binds beyond loopback."""
+    binds = [(cfg.router.host, "router", "the router")] if cfg.router.enabled else []
+    if cfg.redis.embedded:
+        binds.append((cfg.redis.host, "redis", "embedded Redis"))
+    binds += [(n.host, n.role, n.name) for n in cluster_nodes(cfg)]
+    return [b for b in binds if not is_loopback(b[0])]
+
+
+def open_without_secret(cfg: ClusterConfig) -> list[Problem]:
+    """Endpoints beyond loopback in a cluster without a secret: each one a problem, unless
+    `insecure_open_network` says so on purpose."""
+    if cfg.secret_file or cfg.insecure_open_network:
+        return []
+    problems: dict[str, Problem] = {}
+    for host, section, what in open_binds(cfg):
+        if section not in problems:
+            problems[section] = (
+                (section, "host"),
+                f"{what} binds {host or '0.0.0.0'}, beyond loopback, and the cluster has no "
+                "secret_file: anyone who reaches it could read prompts, write Redis and add "
+                "nodes. Set secret_file (or, knowingly, insecure_open_network: true)",
+            )
+    return list(problems.values())
+
+
+def insecure_warning(cfg: ClusterConfig) -> str | None:
+    """The loud line `config check` and `launch` print for an open cluster allowed on purpose."""
+    binds = open_binds(cfg) if cfg.insecure_open_network and not cfg.secret_file else []
+    if not binds:
+        return None
+    where = ", ".join(f"{what} on {host or '0.0.0.0'}" for host, _, what in binds)
+    return (
+        f"WARNING: insecure_open_network: {where} beyond loopback WITHOUT a cluster secret: "
+        "anyone who reaches these ports can read prompts, write Redis and add nodes"
+    )
+
+
 def _model_problems(cfg: ClusterConfig) -> list[Problem]:
     from pdserve.common.model_files import BUILTIN_MODELS
 
@@ -151,7 +190,7 @@ def cross_checks(cfg: ClusterConfig) -> list[Problem]:
         if group is not None:
             problems += _group_problems(cfg, role, group)
     if not problems:  # port lists are well-formed: compare the endpoints
-        problems += _port_clashes(cfg)
+        problems += _port_clashes(cfg) + open_without_secret(cfg)
     if cfg.launcher.node_ttl_s <= cfg.launcher.heartbeat_s:
         problems.append((("launcher", "node_ttl_s"), "must be > launcher.heartbeat_s"))
     restart = cfg.launcher.restart

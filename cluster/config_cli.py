@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from pdserve.cluster.config_file import ConfigFileError, load_config
+from pdserve.common.redis_auth import redact
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,15 +34,18 @@ def run(args: argparse.Namespace) -> None:
     except ConfigFileError as e:
         print(f"{e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from pdserve.cluster.checks import insecure_warning
     from pdserve.cluster.nodes import cluster_nodes
 
     nodes = cluster_nodes(cfg)
     print(
         f"{args.config}: ok (cluster '{cfg.cluster}', model {cfg.model.name}, launcher "
-        f"{cfg.launcher.kind}, redis {cfg.redis.url})"
+        f"{cfg.launcher.kind}, redis {redact(cfg.redis.url)})"
     )
     for node in nodes:
         extra = f" kv {node.control_address}" if node.control_address else ""
         print(f"  {node.name:<10} {node.url}{extra} device {node.device}")
     if cfg.router.enabled:
         print(f"  {'router':<10} http://{cfg.router.host}:{cfg.router.port}")
+    if warning := insecure_warning(cfg):
+        print(warning, file=sys.stderr)

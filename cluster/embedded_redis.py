@@ -4,11 +4,16 @@
 persistence off, and stops it (SIGTERM, then SIGKILL) on `stop()` or when used as a
 context manager. The server is started with `--daemonize no` as a child process, so a
 supervisor that owns it can also kill it by PID.
+
+With a `password` (a cluster with a secret: `pdserve.common.redis_auth.embedded_password`)
+the server wants AUTH for every command; the password goes to redis-server in a config
+file readable by the owner only (`conf_file`), never on its command line.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -47,16 +52,37 @@ class EmbeddedRedis:
         port: int | None = None,
         log_file: str | Path | None = None,
         executable: str = "redis-server",
+        password: str | None = None,
+        conf_file: str | Path | None = None,
     ):
+        """`conf_file`: where the password's config file goes (default: beside the log,
+        else /tmp); written with mode 0600."""
         self.host = host
         self.port = port or _free_port(host)
         self.log_file = Path(log_file) if log_file else None
         self.executable = executable
+        self.password = password or None
+        if not password:
+            conf_file = None  # an open server (loopback, no secret) needs no config file
+        elif conf_file is None:
+            folder = self.log_file.parent if self.log_file else Path("/tmp")
+            conf_file = folder / f"pdserve-redis-{self.port}-{os.getpid()}.conf"
+        self.conf_file = Path(conf_file) if conf_file else None
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
+        """Its URL, without the password (see `pdserve.common.redis_auth.with_password`)."""
         return f"redis://{self.host}:{self.port}"
+
+    def write_conf(self) -> None:
+        """The owner-only config file holding the password (created before it is written)."""
+        if self.conf_file is None:
+            return
+        self.conf_file.unlink(missing_ok=True)
+        fd = os.open(self.conf_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{self.password}"\n')
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         exe = shutil.which(self.executable)
@@ -89,8 +115,10 @@ class EmbeddedRedis:
     def command(self, exe: str | None = None) -> list[str]:
         """The redis-server command line (a supervisor may run it itself)."""
         exe = exe or shutil.which(self.executable) or self.executable
+        self.write_conf()
         return [
             exe,
+            *([str(self.conf_file)] if self.conf_file else []),
             "--bind", self.host,
             "--port", str(self.port),
             "--save", "",
@@ -105,6 +133,11 @@ class EmbeddedRedis:
         """True when the server answers PING (a raw RESP exchange, no client library)."""
         try:
             with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                if self.password:
+                    pw = self.password.encode()
+                    s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                    if not s.recv(64).startswith(b"+OK"):
+                        return False
                 s.sendall(b"*1\r\n$4\r\nPING\r\n")
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
@@ -112,6 +145,8 @@ class EmbeddedRedis:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         proc, self.proc = self.proc, None
+        if self.conf_file is not None:
+            self.conf_file.unlink(missing_ok=True)
         if proc is None or proc.poll() is not None:
             return
         proc.terminate()

@@ -21,13 +21,21 @@ from pathlib import Path
 
 import httpx
 
-from pdserve.cluster.checks import ports_in_use
+from pdserve.cluster.checks import insecure_warning, ports_in_use
 from pdserve.cluster.config_file import ConfigFileError, Issue
 from pdserve.cluster.embedded_redis import EmbeddedRedis, _free_port
 from pdserve.cluster.nodes import NodeSpec, cluster_nodes, router_argv, router_env, serve_argv
 from pdserve.cluster.process import ManagedProcess
 from pdserve.cluster.schema import ClusterConfig
 from pdserve.cluster.supervisor import LaunchError, Service, Supervisor
+from pdserve.common.cluster_secret import load_cluster_secret
+from pdserve.common.redis_auth import (
+    PASSWORD_ENV,
+    embedded_password,
+    redact,
+    url_password,
+    with_password,
+)
 from pdserve.common.redis_keys import ClusterKeys
 
 logger = logging.getLogger(__name__)
@@ -68,7 +76,8 @@ class ClusterState:
         self.cfg = cfg
         self.run_dir = run_dir
         self.config_file = config_file
-        self.redis_url: str | None = None
+        self.redis_url: str | None = None  # never with a password (shown, written, on argv)
+        self.redis_password: str | None = None  # reaches processes by environment only
         self.router_url: str | None = None
         self.services: list[Service] = []
         self.started = time.time()
@@ -83,6 +92,7 @@ class ClusterState:
             "launcher_pid": os.getpid(),
             "started": self.started,
             "redis_url": self.redis_url,
+            "redis_embedded": self.cfg.redis.embedded,
             "router_url": self.router_url,
             "services": [
                 {
@@ -108,10 +118,21 @@ class ClusterState:
             try:
                 import redis
 
-                with redis.Redis.from_url(self.redis_url, socket_timeout=1.0) as r:
+                url = with_password(self.redis_url, self.redis_password)
+                with redis.Redis.from_url(url, socket_timeout=1.0) as r:
                     r.set(ClusterKeys(self.cfg.cluster).launcher, json.dumps(data))
             except Exception as e:  # Redis down or restarting: the file still has it
                 logger.debug("could not store the launcher state in Redis: %s", e)
+
+
+def process_env(state: ClusterState, base: dict[str, str] | None = None) -> dict[str, str]:
+    """A started process's environment (`base`, default this one's): with the Redis password
+    when the cluster's Redis has one (pdserve/common/redis_auth.py)."""
+    env = dict(os.environ if base is None else base)
+    env.pop(PASSWORD_ENV, None)
+    if state.redis_password:
+        env[PASSWORD_ENV] = state.redis_password
+    return env
 
 
 def status_screen(state: ClusterState, elapsed_s: float) -> str:
@@ -134,10 +155,22 @@ def redis_stage(
     """The embedded Redis stage (if any), and the overrides that point nodes at Redis."""
     node_overrides = list(overrides)
     if not cfg.redis.embedded:
-        state.redis_url = cfg.redis.url
+        # A password in the URL leaves it here: processes get it by environment.
+        state.redis_url = redact(cfg.redis.url)
+        state.redis_password = url_password(cfg.redis.url) or os.environ.get(PASSWORD_ENV)
+        if state.redis_password:
+            node_overrides.append(f"redis.url={state.redis_url}")
         return [], node_overrides
-    redis = EmbeddedRedis(cfg.redis.host, cfg.redis.port or _free_port(cfg.redis.host))
-    proc = ManagedProcess(redis.command(), run_dir / "redis.log")
+    try:
+        secret = load_cluster_secret(cfg.secret_file) if cfg.secret_file else None
+    except ValueError as e:
+        raise LaunchError(f"secret_file: {e}") from None
+    state.redis_password = embedded_password(secret) if secret else None
+    port = cfg.redis.port or _free_port(cfg.redis.host)
+    conf = run_dir / "redis.conf"
+    redis = EmbeddedRedis(cfg.redis.host, port, password=state.redis_password, conf_file=conf)
+    proc = ManagedProcess(redis.command(), run_dir / "redis.log", env=process_env(state))
+    state.cleanups.append(lambda: conf.unlink(missing_ok=True))
     state.redis_url = redis.url
     node_overrides.append(f"redis.url={redis.url}")
     return [[Service("redis", "redis", proc, redis.ping, redis.url, str(proc.log_path))]], (
@@ -155,7 +188,8 @@ def router_stage(
     url = f"{scheme}://{'127.0.0.1' if r.host in ('0.0.0.0', '') else r.host}:{r.port}"
     argv = router_argv(cfg, state.redis_url, nodes, cfg.launcher.log_level)
     state.router_url = url
-    return [[_service("router", "router", argv, url, run_dir, env=router_env(cfg))]]
+    env = process_env(state, router_env(cfg))
+    return [[_service("router", "router", argv, url, run_dir, env=env)]]
 
 
 def local_services(
@@ -168,7 +202,8 @@ def local_services(
     node_services = []
     for node in nodes:
         argv = serve_argv(config_file, node, node_overrides, log_level=level)
-        node_services.append(_service(node.name, node.role, argv, node.url, run_dir))
+        env = process_env(state)
+        node_services.append(_service(node.name, node.role, argv, node.url, run_dir, env))
     stages.append(node_services)
     return stages + router_stage(cfg, nodes, run_dir, state)
 
@@ -239,6 +274,8 @@ def run_cluster(
     code = 0
     try:
         say(f"[launch] cluster '{cfg.cluster}': {len(state.services)} processes, run dir {run_dir}")
+        if warning := insecure_warning(cfg):
+            say(f"[launch] {warning}")
         sup.start_all()
         say(status_screen(state, time.monotonic() - t0))
         sup.supervise()

@@ -155,8 +155,15 @@ def router_argv(
     for cls, section in ((RouterSettings, r), (RouterProcessSettings, proc)):
         for name in cls.model_fields:
             value = getattr(section, name)
-            if value is not None and name not in ("api_key", "prefill", "decode"):
-                argv += [flag_of(cls, name), str(value)]  # the API key goes by environment
+            if value is None or name in ("api_key", "prefill", "decode"):
+                continue  # the API key goes by environment
+            flag = flag_of(cls, name)
+            if isinstance(value, bool):  # --x / --no-x
+                argv.append(flag if value else f"--no-{flag[2:]}")
+            elif isinstance(value, list):  # repeatable
+                argv += [a for v in value for a in (flag, str(v))]
+            else:
+                argv += [flag, str(value)]
     for node in nodes:
         argv += [f"--{node.role}", node.url]
     return argv

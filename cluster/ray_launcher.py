@@ -31,6 +31,7 @@ from pdserve.cluster.nodes import cluster_nodes, serve_argv
 from pdserve.cluster.process import ManagedProcess
 from pdserve.cluster.schema import ClusterConfig
 from pdserve.cluster.supervisor import LaunchError, Service
+from pdserve.common.redis_auth import PASSWORD_ENV
 
 PLACEMENT_TIMEOUT_S = 120.0
 POLL_TIMEOUT_S = 3.0  # a supervisor tick waits at most this for a node's host
@@ -140,11 +141,15 @@ class RayHandle:
             return f"(log unavailable: {e})"
 
 
-def place_nodes(cfg: ClusterConfig, config_text: str) -> dict[str, tuple[object, dict]]:
+def place_nodes(
+    cfg: ClusterConfig, config_text: str, redis_password: str | None = None
+) -> dict[str, tuple[object, dict]]:
     """One actor per node, placed by the group's resources: name -> (actor, where)."""
     import ray
 
     env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
+    if redis_password:  # by environment, never argv (pdserve/common/redis_auth.py)
+        env[PASSWORD_ENV] = redis_password
     if "PYTHONPATH" not in env:
         env["PYTHONPATH"] = os.getcwd()
     remote = ray.remote(NodeActor)
@@ -181,7 +186,7 @@ def ray_services(
     state.cleanups.append(ray.shutdown)  # ends the actors (and any node they still run)
     config_text = Path(config_file).read_text()
     stages, node_overrides = redis_stage(cfg, run_dir, state, overrides)
-    placed = place_nodes(cfg, config_text)
+    placed = place_nodes(cfg, config_text, state.redis_password)
     for role in ("prefill", "decode"):
         group = getattr(cfg, role)
         if group is None or not group.count:

@@ -176,6 +176,12 @@ class ClusterConfig(Section):
         "(CurveZMQ) and authenticate (HMAC) the KV control channel, seal KV-done "
         "notifications and answer HTTP only from the router (docs/operations.md)",
     )
+    insecure_open_network: bool = Field(
+        False,
+        description="INSECURE: allow the router, nodes or embedded Redis to bind beyond "
+        "loopback without `secret_file` (anyone who reaches a port can then read prompts, "
+        "write Redis and add nodes); without it such a config is refused",
+    )
 
     @field_validator("redis", mode="before")
     @classmethod

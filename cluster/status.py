@@ -10,12 +10,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from pdserve.cluster.registry import OPEN, RecordCheck
+from pdserve.common.cluster_secret import load_cluster_secret
+from pdserve.common.redis_auth import (
+    PASSWORD_ENV,
+    embedded_password,
+    redact,
+    url_password,
+    with_password,
+)
 from pdserve.common.redis_keys import ClusterKeys
 
 
@@ -34,17 +44,23 @@ def find_state_file(run_root: Path, cluster: str | None) -> Path | None:
     return max(files, key=lambda f: f.stat().st_mtime, default=None)
 
 
-def read_status(redis_url: str, cluster: str) -> tuple[dict | None, list[dict]]:
-    """The launcher's state and the registry's node records, from Redis."""
+def read_status(
+    redis_url: str, cluster: str, check: RecordCheck = OPEN
+) -> tuple[dict | None, list[dict]]:
+    """The launcher's state and the registry's node records, from Redis; a record that
+    `check` refuses (unsigned, forged) carries why under "ignored", as readers ignore it."""
     import redis
 
     keys = ClusterKeys(cluster)
-    with redis.Redis.from_url(redis_url, socket_timeout=2.0, decode_responses=True) as r:
+    url = with_password(redis_url)
+    with redis.Redis.from_url(url, socket_timeout=2.0, decode_responses=True) as r:
         raw = r.get(keys.launcher)
         nodes = []
         for key in sorted(r.scan_iter(keys.node_pattern)):
             if r.type(key) == "hash":
-                nodes.append({"key": key, **r.hgetall(key)})
+                fields = r.hgetall(key)
+                why = check.refusal(key.rsplit(":", 1)[1].encode(), fields)
+                nodes.append({"key": key, **fields, **({"ignored": why} if why else {})})
     return (json.loads(raw) if raw else None), nodes
 
 
@@ -83,9 +99,10 @@ def render(state: dict | None, nodes: list[dict]) -> str:
             age = "?"
         kv = f"{n.get('kv_used', '?')}/{n.get('kv_total', '?')}"
         lines.append(
-            f"  {n.get('node_id', n['key']):<12} {n.get('role', '?'):<8} "
+            f"  {n['key'].rsplit(':', 1)[1]:<12} {n.get('role', '?'):<8} "
             f"{n.get('epoch', '?'):>14} {n.get('running', '?'):>4} {n.get('waiting', '?'):>4} "
             f"{kv:>11} {age:>5}  {n.get('url', '')}"
+            + (f"  IGNORED: {n['ignored']}" if "ignored" in n else "")
         )
     return "\n".join(lines)
 
@@ -93,6 +110,7 @@ def render(state: dict | None, nodes: list[dict]) -> str:
 def run(args: argparse.Namespace) -> None:
     cluster, redis_url = args.cluster, args.redis_url
     run_root = Path(args.run_dir)
+    secret_file, embedded = None, False
     if args.config:
         from pdserve.cluster.config_file import ConfigFileError, load_config
 
@@ -102,6 +120,7 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"pdserve status: {e}") from None
         cluster = cluster or cfg.cluster
         run_root = Path(cfg.launcher.run_dir)
+        secret_file, embedded = cfg.secret_file, cfg.redis.embedded
         if redis_url is None and not cfg.redis.embedded:
             redis_url = cfg.redis.url
     if redis_url is None:
@@ -110,13 +129,26 @@ def run(args: argparse.Namespace) -> None:
             raise SystemExit(f"pdserve status: no cluster.json under {run_root}; --redis-url?")
         saved = json.loads(state_file.read_text())
         redis_url, cluster = saved["redis_url"], cluster or saved["cluster"]
+        embedded = saved.get("redis_embedded", False)
     cluster = cluster or "pdserve"
     try:
-        state, nodes = read_status(redis_url, cluster)
+        secret = load_cluster_secret(secret_file)
+    except ValueError as e:
+        raise SystemExit(f"pdserve status: {e}") from None
+    if secret and embedded:  # the launcher's embedded server wants the derived password
+        redis_url = with_password(
+            redis_url, os.environ.get(PASSWORD_ENV) or embedded_password(secret)
+        )
+    try:
+        state, nodes = read_status(redis_url, cluster, RecordCheck(secret))
     except Exception as e:
-        raise SystemExit(f"pdserve status: cannot read {redis_url}: {e}") from None
+        msg = str(e).replace(url_password(redis_url) or "\0", "***")
+        if "auth" in msg.lower():
+            msg += " (a cluster with a secret: give its config, PDSERVE_CLUSTER_SECRET_FILE "
+            msg += f"or {PASSWORD_ENV})"
+        raise SystemExit(f"pdserve status: cannot read {redact(redis_url)}: {msg}") from None
     if state is None and not nodes:
-        raise SystemExit(f"pdserve status: no cluster '{cluster}' in {redis_url}")
+        raise SystemExit(f"pdserve status: no cluster '{cluster}' in {redact(redis_url)}")
     if args.json:
         json.dump({"launcher": state, "nodes": nodes}, sys.stdout, indent=2)
         print()

@@ -14,6 +14,7 @@ from pdserve.common.block_hash import root_hash
 from pdserve.common.errors import ConfigError, InvalidRequestError
 from pdserve.common.model_files import resolve_model
 from pdserve.common.sampling_rules import check_token_ids
+from pdserve.common.weights_digest import weights_digest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cpu_heap import keep_freed_memory
 from pdserve.engine.grammar import GrammarCompiler
@@ -81,8 +82,11 @@ class EngineCore:
         if arch is None:
             self.model_dir = resolve_model(config.model.name)
             arch = ModelArch.from_dir(self.model_dir)
+            # KV belongs to these weights: the block-hash root is keyed by their digest
+            self.weights_digest = weights_digest(self.model_dir)
         else:
             self.model_dir = Path(config.model.name)
+            self.weights_digest = ""
         self.arch = arch
         cc = config.cache
         per_block = kv_bytes_per_block(arch, cc.block_size, config.model.torch_dtype)
@@ -101,7 +105,7 @@ class EngineCore:
         self.max_model_len = min(model_max, num_blocks * cc.block_size)
         self.vocab_size = arch.vocab_size
         self.eos_token_ids = eos_token_ids(self.model_dir, arch)
-        self.hash_root = root_hash(config.model.api_name, cc.block_size)
+        self.hash_root = self.root_for("")
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv.pool.record_events = cc.kv_events
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
@@ -163,7 +167,7 @@ class EngineCore:
             self.config.cache.block_size,
             self.eos_token_ids,
             remote_prefill=remote_prefill,
-            hash_root=self.hash_root,
+            hash_root=self.root_for(params.cache_salt) if params.cache_salt else self.hash_root,
         )
         # A grammar compiles off this thread: the request is scheduled once it is ready.
         ready = params.grammar is None or self.grammars.start(req, params.grammar)
@@ -171,6 +175,11 @@ class EngineCore:
         if ready:
             self.scheduler.add_request(req)
         return req
+
+    def root_for(self, salt: str) -> bytes:
+        """The block-hash root of this model's weights for a request's cache salt."""
+        cfg = self.config
+        return root_hash(cfg.model.api_name, cfg.cache.block_size, salt, self.weights_digest)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         outs = []

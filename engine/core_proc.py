@@ -147,6 +147,7 @@ class EngineCoreProc:
                 eos_token_ids=sorted(core.eos_token_ids),
                 block_size=core.config.cache.block_size,
                 num_blocks=core.kv.pool.num_blocks,
+                weights_digest=core.weights_digest,
             )
         )
         try:

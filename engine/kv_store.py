@@ -10,6 +10,8 @@ things, both off the engine loop:
   [0, num_tokens) are now in its blocks. The scheduler caches the full blocks among them
   in the prefix cache and re-queues the request, which then finds them as a local prefix
   hit and computes only the rest (or orders it from a prefill node).
+* Salt: a request with a `cache_salt` loads and saves under keys keyed by it, so its
+  chunks are found only by requests with the same salt (pdserve/common/block_hash.py).
 * Save: when a prompt's last chunk has been computed, the core pins the prompt's blocks
   (an extra reference under a pin key) and calls `start_save`; `SaveDone` follows when
   the store holds the chunks (visible to other nodes), and the core releases the pin.
@@ -54,9 +56,10 @@ class KVStore(Protocol):
         ...
 
     def start_load(
-        self, request_id: str, token_ids: list[int], slots: list[int], present: int
+        self, request_id: str, token_ids: list[int], slots: list[int], present: int, salt: str = ""
     ) -> None:
-        """Fill slots of tokens [present, ...) with stored KV; `LoadDone` follows."""
+        """Fill slots of tokens [present, ...) with KV stored under cache salt `salt`
+        ("": the shared, unsalted keys); `LoadDone` follows."""
         ...
 
     def abandon_load(self, request_id: str) -> None:
@@ -64,9 +67,9 @@ class KVStore(Protocol):
         ...
 
     def start_save(
-        self, request_id: str, token_ids: list[int], slots: list[int], stored: int
+        self, request_id: str, token_ids: list[int], slots: list[int], stored: int, salt: str = ""
     ) -> None:
-        """Store the prompt's KV; `SaveDone` follows. Tokens [0, stored) came from a store
+        """Store the prompt's KV under keys of cache salt `salt`; `SaveDone` follows. Tokens [0, stored) came from a store
         (perhaps another backend's): a backend skips only the part of them it holds."""
         ...
 

@@ -64,6 +64,7 @@ class Ready(msgspec.Struct, tag=True, kw_only=True):
     eos_token_ids: list[int]
     block_size: int
     num_blocks: int
+    weights_digest: str = ""  # pdserve/common/weights_digest.py: the block-hash root's key
 
 
 class OutputBatch(msgspec.Struct, tag=True, kw_only=True):
@@ -126,7 +127,8 @@ class EngineAddresses(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_base(cls, base: str) -> EngineAddresses:
-        """`ipc:///path/name` -> `…name-input`/`…name-output`; `tcp://host:P` -> ports P, P+1."""
+        """`ipc:///path/name` -> `…name-input`/`…name-output`; `tcp://host:P` -> ports P, P+1.
+        The channels carry no authentication: a node refuses tcp:// (node/cli.py)."""
         if base.startswith("ipc://"):
             return cls(input=f"{base}-input", output=f"{base}-output")
         if base.startswith("tcp://"):

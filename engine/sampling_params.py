@@ -55,6 +55,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     min_tokens: int = 0
     grammar: str | None = None
+    # prefix-cache tenant: blocks hash from a root keyed by it (pdserve/common/block_hash.py),
+    # so only requests with the same salt hit them, in the shared store too (its chunk keys)
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         check_sampling_values({name: getattr(self, name) for name in self.__struct_fields__})

@@ -84,7 +84,10 @@ class StoreDriver:
     def start_loads(self, sched: SchedulerOutput) -> None:
         for req in sched.store_loads:
             slots = self._slots(self.kv.get_block_ids(req.request_id), req.num_tokens)
-            self.store.start_load(req.request_id, req.all_token_ids, slots, req.num_computed_tokens)
+            salt = req.sampling_params.cache_salt  # its keys are keyed by it, like its blocks'
+            self.store.start_load(
+                req.request_id, req.all_token_ids, slots, req.num_computed_tokens, salt
+            )
 
     def save_prompts(self, sched: SchedulerOutput) -> None:
         """Save each prompt whose last chunk ran this step (its blocks pinned meanwhile)."""
@@ -102,4 +105,7 @@ class StoreDriver:
             ids = self.kv.pin(req.request_id, -(-n // bs), key)
             whole = n - n % self.chunk_size  # a partial chunk's key matches only itself
             self._saving[key] = req.block_hashes[: whole // bs]
-            self.store.start_save(key, req.prompt_token_ids, self._slots(ids, n), req.store_tokens)
+            salt = req.sampling_params.cache_salt
+            self.store.start_save(
+                key, req.prompt_token_ids, self._slots(ids, n), req.store_tokens, salt
+            )

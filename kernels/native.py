@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -105,6 +106,21 @@ def library_path(name: str, cxx: str) -> Path:
     return cache_dir() / f"{name}-{h.hexdigest()[:16]}.so"
 
 
+def check_owned(path: Path) -> None:
+    """Raise RuntimeError unless `path` and its folder belong to this user and only this
+    user can write them: the cache path is predictable, and a library planted there by
+    someone else would run as us."""
+    for p in (path, path.parent):
+        st = os.lstat(p)
+        if p is path and not stat.S_ISREG(st.st_mode):
+            raise RuntimeError(f"{p} is not a regular file: not loaded")
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise RuntimeError(
+                f"{p} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: "
+                "only a file (and folder) of this user that no one else can write is loaded"
+            )
+
+
 def build(name: str) -> Path:
     """The shared library for kernels/csrc/<name>.cpp, compiled now unless cached.
 
@@ -115,6 +131,7 @@ def build(name: str) -> Path:
         raise RuntimeError("no C++ compiler found (set $CXX or install g++)")
     path = library_path(name, cxx)
     if path.exists():
+        check_owned(path)
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 Screen = Callable[[bytes, bytes, Callable[[bytes, bytes], None]], bytes | None]
 INNER_HWM = 100_000  # frames queued for the engine thread (a long step) before drops
+# The largest frame a peer may send (a prefill order of a ~1M-token prompt fits): ZMQ drops
+# the connection of a peer that sends more, so the queue above never holds huge frames.
+MAX_FRAME_BYTES = 8 << 20
 
 
 class ControlPump:
@@ -47,6 +50,7 @@ class ControlPump:
         self._screen = screen
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         if curve is not None:
             self._router.curve_server = True
             self._router.curve_publickey, self._router.curve_secretkey = curve

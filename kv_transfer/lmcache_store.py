@@ -16,10 +16,12 @@ works for CPU and CUDA caches alike (chunk tensors on the CPU).
 call blocks (Redis round trips), so callers run them off the engine loop
 (`pdserve.kv_transfer.prefix_store`). Chunk keys hash the token ids with keyed-free blake2b
 (not Python's `hash`, whose collisions are easy to construct), under a namespace that
-names the model, dtype and KV shape. LMCache's usage telemetry is switched off before it
-is imported, and `close` is bounded: LMCache's own close can hang with a Redis backend.
-Chunks that only Redis holds are retrieved by `RedisChunkReader` (same keys and bytes,
-one pipelined round trip) rather than LMCache's slower Redis read path.
+names the model, dtype and KV shape. Every call takes the request's cache salt: a salted
+request's chunk hashes are keyed by it, so only requests with the same salt find its
+chunks. LMCache's usage telemetry is switched off before it is imported, and `close` is
+bounded: LMCache's own close can hang with a Redis backend. Chunks that only Redis holds
+are retrieved by `RedisChunkReader` (same keys and bytes, one pipelined round trip)
+rather than LMCache's slower Redis read path.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import time
 
 import torch
 
+from pdserve.common.redis_auth import redact
 from pdserve.kv_transfer.kv_layout import KVLayout
 from pdserve.kv_transfer.kv_slots import SlotRows
 
@@ -46,12 +49,15 @@ def _quiet_lmcache() -> None:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")  # our own code logs failures
 
 
-def _chunk_hash(args) -> bytes:
-    """LMCache's chunk hash over (prefix hash, token ids, extra keys): blake2b, 8 bytes."""
+def _chunk_hash(args, salt: str = "") -> bytes:
+    """LMCache's chunk hash over (prefix hash, token ids, extra keys), keyed by the
+    request's cache salt when it has one: blake2b, 8 bytes."""
     prefix, tokens, _extra = args
     h = hashlib.blake2b(digest_size=8)
     h.update(int(prefix).to_bytes(8, "little", signed=int(prefix) < 0))
     h.update(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
+    if salt:  # no salt: the shared, unsalted keys (unchanged)
+        h.update(b"salt\x00" + salt.encode())
     return h.digest()
 
 
@@ -135,7 +141,8 @@ class LMCacheKVStore:
             chunk_size=chunk_size,
         )
         db = ChunkedTokenDatabase(config, metadata)
-        db.hash_func = _chunk_hash
+        self._salt = ""  # the cache salt of the call running (one thread calls this store)
+        db.hash_func = lambda args: _chunk_hash(args, self._salt)
         self._engine = LMCacheEngine(config, metadata, db, _adapter_class()(kv_cache), None, None)
         self._engine.post_init()
         self._kv_cache = kv_cache
@@ -150,23 +157,28 @@ class LMCacheKVStore:
             model_name,
             chunk_size,
             local_cpu_bytes / 2**30,
-            remote_url or "none",
+            redact(remote_url) or "none",
         )
 
     # -- operations (blocking) -------------------------------------------------------------
-    def store(self, token_ids: list[int], slots: list[int], skip_tokens: int = 0) -> int:
+    def store(
+        self, token_ids: list[int], slots: list[int], skip_tokens: int = 0, salt: str = ""
+    ) -> int:
         """Store the KV of `token_ids` (slot i holds token i) from the chunk holding token
-        `skip_tokens` on; returns the number of tokens handed to LMCache."""
+        `skip_tokens` on, under keys of cache salt `salt`; returns the number of tokens
+        handed to LMCache."""
+        self._salt = salt
         tokens, slot_t, mask = self._args(token_ids, slots, skip_tokens)
         if mask is not None and not bool(mask.any()):
             return 0
         self._engine.store(tokens, mask=mask, kvcaches=self._kv_cache, slot_mapping=slot_t)
         return int(mask.sum()) if mask is not None else len(token_ids)
 
-    def wait_visible(self, token_ids: list[int], deadline: float) -> bool:
+    def wait_visible(self, token_ids: list[int], deadline: float, salt: str = "") -> bool:
         """Poll until every chunk of `token_ids` is in the remote tier (or the deadline)."""
         if not self.remote:
             return True
+        self._salt = salt
         delay = 0.0005
         while True:
             n = self._engine.lookup(token_ids, search_range=["RemoteBackend"])
@@ -177,8 +189,11 @@ class LMCacheKVStore:
             time.sleep(delay)
             delay = min(delay * 2, 0.005)
 
-    def retrieve(self, token_ids: list[int], slots: list[int], skip_tokens: int = 0) -> int:
-        """Load stored chunks into `slots`, leaving tokens [0, skip_tokens) untouched.
+    def retrieve(
+        self, token_ids: list[int], slots: list[int], skip_tokens: int = 0, salt: str = ""
+    ) -> int:
+        """Load chunks stored under cache salt `salt` into `slots`, leaving tokens
+        [0, skip_tokens) untouched.
 
         Returns the length of the token prefix now present in the cache: `skip_tokens`
         plus whatever leading tokens LMCache filled after it (0 filled: `skip_tokens`).
@@ -186,7 +201,10 @@ class LMCacheKVStore:
         tokens, slot_t, mask = self._args(token_ids, slots, skip_tokens)
         if skip_tokens:
             slot_t[:skip_tokens] = -1  # present locally: never overwrite shared blocks
-        if self._reader is not None and self.lookup(token_ids, local_only=True) < len(token_ids):
+        self._salt = salt
+        if self._reader is not None and (
+            self.lookup(token_ids, local_only=True, salt=salt) < len(token_ids)
+        ):
             db = self._engine.token_database
             chunks = ((s, e, k.to_string()) for s, e, k in db.process_tokens(tokens, mask=mask))
             return max(self._reader.read(chunks, slot_t), skip_tokens)
@@ -199,9 +217,15 @@ class LMCacheKVStore:
         return max(end, skip_tokens)
 
     def lookup(
-        self, token_ids: list[int], remote_only: bool = False, local_only: bool = False
+        self,
+        token_ids: list[int],
+        remote_only: bool = False,
+        local_only: bool = False,
+        salt: str = "",
     ) -> int:
-        """Leading tokens of `token_ids` the store holds (whole chunks, plus a last partial)."""
+        """Leading tokens of `token_ids` the store holds under cache salt `salt` (whole
+        chunks, plus a last partial)."""
+        self._salt = salt
         rng = ["RemoteBackend"] if remote_only else ["LocalCPUBackend"] if local_only else None
         return int(self._engine.lookup(token_ids, search_range=rng))
 

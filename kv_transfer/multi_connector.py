@@ -62,6 +62,7 @@ class _Load:
     slots: list[int]
     present: int
     order: list[int]  # indices of load backends, in order; order[0] is running
+    salt: str = ""  # the request's cache salt
     abandoned: bool = False
 
 
@@ -103,14 +104,14 @@ class MultiConnector:
             b.store.attach(kv_cache)
 
     def start_load(
-        self, request_id: str, token_ids: list[int], slots: list[int], present: int
+        self, request_id: str, token_ids: list[int], slots: list[int], present: int, salt: str = ""
     ) -> None:
         order = [i for i, b in enumerate(self.stores) if b.load]
         if not order:
             self._ready.append(LoadDone(request_id, present))
             return
-        self._loads[request_id] = _Load(token_ids, slots, present, order)
-        self.stores[order[0]].store.start_load(request_id, token_ids, slots, present)
+        self._loads[request_id] = _Load(token_ids, slots, present, order, salt)
+        self.stores[order[0]].store.start_load(request_id, token_ids, slots, present, salt)
 
     @property
     def can_load(self) -> bool:
@@ -127,7 +128,7 @@ class MultiConnector:
             self._ready.append(LoadSettled(request_id))
 
     def start_save(
-        self, request_id: str, token_ids: list[int], slots: list[int], stored: int
+        self, request_id: str, token_ids: list[int], slots: list[int], stored: int, salt: str = ""
     ) -> None:
         targets = {i for i, b in enumerate(self.stores) if b.save}
         if not targets:
@@ -135,7 +136,7 @@ class MultiConnector:
             return
         self._saves[request_id] = _Save(set(targets))
         for i in sorted(targets):
-            self.stores[i].store.start_save(request_id, token_ids, slots, stored)
+            self.stores[i].store.start_save(request_id, token_ids, slots, stored, salt)
 
     def poll(self) -> list[StoreEvent]:
         events, self._ready = self._ready, []
@@ -177,7 +178,7 @@ class MultiConnector:
             logger.warning(
                 "request %s: KV load backend %s failed; trying %s", rid, b.name, nxt.name
             )
-        nxt.store.start_load(rid, load.token_ids, load.slots, load.present)
+        nxt.store.start_load(rid, load.token_ids, load.slots, load.present, load.salt)
         return None
 
     def has_pending(self) -> bool:

@@ -39,6 +39,7 @@ class _Job:
     present: int  # load: tokens present locally; save: tokens perhaps stored already
     deadline: float
     abandoned: bool = False  # load: the engine stopped waiting (skip it if not started)
+    salt: str = ""  # the request's cache salt: its chunks' keys are keyed by it
 
 
 class PrefixStore:
@@ -92,14 +93,13 @@ class PrefixStore:
             )
 
     def start_load(
-        self, request_id: str, token_ids: list[int], slots: list[int], present: int
+        self, request_id: str, token_ids: list[int], slots: list[int], present: int, salt: str = ""
     ) -> None:
         if self._down(request_id, "load") or not self._started.is_set():
             self._ready.append(LoadDone(request_id, present, failed=True))
             return
-        job = _Job(
-            "load", request_id, token_ids, slots, present, time.monotonic() + self.load_timeout_s
-        )
+        deadline = time.monotonic() + self.load_timeout_s
+        job = _Job("load", request_id, token_ids, slots, present, deadline, salt=salt)
         self._loads[request_id] = job
         self._submit(job)
 
@@ -113,13 +113,13 @@ class PrefixStore:
             self._ready.append(LoadSettled(request_id))
 
     def start_save(
-        self, request_id: str, token_ids: list[int], slots: list[int], stored: int
+        self, request_id: str, token_ids: list[int], slots: list[int], stored: int, salt: str = ""
     ) -> None:
         if self._down(request_id, "save"):
             self._ready.append(SaveDone(request_id, False))
             return
         deadline = time.monotonic() + self.save_timeout_s
-        self._submit(_Job("save", request_id, token_ids, slots, stored, deadline))
+        self._submit(_Job("save", request_id, token_ids, slots, stored, deadline, salt=salt))
 
     def poll(self) -> list[StoreEvent]:
         events, self._ready = self._ready, []
@@ -211,21 +211,21 @@ class PrefixStore:
             raise RuntimeError("the KV store backend did not start")
         if self._health_check is not None:
             self._health_check()
-        b = self._backend
+        b, salt = self._backend, job.salt
         if job.kind == "save":
             # `present` is what a load brought, perhaps from another backend: skip only
             # the part this one holds, or wait_visible (the chain) never sees the rest.
             skip = job.present
             if skip:
                 remote = bool(getattr(b, "remote", False))
-                skip = min(skip, b.lookup(job.token_ids[:skip], remote_only=remote))
+                skip = min(skip, b.lookup(job.token_ids[:skip], remote_only=remote, salt=salt))
             if skip >= len(job.token_ids):  # it holds the whole prompt (it served the load)
                 return SaveDone(job.request_id, True)
-            b.store(job.token_ids, job.slots, skip)
-            if not b.wait_visible(job.token_ids, job.deadline):
+            b.store(job.token_ids, job.slots, skip, salt=salt)
+            if not b.wait_visible(job.token_ids, job.deadline, salt=salt):
                 raise TimeoutError(f"chunks not visible within {self.save_timeout_s:g} s")
             return SaveDone(job.request_id, True)
-        n = b.retrieve(job.token_ids, job.slots, job.present)
+        n = b.retrieve(job.token_ids, job.slots, job.present, salt=salt)
         logger.debug("request %s: %d prompt tokens present after load", job.request_id, n)
         return LoadDone(job.request_id, n)
 

@@ -17,7 +17,9 @@ import typing
 from typing import NamedTuple
 
 from pdserve.api.cluster_secret import load_cluster_secret
+from pdserve.common.cluster_secret import warn_if_open
 from pdserve.common.errors import ConfigError
+from pdserve.common.redis_auth import with_password
 from pdserve.config.engine import (
     CacheSettings,
     ComputeSettings,
@@ -84,7 +86,7 @@ def cluster_options(s: NodeSettings) -> ClusterOptions:
     try:
         return ClusterOptions(
             advertise_url=sv.advertise_url or f"http://{http.host}:{http.port}",
-            redis_url=sv.redis_url,
+            redis_url=_redis(sv.redis_url),
             cluster=sv.cluster,
             heartbeat_s=s.registry.heartbeat_s,
             node_ttl_s=s.registry.node_ttl_s,
@@ -122,6 +124,24 @@ def _interface_of(addr: str) -> str | None:
     return None
 
 
+def engine_address(base: str) -> str:
+    """The engine channels' base address: ipc:// only. Over tcp:// anyone who reaches the
+    port could feed the engine requests (the channel has no authentication)."""
+    if not base.startswith("ipc://"):
+        raise ConfigError(
+            "engine_address",
+            f"{base!r}: only ipc:///path/name (a tcp:// engine channel would be open to "
+            "anyone who reaches its port)",
+        )
+    return base
+
+
+def _redis(url: str | None) -> str | None:
+    """A Redis URL as this process connects to it: with the password from the environment
+    (pdserve/common/redis_auth.py), which never rides on the command line."""
+    return with_password(url) if url else None
+
+
 def _cluster_secret(path: str | None) -> bytes | None:
     try:
         return load_cluster_secret(path)
@@ -139,7 +159,7 @@ def engine_config(s: NodeSettings) -> EngineConfig:
     sv, t, st = s.serve, s.transfer, s.store
     lmcache_transfer = sv.role != "colocated" and t.kind == "lmcache"
     uses_store = st.backend is not None or lmcache_transfer or bool(sv.kv_backend)
-    store_url = (sv.redis_url if st.url == "cluster" else st.url) if uses_store else None
+    store_url = _redis(sv.redis_url if st.url == "cluster" else st.url) if uses_store else None
     return EngineConfig(
         model=ModelConfig(
             name=s.model.name,
@@ -167,7 +187,7 @@ def engine_config(s: NodeSettings) -> EngineConfig:
             namespace=sv.kv_store_namespace,
             **st.model_dump(exclude={"url"}),
         ),
-        kv_backends=parse_backends(sv.kv_backend, sv.redis_url),
+        kv_backends=parse_backends(sv.kv_backend, _redis(sv.redis_url)),
         num_threads=s.compute.num_threads,
     )
 
@@ -196,9 +216,10 @@ def serve(args: argparse.Namespace) -> None:
     settings = NodeSettings.from_args(args)
     config = engine_config(settings)
     cluster = cluster_options(settings)
+    warn_if_open("this node", settings.http.host, config.kv_transfer.cluster_secret)
     tmpdir = None
     if settings.serve.engine_address:
-        addresses = EngineAddresses.from_base(settings.serve.engine_address)
+        addresses = EngineAddresses.from_base(engine_address(settings.serve.engine_address))
     else:
         tmpdir = tempfile.mkdtemp(prefix="pdserve-")
         addresses = EngineAddresses.from_base(f"ipc://{tmpdir}/engine")

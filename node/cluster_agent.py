@@ -21,7 +21,8 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from pdserve.cluster.kv_index import KVIndexPublisher
-from pdserve.cluster.registry import NodeRecord, read_nodes
+from pdserve.cluster.registry import NodeRecord, RecordCheck, host_of, read_nodes
+from pdserve.common.redis_auth import redact
 from pdserve.common.redis_keys import ClusterKeys
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import OutputBatch
@@ -79,6 +80,11 @@ class ClusterAgent:
         self._tasks: list[asyncio.Task] = []
         self._registered = False
         self._stopped = False
+        # signs this node's record; only signed prefill records on the configured prefill
+        # nodes' hosts (any host when none is configured) become peers
+        self.secret = config.kv_transfer.cluster_secret
+        hosts = {host_of(a) for a in config.kv_transfer.prefill_nodes}
+        self.check = RecordCheck(self.secret, hosts or None)
 
     @property
     def node_id(self) -> str:
@@ -100,6 +106,7 @@ class ClusterAgent:
             kv_total=info.num_blocks if info else 0,
             updated=time.time(),
             kv_store=self.store_id,
+            weights=info.weights_digest if info else "",
         )
         if stats is not None:
             rec.running, rec.waiting = stats.num_running, stats.num_waiting
@@ -133,7 +140,7 @@ class ClusterAgent:
             "node %s (epoch %d) registering in %s under %r",
             self.node_id,
             self.epoch,
-            self.options.redis_url,
+            redact(self.options.redis_url),
             self.options.cluster,
         )
 
@@ -161,7 +168,7 @@ class ClusterAgent:
         while True:
             try:
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.hset(self.keys.node(self.node_id), mapping=self.record().to_redis())
+                pipe.hset(self.keys.node(self.node_id), mapping=self.record().to_redis(self.secret))
                 pipe.pexpire(self.keys.node(self.node_id), ttl_ms)
                 pipe.sadd(self.keys.nodes, self.node_id)
                 pipe.pexpire(self.publisher.key, ttl_ms)
@@ -185,7 +192,7 @@ class ClusterAgent:
         """Allow exactly the live prefill nodes of this model (kept as is if Redis fails)."""
         live = {
             r.kv_control
-            for r in await read_nodes(self.redis, self.keys)
+            for r in await read_nodes(self.redis, self.keys, self.check)
             if r.role == "prefill" and r.model == self.config.model.api_name and r.kv_control
         }
         if live != self.registry_prefills:

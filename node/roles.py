@@ -68,7 +68,7 @@ def _transfer_connector(
         extra = {
             "lmcache": LMCacheSettings(
                 remote_url=url,
-                namespace=st.namespace or config.model.name,
+                namespace=store_namespace(config),
                 chunk_size=st.chunk_size,
                 local_cpu_bytes=st.local_cpu_bytes,
             )
@@ -101,6 +101,17 @@ def _role(config: EngineConfig, connector: DecodeConnector | PrefillConnector) -
     )
 
 
+def store_namespace(config: EngineConfig) -> str:
+    """LMCache's chunk-key namespace: the configured one (default: the model's name) and
+    the digest of the weights (pdserve/common/weights_digest.py), so nodes share chunks
+    only when they run the same checkpoint, whatever it is called."""
+    from pdserve.common.model_files import resolve_model
+    from pdserve.common.weights_digest import weights_digest
+
+    digest = weights_digest(resolve_model(config.model.name))
+    return f"{config.kv_store.namespace or config.model.name}|{digest}"
+
+
 def store_index_id(config: EngineConfig) -> str:
     """Names the prefix store's index set in the cluster's KV index ("": no store): nodes
     that share chunks (same namespace and dtype) share it."""
@@ -115,8 +126,7 @@ def _prefix_store(config: EngineConfig, b: KVBackendConfig) -> KVStore:
 
     cfg = config.kv_store
     url = b.remote_url or cfg.remote_url
-    # Chunks are shared by every node that names the model the same way.
-    namespace = cfg.namespace or config.model.name
+    namespace = store_namespace(config)
 
     def backend(kv_cache):
         from pdserve.kv_transfer.lmcache_store import LMCacheKVStore

@@ -3,7 +3,9 @@
 `build_app()` makes an app whose lifespan loads the tokenizer, starts the membership
 tasks (registry reads, health probes) and closes every node client on shutdown. Errors
 leave with the same OpenAI-style bodies a node sends (api/http.py). With `api_key` set,
-every `/v1/` route wants `Authorization: Bearer <key>`. Limits per client (`client_key`):
+every `/v1/` route and what shows the cluster (`/cluster`, `/metrics`, `/debug/`) wants
+`Authorization: Bearer <key>`; only `/health` stays open. Limits per client (`client_key`: the
+authenticated key, else the address):
 concurrent generation requests (`AuthAndCount`) and prompt tokens (router/token_budget.py).
 """
 
@@ -24,6 +26,7 @@ from pdserve.api.body_deadline import BodyDeadlineMiddleware
 from pdserve.api.http import BodySizeLimitMiddleware, add_error_handlers, error_response
 from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.redis_auth import redact
 from pdserve.router.config import RouterConfig
 from pdserve.router.fast_path import FastGeneration
 from pdserve.router.membership import Membership
@@ -31,7 +34,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.nodes import ClusterView
 from pdserve.router.selector import Selector
 from pdserve.router.serving import ModelNotFoundError, NoNodeError, RouterServing
-from pdserve.router.token_budget import TokenLimitExceeded, client_key
+from pdserve.router.token_budget import CLIENT_SCOPE_KEY, TokenLimitExceeded, client_key
 from pdserve.router.tokenizer import RouterTokenizer, load_router_tokenizer, resolve_model_dir
 
 logger = logging.getLogger(__name__)
@@ -100,7 +103,7 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
         return JSONResponse(
             {
                 "model": config.api_name,
-                "redis": {"url": config.redis_url, "up": state.membership.redis_ok},
+                "redis": {"url": redact(config.redis_url), "up": state.membership.redis_ok},
                 "policies": {"prefill": config.prefill_policy, "decode": config.decode_policy},
                 "nodes": [n.summary() for n in state.view.nodes.values()],
             }
@@ -156,9 +159,9 @@ class RouterApp(FastAPI):
 
 
 class AuthAndCount:
-    """Bearer-key check on `/v1/` routes; counts generation requests by final status;
-    with `max_concurrent` > 0, a client (its Authorization header, else its address) with
-    that many generation requests in flight gets a 429 for the next one.
+    """Bearer-key check on every route but `/health`; counts generation requests by final
+    status; with `max_concurrent` > 0, a client (`client_key`: the key once checked, else
+    its address) with that many generation requests in flight gets a 429 for the next one.
 
     Plain ASGI (no BaseHTTPMiddleware), so streamed responses and client disconnects pass
     through untouched.
@@ -176,7 +179,7 @@ class AuthAndCount:
             return
         path = scope["path"]
         route = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}.get(path)
-        if self.expected is not None and path.startswith("/v1/"):
+        if self.expected is not None and path != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 if route is not None:
@@ -184,6 +187,7 @@ class AuthAndCount:
                 resp = error_response(401, "invalid or missing API key", code="invalid_api_key")
                 await resp(scope, receive, send)
                 return
+            scope[CLIENT_SCOPE_KEY] = b"key"  # the one configured key: one identity
         if route is None:
             await self.app(scope, receive, send)
             return

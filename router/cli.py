@@ -12,6 +12,8 @@ import os
 import typing
 
 from pdserve.api.cluster_secret import load_cluster_secret
+from pdserve.common.cluster_secret import warn_if_open
+from pdserve.common.redis_auth import with_password
 from pdserve.config.fields import add_flags, from_args
 from pdserve.config.node import LOG_LEVELS
 from pdserve.config.router import RouterProcessSettings, RouterSettings
@@ -41,7 +43,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         cluster_secret=secret,
         prefill_urls=tuple(proc.prefill),
         decode_urls=tuple(proc.decode),
-        **proc.model_dump(exclude={"prefill", "decode", "cluster_secret_file", "drain_timeout_s"}),
+        redis_url=with_password(proc.redis_url) if proc.redis_url else None,  # env's password
+        **proc.model_dump(
+            exclude={"prefill", "decode", "cluster_secret_file", "drain_timeout_s", "redis_url"}
+        ),
     )
 
 
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> None:
         config = config_from_args(args)
     except RouterConfigError as e:
         raise SystemExit(f"pdserve router: configuration error: {e}") from None
+    warn_if_open("the router", config.host, config.cluster_secret)
     serve_draining(
         build_app(config),
         host=config.host,

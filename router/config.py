@@ -51,6 +51,9 @@ class RouterConfig:
     max_concurrent_per_key: int = default(S, "max_concurrent_per_key")
     prompt_tokens_per_minute_per_key: int = default(S, "prompt_tokens_per_minute_per_key")
     max_prompt_tokens_per_request: int = default(S, "max_prompt_tokens_per_request")
+    cache_salt_per_client: bool = default(S, "cache_salt_per_client")
+    # registry records only on these or the static nodes' hosts
+    node_hosts: list[str] = field(default_factory=list)
     ssl_certfile: str | None = None  # serve HTTPS with this certificate (PEM) ...
     ssl_keyfile: str | None = None  # ... and this private key
     # sent to nodes as their HTTP key (api/cluster_secret.py); None: nodes are open

@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from pdserve.cluster.redis_client import LeanRedis, connect, lean_client
-from pdserve.cluster.registry import NodeRecord, read_nodes
+from pdserve.cluster.registry import NodeRecord, RecordCheck, host_of, read_nodes
 from pdserve.common.redis_keys import ClusterKeys
 from pdserve.router.config import RouterConfig
 from pdserve.router.nodes import ClusterView, NodeState
@@ -59,6 +59,10 @@ class Membership:
         self._tasks: list[asyncio.Task] = []
         self._decoder = msgspec.json.Decoder(NodeRecord)
         self._progress = msgspec.json.Decoder(_Progress)
+        # registry records: signed with the cluster secret, on the static nodes' hosts
+        hosts = {host_of(u) for u in config.prefill_urls + config.decode_urls}
+        hosts |= set(config.node_hosts)
+        self.check = RecordCheck(config.cluster_secret, hosts or None)
 
     async def start(self) -> None:
         if self.config.redis_url:
@@ -85,7 +89,7 @@ class Membership:
     # -- registry ------------------------------------------------------------------------
     async def refresh_registry(self) -> None:
         try:
-            records = await read_nodes(self.lookup_redis or self.redis, self.keys)
+            records = await read_nodes(self.lookup_redis or self.redis, self.keys, self.check)
         except (RedisError, OSError) as e:
             if self.redis_ok:
                 logger.warning("Redis unreachable (%s): serving from the last view", e)
@@ -141,6 +145,9 @@ class Membership:
                 )  # fmt: skip
             else:
                 logger.info("node %s: its engine makes progress again", node.url)
+        if node.in_registry and node.record is not None:
+            # a registry node keeps its signed record: the probe answers liveness only
+            record = node.record
         self.view.apply_probe(node, record, None)
 
     async def _probe_loop(self) -> None:

@@ -64,29 +64,34 @@ class Selector:
         self.prefill_policy = make_policy(config.prefill_policy, "prefill", w, t)
         self.kv_aware = "kv_aware" in (config.decode_policy, config.prefill_policy)
         self.mean_prompt_blocks = 8.0  # running mean, for queue estimates
-        self._roots: dict[tuple[str, int], bytes] = {}
+        # unsalted roots by (model, block size, weights digest); salted: per request
+        self._roots: dict[tuple[str, int, str], bytes] = {}
         self._hits: PrefixHits | None = None
         self._hits_redis = None
 
-    def _root(self, model: str, block_size: int) -> bytes:
-        key = (model, block_size)
+    def _root(self, model: str, block_size: int, weights: str, salt: str = "") -> bytes:
+        if salt:  # clients choose salts: not cached (one blake2b per request)
+            return root_hash(model, block_size, salt, weights)
+        key = (model, block_size, weights)
         root = self._roots.get(key)
         if root is None:
-            root = self._roots[key] = root_hash(model, block_size)
+            root = self._roots[key] = root_hash(model, block_size, "", weights)
         return root
 
-    def start_hits(self, tokens: list[int], nodes: list[NodeState]) -> PendingHits | None:
+    def start_hits(
+        self, tokens: list[int], nodes: list[NodeState], salt: str = ""
+    ) -> PendingHits | None:
         """The KV index lookup for `nodes`, its command sent now (None: no lookup: not
-        kv_aware, Redis down or absent)."""
+        kv_aware, Redis down or absent); hashes chain from the request's `cache_salt` root."""
         redis = self.membership.lookup_redis or self.membership.redis
         if not self.kv_aware or redis is None or not self.membership.redis_ok or not nodes:
             return None
-        chains: dict[tuple[str, int], list[bytes]] = {}
+        chains: dict[tuple[str, int, str], list[bytes]] = {}
 
         def chain_of(rec: NodeRecord) -> list[bytes]:
-            key = (rec.model, rec.block_size)
+            key = (rec.model, rec.block_size, rec.weights)
             if key not in chains:
-                chains[key] = hash_prompt_blocks(tokens, rec.block_size, self._root(*key))
+                chains[key] = hash_prompt_blocks(tokens, rec.block_size, self._root(*key, salt))
             return chains[key]
 
         if self._hits is None or self._hits_redis is not redis:
@@ -106,11 +111,13 @@ class Selector:
         by_id = {n.record.node_id: n for n in nodes}
         return {by_id[i].url: h for i, h in hits.items() if i in by_id}
 
-    async def lookup_hits(self, tokens: list[int], nodes: list[NodeState]) -> dict[str, int]:
+    async def lookup_hits(
+        self, tokens: list[int], nodes: list[NodeState], salt: str = ""
+    ) -> dict[str, int]:
         """Node url -> leading prompt blocks it holds ({} without Redis)."""
-        return await self._hits_of(self.start_hits(tokens, nodes), nodes)
+        return await self._hits_of(self.start_hits(tokens, nodes, salt), nodes)
 
-    def begin(self, tokens: list[int], exclude: set[str]) -> Choice | None:
+    def begin(self, tokens: list[int], exclude: set[str], salt: str = "") -> Choice | None:
         """The first half of `select`: the candidates, and their KV index lookup sent (the
         caller may work while Redis answers); None when no decode-capable node is usable."""
         t0 = time.perf_counter()
@@ -118,12 +125,12 @@ class Selector:
         if not decodes:
             return None
         prefills = [n for n in self.view.usable(False) if n.url not in exclude]
-        pending = self.start_hits(tokens, decodes + prefills)
+        pending = self.start_hits(tokens, decodes + prefills, salt)
         return Choice(decodes, prefills, pending, time.perf_counter() - t0)
 
-    async def select(self, tokens: list[int], exclude: set[str]) -> Decision | None:
+    async def select(self, tokens: list[int], exclude: set[str], salt: str = "") -> Decision | None:
         """The nodes for this request, or None when no decode-capable node is usable."""
-        choice = self.begin(tokens, exclude)
+        choice = self.begin(tokens, exclude, salt)
         return None if choice is None else await self.finish(tokens, choice)
 
     async def finish(self, tokens: list[int], choice: Choice) -> Decision:

@@ -13,6 +13,7 @@ every node with `X-Attempt`; a retry is a new attempt on another node.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -183,9 +184,12 @@ class RouterServing:
             limits = self.check_prompt(ids, max_tokens)
         tokens = prompts[0]
         # the KV index lookup goes out now; the rest of the checks run while Redis answers
-        first = self.selector.begin(tokens, set())
+        salt = self.cache_salt(req, request.scope)  # the KV index is read under it
+        first = self.selector.begin(tokens, set(), salt)
         try:
             body, path = self._node_body(route, req, prompts, limits)
+            if salt:
+                body["cache_salt"] = salt
             if self.budget.enabled:  # after the checks: a refused request is not charged
                 charged = sum(map(len, prompts)) * req.n  # every sequence's prompt
                 self.budget.admit(client_key(request.scope), charged)
@@ -200,7 +204,7 @@ class RouterServing:
             if attempt == 0:
                 decision = None if first is None else await self.selector.finish(tokens, first)
             else:
-                decision = await self.selector.select(tokens, excluded)
+                decision = await self.selector.select(tokens, excluded, salt)
             if decision is None:
                 break
             if len(prompts) > 1:  # the node's load: every prompt of the batch
@@ -245,6 +249,16 @@ class RouterServing:
         if last is not None:
             return error_response(502, str(last), "server_error", code="upstream_error")
         raise NoNodeError("no healthy decode node is available")
+
+    def cache_salt(self, req, scope) -> str:
+        """The request's `cache_salt`; with `cache_salt_per_client`, a digest of the client
+        (router/token_budget.py `client_key`) and that salt, so clients never share hits."""
+        salt = req.cache_salt or ""
+        if not self.config.cache_salt_per_client:
+            return salt
+        h = hashlib.blake2b(client_key(scope), digest_size=16, person=b"pdserve-tenant")
+        h.update(b"\0" + salt.encode())
+        return h.hexdigest()
 
     def _node_body(self, route: str, req, prompts: list[list[int]], limits) -> tuple[dict, str]:
         """The sampling checks, then the body for the node (its prompt as token ids; the

@@ -9,28 +9,36 @@ OpenAI-style body) when
 * the client's bucket holds fewer than `n` tokens (code `rate_limit_exceeded`, with
   `Retry-After`: the whole seconds until the bucket has refilled enough).
 
-Each client (its API key, else its address; see router/app.py) has a bucket of capacity
+Each client (its authenticated API key, else its address: `client_key`) has a bucket of capacity
 `prompt_tokens_per_minute` that refills at that rate spread over the minute, so a burst
 of one minute's worth is allowed after an idle minute, and the long-run rate never
 exceeds the limit. Tokens are charged when a request is admitted, whatever its outcome.
 A request larger than the whole bucket is refused as `request_too_large` (it could never
-pass). Buckets that have refilled completely are forgotten (a fresh one is the same).
+pass). The table is an LRU of `MAX_TRACKED` buckets: the least recently used one is
+dropped in O(1) when a new client comes.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MAX_TRACKED = 10_000  # buckets kept before full ones are pruned
+MAX_TRACKED = 10_000  # buckets kept (least recently used dropped first)
+CLIENT_SCOPE_KEY = "pdserve.client"
 
 
 def client_key(scope) -> bytes:
-    """Who a request counts against for limits: its Authorization header, else its address."""
-    given = dict(scope["headers"]).get(b"authorization")
-    return given or (scope.get("client") or ("?",))[0].encode()
+    """Who a request counts against for limits: the identity the auth layer proved
+    (router/app.py `AuthAndCount` stores it in the scope: the API key), else the client's
+    address. Never a header the client picks freely: a rotating `Bearer <random>` is the
+    same client."""
+    proven = scope.get(CLIENT_SCOPE_KEY)
+    if proven is not None:
+        return proven
+    return b"addr:" + (scope.get("client") or ("?",))[0].encode()
 
 
 class TokenLimitExceeded(Exception):
@@ -57,7 +65,7 @@ class TokenBudget:
         self.per_minute = per_minute
         self.per_request = per_request
         self.clock = clock
-        self._buckets: dict[bytes, _Bucket] = {}
+        self._buckets: OrderedDict[bytes, _Bucket] = OrderedDict()
 
     @property
     def enabled(self) -> bool:
@@ -86,8 +94,10 @@ class TokenBudget:
         b = self._buckets.get(client)
         if b is None:
             if len(self._buckets) >= MAX_TRACKED:
-                self._prune(now, rate)
+                self._buckets.popitem(last=False)
             b = self._buckets[client] = _Bucket(float(self.per_minute), now)
+        else:
+            self._buckets.move_to_end(client)
         b.level = min(float(self.per_minute), b.level + (now - b.at) * rate)
         b.at = now
         if b.level < n:
@@ -99,10 +109,3 @@ class TokenBudget:
                 wait,
             )
         b.level -= n
-
-    def _prune(self, now: float, rate: float) -> None:
-        full = [
-            k for k, b in self._buckets.items() if b.level + (now - b.at) * rate >= self.per_minute
-        ]
-        for k in full:
-            del self._buckets[k]

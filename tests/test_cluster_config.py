@@ -346,3 +346,23 @@ def test_every_router_flag_comes_from_yaml(tmp_path, monkeypatch):
     assert got.served_name == "m" and got.redis_url == "redis://127.0.0.1:1"
     assert got.prefill_urls == ("http://127.0.0.1:9101", "http://127.0.0.1:9102")
     assert got.decode_urls == ("http://127.0.0.1:9301",) and got.cluster == "pdserve"
+
+
+def test_a_config_open_to_the_network_needs_a_secret(tmp_path):
+    """Router, nodes or embedded Redis beyond loopback without `secret_file`: refused, naming
+    the field and saying why; `secret_file` (or the loud override) allows it."""
+    text = GOOD.replace("  port: 9000", "  port: 9000\n  host: 0.0.0.0")
+    text = text.replace("decode:\n", "decode:\n  host: 10.0.0.7\n") + "redis: {host: 10.0.0.7}\n"
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigFileError) as e:
+        load_config(path)
+    fields = {i.field for i in e.value.issues}
+    assert fields == {"router.host", "decode.host", "redis.host"}, str(e.value)
+    assert "beyond loopback" in str(e.value) and "no secret_file" in str(e.value)
+    secret = write(tmp_path, "0123456789abcdef0123", "secret")
+    assert load_config(path, [f"secret_file={secret}"]).secret_file == str(secret)
+    cfg = load_config(path, ["insecure_open_network=true"])
+    from pdserve.cluster.checks import insecure_warning
+
+    assert "WITHOUT a cluster secret" in insecure_warning(cfg)
+    assert insecure_warning(load_config(write(tmp_path, GOOD, "good.yaml"))) is None

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import msgspec
 import pytest
 
 from pdserve.engine.config import CacheConfig, EngineConfig, KVStoreConfig, ModelConfig
@@ -48,6 +49,10 @@ def make_node(model_dir, url, **store_kw) -> EngineCore:
 
 def run(core: EngineCore, prompt: list[int], rid: str, max_s: float = 60.0):
     core.add_request(rid, prompt, GREEDY)
+    return run_added(core, max_s)
+
+
+def run_added(core: EngineCore, max_s: float = 60.0):
     tokens, cached, deadline = [], None, time.monotonic() + max_s
     while core.has_unfinished:  # also drains the store's save jobs (pins released)
         assert time.monotonic() < deadline, "engine did not finish"
@@ -81,6 +86,30 @@ def test_node_b_reuses_node_a_prefix(tiny_llama_dir, hf_model, redis_server):
         assert s.kv_store_loads == 1 and s.kv_store_load_failures == 0
         assert out_a == hf_greedy(hf_model, p, GREEDY.max_tokens)
         assert out_b == hf_greedy(hf_model, q, GREEDY.max_tokens)
+    finally:
+        a.kv_store.shutdown()
+        b.kv_store.shutdown()
+
+
+def test_salted_prompts_share_the_store_only_with_their_salt(
+    tiny_llama_dir, hf_model, redis_server
+):
+    """A salted request saves its chunks under keys keyed by its salt: another node finds
+    them with the same salt only (another salt, or none, computes the whole prompt)."""
+    a = make_node(tiny_llama_dir, redis_server.url)
+    b = make_node(tiny_llama_dir, redis_server.url)
+    try:
+        p = prompt(50, seed=11)
+        a.add_request("s1", p, msgspec.structs.replace(GREEDY, cache_salt="tenant-1"))
+        ref = hf_greedy(hf_model, p, GREEDY.max_tokens)
+        assert run_added(a) == (ref, 0) and a.stats().kv_store_saves == 1
+        for rid, salt in (("s2", "tenant-2"), ("s3", "")):
+            b.add_request(rid, p, msgspec.structs.replace(GREEDY, cache_salt=salt))
+            assert run_added(b) == (ref, 0)  # nothing found in the store under its keys
+        assert b.stats().kv_store_hit_tokens == 0
+        b.add_request("s4", p, msgspec.structs.replace(GREEDY, cache_salt="tenant-1"))
+        assert run_added(b) == (ref, 48)  # 3 whole chunks, from a's save through Redis
+        assert b.stats().kv_store_hit_tokens == 48
     finally:
         a.kv_store.shutdown()
         b.kv_store.shutdown()

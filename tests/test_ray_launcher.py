@@ -101,6 +101,7 @@ decode:
   kv_cache_bytes: 128MiB
   connector: {{kind: nixl}}
   ray: {{num_cpus: 1, resources: {{decode_host: 1}}}}
+insecure_open_network: true  # Ray places nodes on the host's address; no secret here
 launcher:
   kind: ray
   ray_address: "{address}"

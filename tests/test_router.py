@@ -215,11 +215,14 @@ def test_api_key_and_cluster_view(node, tiny_llama_dir):
             timeout=60,
         )
         assert r.status_code == 200, r.text
-        view = httpx.get(f"{url}/cluster", timeout=10).json()
+        key = {"Authorization": "Bearer s3cret"}
+        for path in ("/cluster", "/metrics"):  # they show the cluster: the key is wanted
+            assert httpx.get(f"{url}{path}", timeout=10).status_code == 401, path
+        view = httpx.get(f"{url}/cluster", headers=key, timeout=10).json()
         (n,) = view["nodes"]
         assert n["url"] == node[0] and n["role"] == "colocated" and n["healthy"]
         assert n["block_size"] == 16 and n["epoch"] > 0
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        metrics = httpx.get(f"{url}/metrics", headers=key, timeout=10).text
         assert 'pdserve_router_requests_total{route="completions",status="401"} 1.0' in metrics
         assert 'pdserve_router_requests_total{route="completions",status="200"} 1.0' in metrics
     finally:

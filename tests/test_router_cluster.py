@@ -23,6 +23,7 @@ from pdserve.cluster.embedded_redis import EmbeddedRedis
 from pdserve.cluster.registry import NodeRecord
 from pdserve.common.block_hash import hash_prompt_blocks, root_hash
 from pdserve.common.redis_keys import ClusterKeys
+from pdserve.common.weights_digest import weights_digest
 from tests.servers import (
     engine_state,
     free_port,
@@ -111,7 +112,9 @@ def test_node_registers_publishes_its_cache_and_expires(tiny_llama_dir, cluster_
         assert 0 < r.pttl(KEYS.node("solo")) <= 1500
         prompt = [(7 * i + 3) % 1000 for i in range(40)]
         complete(url, prompt, max_tokens=8)  # 47 tokens computed: 2 full blocks cached
-        want = hash_prompt_blocks(prompt, 16, root_hash(MODEL, 16))
+        # the root is keyed by the weights' digest too, which the record carries
+        assert rec.weights == weights_digest(tiny_llama_dir)
+        want = hash_prompt_blocks(prompt, 16, root_hash(MODEL, 16, weights=rec.weights))
         assert len(want) == 2
         kv_key = KEYS.kv("solo", rec.epoch)
         wait_for("the index", lambda: set(want) <= r.smembers(kv_key))
@@ -244,7 +247,8 @@ def test_redis_down_router_keeps_serving_and_index_refills(tiny_llama_dir):
         wait_usable(router, 1)
         prompt = [(5 * i + 1) % 1000 for i in range(48)]  # 3 full blocks
         first = complete(router, prompt)
-        want = set(hash_prompt_blocks(prompt, 16, root_hash(MODEL, 16)))
+        root = root_hash(MODEL, 16, weights=weights_digest(tiny_llama_dir))
+        want = set(hash_prompt_blocks(prompt, 16, root))
         r = redis.Redis.from_url(server.url)
         epoch = records(r)[node].epoch
         wait_for("the index", lambda: want <= r.smembers(KEYS.kv("n", epoch)))

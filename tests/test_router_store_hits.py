@@ -48,7 +48,7 @@ def test_kv_aware_counts_the_store_hits_of_a_node_that_never_saw_the_prompt(
         assert rec_a.kv_store  # it names the store it loads from
         complete(a_url, prefix + [1, 2, 3])  # computed on A, saved to the store
         store_key = KEYS.kv_store(rec_a.kv_store)
-        chain = hash_prompt_blocks(prefix, 16, root_hash(MODEL, 16))
+        chain = hash_prompt_blocks(prefix, 16, root_hash(MODEL, 16, weights=rec_a.weights))
         wait_for("the store's index", lambda: r.smismember(store_key, chain) == [1] * 10)
         kill_server(a)
         wait_for("a to leave", lambda: a_url not in records(r), timeout_s=10)

@@ -3,7 +3,8 @@
 A request over `--max-prompt-tokens-per-request` gets a 429 `request_too_large`; a client
 whose prompts exceed `--prompt-tokens-per-minute-per-key` gets a 429 `rate_limit_exceeded`
 with a `Retry-After` that is honest (after it, the same request passes), while another
-key is not affected. With `--ssl-certfile/--ssl-keyfile` the router speaks only HTTPS.
+client (another address: without API keys, limits go by address, never by a header the
+client picks) is not affected, and a different `Authorization` header is no escape. With `--ssl-certfile/--ssl-keyfile` the router speaks only HTTPS.
 """
 
 from __future__ import annotations
@@ -89,8 +90,11 @@ def test_prompt_token_limits_through_the_router(node, tiny_llama_dir):
             assert "600 tokens per minute" in err["message"]
             wait = int(r.headers["Retry-After"])
             assert 1 <= wait <= 15
-            # another key has its own budget
-            assert c.post("/v1/completions", json=body(250), headers=b).status_code == 200
+            # a made-up key is the same client; another address has its own budget
+            assert c.post("/v1/completions", json=body(250), headers=b).status_code == 429
+            other = httpx.HTTPTransport(local_address="127.0.0.2")
+            with httpx.Client(base_url=router, timeout=120, transport=other) as c2:
+                assert c2.post("/v1/completions", json=body(250)).status_code == 200
             # Retry-After is honest: after it, the same request passes
             time.sleep(wait)
             r = c.post("/v1/completions", json=body(250), headers=a)

@@ -1,11 +1,15 @@
 """Chained block hashes: the identity of a block of KV, shared by every engine and the router.
 
-    root        = blake2b("pdserve-root-v2" || model name || block size)
+    root        = blake2b("pdserve-root-v2" || model name || block size
+                          [|| weights digest] [|| cache salt])
     hash(block) = blake2b(hash(previous block), or root for the first || its int32 token ids)
 
 Stable across processes and runs (never Python's `hash()`), so nodes and the router agree
-on the hash of the same tokens. The root is keyed by the model name and the block size:
-blocks of two models, or of two block sizes, never share a hash. A leaf module (stdlib
+on the hash of the same tokens. The root is keyed by the model name, the block size and
+the digest of the model's weights (pdserve/common/weights_digest.py): blocks of two models,
+two checkpoints under one name, or two block sizes never share a hash; nor do the blocks of
+requests with different `cache_salt`s (a tenant's prefix hits are visible only to requests
+with its salt; no salt is the shared, unsalted root). A leaf module (stdlib
 only): the router imports it without pulling in the engine or torch.
 """
 
@@ -18,13 +22,20 @@ HASH_BYTES = 16
 _ROOT_TAG = b"pdserve-root-v2"
 
 
-def root_hash(model: str, block_size: int) -> bytes:
-    """The parent of a prompt's first block for this model and block size."""
+def root_hash(model: str, block_size: int, salt: str = "", weights: str = "") -> bytes:
+    """The parent of a prompt's first block for this model, block size, cache salt and
+    weights digest ("": unknown, as in tests with a stand-in model runner)."""
     h = hashlib.blake2b(digest_size=HASH_BYTES)
     h.update(_ROOT_TAG)
     h.update(model.encode())
     h.update(b"\x00")
     h.update(block_size.to_bytes(4, "little"))
+    if weights:
+        h.update(b"weights\x00")
+        h.update(weights.encode())
+    if salt:
+        h.update(b"salt\x00")
+        h.update(salt.encode())
     return h.digest()
 
 

@@ -87,6 +87,7 @@ FIELD_RULES: dict[str, FloatRule | IntRule | IntListRule] = {
     "min_tokens": IntRule(0, INT32_MAX),
 }
 MAX_LOGIT_BIAS = 1024  # entries
+MAX_CACHE_SALT = 256
 LOGIT_BIAS_RULE = FloatRule(-100.0, 100.0)
 TOKEN_ID_RULE = IntRule(0, INT32_MAX)
 
@@ -111,6 +112,11 @@ def check_sampling_values(values: Mapping[str, object]) -> None:
         raise InvalidRequestError(
             f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})",
             "min_tokens",
+        )
+    salt = values.get("cache_salt", "")
+    if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT:
+        raise InvalidRequestError(
+            f"cache_salt must be a string of at most {MAX_CACHE_SALT} characters", "cache_salt"
         )
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings", "stop")

@@ -78,8 +78,8 @@ class ServeSettings(Settings):
     )
     engine_address: str | None = setting(
         None,
-        "base ZMQ address of the engine channels, ipc:///path/name or tcp://host:port (uses "
-        "port and port+1); default: IPC sockets in a fresh temporary directory",
+        "base ZMQ address of the engine channels, ipc:///path/name (tcp:// is refused: the "
+        "channels are unauthenticated); default: IPC sockets in a fresh temporary directory",
     )
 
 

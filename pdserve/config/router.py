@@ -71,6 +71,17 @@ class RouterSettings(RequestCostSettings):
         "context length limits it)",
         ge=0,
     )
+    node_hosts: list[str] = setting(
+        [],
+        "with a cluster secret too, a registry record is taken only if its url and KV "
+        "control address are on these hosts or the static nodes' (neither given: any host)",
+        metavar="HOST",
+    )
+    cache_salt_per_client: bool = setting(
+        False,
+        "key every request's prefix-cache salt by its client (API key, else address) too: "
+        "one client's cached prompts are invisible to every other (cached_tokens, routing)",
+    )
     ssl_certfile: str | None = setting(
         None, "serve HTTPS with this certificate (PEM; needs `ssl_keyfile`)"
     )

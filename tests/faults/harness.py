@@ -28,6 +28,7 @@ import redis
 import yaml
 
 from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
+from pdserve.common.redis_auth import PASSWORD_ENV, embedded_password
 from pdserve.common.redis_keys import ClusterKeys
 from tests.servers import ROOT, alive, free_port
 
@@ -58,6 +59,7 @@ class Cluster:
         secret = os.urandom(24).hex().encode()  # nodes answer only the router; sealed KV frames
         (run_root / "cluster.secret").write_bytes(secret)
         self.node_headers = {NODE_KEY_HEADER: node_key(secret)}
+        self.redis_password = embedded_password(secret)  # the embedded Redis wants it
         cfg = {
             "cluster": f"drill{os.getpid()}",
             "model": {"name": model_dir, "block_size": 16},
@@ -139,7 +141,8 @@ class Cluster:
         cmd += ["--health-interval-s", "0.5", "--max-retries", "2"]
         cmd += ["--cluster-secret-file", self.config["secret_file"]]
         log = open(self.run_root / f"router-extra-{port}.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, PASSWORD_ENV: self.redis_password}
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.extra_routers.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_serving(url, 120)
@@ -195,7 +198,8 @@ class Cluster:
         keys = ClusterKeys(self.config["cluster"])
         deadline = time.monotonic() + timeout_s
         while True:
-            with redis.Redis.from_url(self.service("redis")["url"], socket_timeout=5) as r:
+            url, password = self.service("redis")["url"], self.redis_password
+            with redis.Redis.from_url(url, password=password, socket_timeout=5) as r:
                 live = {}
                 for node_id in r.smembers(keys.nodes):
                     epoch = r.hget(keys.node(node_id.decode()), "epoch")
