@@ -6,7 +6,8 @@ attempt. When an attempt fails (rejected, peer dead, WRITE failed, deadline) the
 fails over at once: to another live prefill node it has not tried, else it is prefilled
 here (or ends with an error). The failed attempt's blocks stay held, owned by this role,
 until the connector reports `Released` (the prefill node confirmed nothing more lands,
-or the order's deadline plus grace passed). The core never releases them.
+or its connection was fenced and the last lease on it ran out). The core never releases
+them. Orders carry their deadline as a duration (`ttl_s`), never a wall-clock time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 
 import msgspec
 
@@ -40,15 +40,12 @@ class DecodeRole:
         transfer_timeout_s: float = 60.0,
         prefill_locally_on_failure: bool = True,
         prefill_nodes: tuple[str, ...] = (),
-        clock: Callable[[], float] = time.time,
     ):
-        """`prefill_nodes`: where a failed remote prefill may be retried (live ones only).
-        `clock`: the wall clock order deadlines are written in (shared with prefill nodes)."""
+        """`prefill_nodes`: where a failed remote prefill may be retried (live ones only)."""
         self.connector = connector
         self.transfer_timeout_s = transfer_timeout_s
         self.prefill_locally_on_failure = prefill_locally_on_failure
         self.prefill_nodes = prefill_nodes
-        self.clock = clock
         self._attempts = itertools.count(1)
         self._held: set[HoldKey] = set()  # holds this role owns, until Released
         self._tried: dict[str, set[str]] = {}  # request id -> prefill nodes tried
@@ -91,8 +88,8 @@ class DecodeRole:
                 self.bytes_received += ev.num_blocks * self._block_bytes
                 req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob, ev.top)
                 req.kv_done_time, (queue, compute) = time.monotonic(), ev.prefill_node_s
-                # the queue holds the order's unread time, taken on the wall clock against
-                # ours: never more of the round trip than the prefill compute left
+                # the prefill node's queue time is its own measure: never more of the
+                # round trip than the prefill compute left
                 queue = min(queue, max(0.0, req.kv_done_time - req.kv_order_time - compute))
                 req.prefill_node_s = (queue, compute)
                 if ev.prompt_logprobs is not None:  # checked against the order's prompt
@@ -145,7 +142,7 @@ class DecodeRole:
                     decode_agent=self.connector.local_name,
                     first_block=first_block,
                     dst_block_ids=block_ids[first_block:],
-                    expires_at=self.clock() + self.transfer_timeout_s,
+                    ttl_s=self.transfer_timeout_s,
                 )
             except ValueError as e:  # confined to this request: nothing was sent
                 self._outs += self._failed(core, req, f"cannot order its prefill: {e}")

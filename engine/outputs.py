@@ -89,6 +89,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_hit_tokens: int
     num_preemptions: int
     generated_tokens: int
+    engine_steps: int = 0  # loop iterations so far: a busy engine whose count stalls is stuck
     # PD roles (0 on a colocated node)
     num_waiting_for_kv: int = 0  # decode: admitted, blocks held, KV not yet arrived
     kv_blocks_held: int = 0  # blocks kept out of circulation until transfers settle
