@@ -18,6 +18,7 @@ import time
 
 import msgspec
 
+from pdserve.decode.poison import PoisonAudit, poison_enabled
 from pdserve.engine.kv_cache_manager import HoldKey
 from pdserve.engine.kv_role import EngineHandle
 from pdserve.engine.model_runner import kv_bytes_per_block
@@ -55,6 +56,7 @@ class DecodeRole:
         self.num_failovers = 0
         self.bytes_received = 0
         self._block_bytes = 0  # one block, every layer, K and V
+        self.poison: PoisonAudit | None = None  # debug: PDSERVE_KV_POISON=1 (decode/poison.py)
 
     def attach(self, core: EngineHandle) -> None:
         cfg = core.config
@@ -62,12 +64,15 @@ class DecodeRole:
             core.arch, cfg.cache.block_size, cfg.model.torch_dtype
         )
         self.connector.register_kv_cache(core.kv_cache)
+        if poison_enabled():
+            self.poison = PoisonAudit(core.kv_cache)
 
     def stats(self) -> dict[str, int]:
         return {
             "pd_remote_prefills": self.num_remote_prefills,
             "pd_failures": self.num_failures,
             "kv_bytes_received": self.bytes_received,
+            "kv_poison_violations": self.poison.violations if self.poison else 0,
         }
 
     def before_step(self, core: EngineHandle) -> list[EngineCoreOutput]:
@@ -78,7 +83,12 @@ class DecodeRole:
             if isinstance(ev, Released):
                 if ev.key in self._held:
                     self._held.discard(ev.key)
+                    blocks = core.kv.holds[ev.key]
                     core.kv.release_hold(ev.key)
+                    if self.poison is not None:  # those now free and in no prefix cache
+                        self.poison.poison(
+                            [b.block_id for b in blocks if not b.ref_cnt and b.block_hash is None]
+                        )
                 continue
             req = sched.remote_waiting.get(rid)
             if req is None or req.attempt != attempt:
@@ -129,6 +139,10 @@ class DecodeRole:
 
     def after_schedule(self, core: EngineHandle, sched: SchedulerOutput) -> None:
         bs = core.config.cache.block_size
+        if self.poison is not None:  # blocks handed out this step, before anything writes
+            self.poison.scan()
+            for r in [s.request for s in sched.scheduled] + list(sched.remote_prefills):
+                self.poison.check(core.kv.get_block_ids(r.request_id), "handed out")
         for req in sched.remote_prefills:
             req.attempt = next(self._attempts)
             first_block = req.num_computed_tokens // bs

@@ -97,6 +97,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     pd_remote_prefills: int = 0  # decode: prefills ordered from prefill nodes
     pd_failures: int = 0  # decode: remote prefills that failed or timed out
     kv_bytes_received: int = 0  # decode
+    kv_poison_violations: int = 0  # decode, PDSERVE_KV_POISON=1: WRITEs after release
     pd_orders: int = 0  # prefill: orders taken
     kv_bytes_sent: int = 0  # prefill
     # KV store (0 without one): prompt tokens loaded from it and used, jobs, failures
