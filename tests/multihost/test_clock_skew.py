@@ -42,7 +42,7 @@ from tests.servers import ROOT
 pytest.importorskip("nixl")
 
 PREFIX = os.environ.get("PDSERVE_CLOCK_DRILL_PREFIX", "clk")
-SUBNET = os.environ.get("PDSERVE_CLOCK_DRILL_SUBNET", "10.78.0.0/24")
+SUBNET = os.environ.get("PDSERVE_CLOCK_DRILL_SUBNET", "10.213.41.0/24")
 HTTP, CTL = 8000, 5555
 SKEW = {"h2": -10.0, "h3": +10.0}
 REQUESTS, CLIENTS, MAX_TOKENS = 40, 6, 4
