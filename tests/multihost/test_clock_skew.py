@@ -45,7 +45,7 @@ PREFIX = os.environ.get("PDSERVE_CLOCK_DRILL_PREFIX", "clk")
 SUBNET = os.environ.get("PDSERVE_CLOCK_DRILL_SUBNET", "10.213.41.0/24")
 HTTP, CTL = 8000, 5555
 SKEW = {"h2": -10.0, "h3": +10.0}
-REQUESTS, CLIENTS, MAX_TOKENS = 40, 6, 4
+REQUESTS, CLIENTS, MAX_TOKENS = 60, 8, 4
 # FAKETIME: the whole clock moves by the offset, the monotonic one too (a constant shift
 # of it, as another host's monotonic clock has another origin anyway): libfaketime 0.9.10
 # with FAKETIME_DONT_FAKE_MONOTONIC=1 makes Python's time.sleep fail with EINVAL
@@ -153,7 +153,7 @@ def test_skewed_prefill_clocks_never_write_into_reused_blocks(skewed, tiny_llama
     hf = load_hf(tiny_llama_dir)
     rng = random.Random(5)
     jobs = [
-        ([rng.randrange(3, 1000) for _ in range(rng.randint(40, 120))], ctl[("h2", "h3")[i % 2]])
+        ([rng.randrange(3, 1000) for _ in range(rng.randint(150, 400))], ctl[("h2", "h3")[i % 2]])
         for i in range(REQUESTS)
     ]
     decode = urls["h1"]
