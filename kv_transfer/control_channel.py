@@ -120,8 +120,8 @@ class DecodeControl:
         """`connect(node)` opens a link (default: a ZMQ DEALER; the simulator passes an
         in-memory one) and raises ConnectionError if it cannot. `auth` seals and checks
         every frame (a cluster secret); frames that fail the check are dropped.
-        `stall_s` (default `peer_timeout_s`): a busy peer engine that took no step for
-        this long is stuck. `lease_s` (default `peer_timeout_s`): each grant's length."""
+        `stall_s` (default `peer_timeout_s`; nodes pass `engine_stall_s`): a busy peer
+        engine that took no step for this long is stuck (keep it above the longest step). `lease_s` (default `peer_timeout_s`): each grant's length."""
         self.auth = auth or FrameAuth(None)
         self.rejected_frames = 0
         self._ctx = zmq.Context() if connect is None else None

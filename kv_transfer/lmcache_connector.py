@@ -270,7 +270,7 @@ def lmcache_connector(
     control_address: str | None = None,
     abort_grace_s: float = 2.0,
     peer_timeout_s: float = 30.0,
-    engine_stall_s: float = 10.0,
+    engine_stall_s: float = 30.0,
     heartbeat_s: float = 1.0,
     cluster_secret: bytes | None = None,
 ) -> LMCacheDecodeSide | LMCachePrefillSide:

@@ -45,7 +45,7 @@ def nixl_connector(
     control_address: str | None = None,
     abort_grace_s: float = 2.0,
     peer_timeout_s: float = 5.0,
-    engine_stall_s: float = 10.0,
+    engine_stall_s: float = 30.0,
     heartbeat_s: float = 1.0,
     cluster_secret: bytes | None = None,
     net_devices: str | None = None,

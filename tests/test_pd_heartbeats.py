@@ -186,7 +186,7 @@ def test_long_prefill_step_on_real_nodes():
     )  # fmt: skip
     durl, dproc = start_server(
         [*MODEL_ARGS, "--kv-cache-bytes", str(256 << 20), "--role", "decode",
-         "--prefill-node", ctl, "--kv-peer-timeout", "3",
+         "--prefill-node", ctl, "--kv-peer-timeout", "3", "--kv-engine-stall-s", "600",
          "--kv-transfer-timeout", "120", "--kv-abort-grace", "1"]
     )  # fmt: skip
     try:

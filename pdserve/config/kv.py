@@ -41,9 +41,10 @@ class TransferSettings(Settings):
         aliases=("--kv-peer-timeout",),
     )
     engine_stall_s: float = setting(
-        10.0,
+        30.0,
         "decode: a prefill node whose engine holds work but took no step this long is "
-        "stuck (its requests fail over; no new orders until it steps again)",
+        "stuck (its requests fail over; no new orders until it steps again); keep it above "
+        "the longest prefill step",
         gt=0,
     )
     net_devices: str = setting(
