@@ -6,7 +6,8 @@ attempt. When an attempt fails (rejected, peer dead, WRITE failed, deadline) the
 fails over at once: to another live prefill node it has not tried, else it is prefilled
 here (or ends with an error). The failed attempt's blocks stay held, owned by this role,
 until the connector reports `Released` (the prefill node confirmed nothing more lands,
-or the order's deadline plus grace passed). The core never releases them.
+or its connection was fenced and the last lease on it ran out). The core never releases
+them. Orders carry their deadline as a duration (`ttl_s`), never a wall-clock time.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
 
 import msgspec
 
+from pdserve.decode.poison import PoisonAudit, poison_enabled
 from pdserve.engine.kv_cache_manager import HoldKey
 from pdserve.engine.kv_role import EngineHandle
 from pdserve.engine.model_runner import kv_bytes_per_block
@@ -40,15 +41,12 @@ class DecodeRole:
         transfer_timeout_s: float = 60.0,
         prefill_locally_on_failure: bool = True,
         prefill_nodes: tuple[str, ...] = (),
-        clock: Callable[[], float] = time.time,
     ):
-        """`prefill_nodes`: where a failed remote prefill may be retried (live ones only).
-        `clock`: the wall clock order deadlines are written in (shared with prefill nodes)."""
+        """`prefill_nodes`: where a failed remote prefill may be retried (live ones only)."""
         self.connector = connector
         self.transfer_timeout_s = transfer_timeout_s
         self.prefill_locally_on_failure = prefill_locally_on_failure
         self.prefill_nodes = prefill_nodes
-        self.clock = clock
         self._attempts = itertools.count(1)
         self._held: set[HoldKey] = set()  # holds this role owns, until Released
         self._tried: dict[str, set[str]] = {}  # request id -> prefill nodes tried
@@ -58,6 +56,7 @@ class DecodeRole:
         self.num_failovers = 0
         self.bytes_received = 0
         self._block_bytes = 0  # one block, every layer, K and V
+        self.poison: PoisonAudit | None = None  # debug: PDSERVE_KV_POISON=1 (decode/poison.py)
 
     def attach(self, core: EngineHandle) -> None:
         cfg = core.config
@@ -66,6 +65,8 @@ class DecodeRole:
         )
         self.connector.register_kv_cache(core.kv_cache)
         self.connector.vocab_size = core.arch.vocab_size
+        if poison_enabled():
+            self.poison = PoisonAudit(core.kv_cache)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -73,6 +74,7 @@ class DecodeRole:
             "pd_failures": self.num_failures,
             "pd_bad_dones": self.connector.num_bad_dones,
             "kv_bytes_received": self.bytes_received,
+            "kv_poison_violations": self.poison.violations if self.poison else 0,
         }
 
     def before_step(self, core: EngineHandle) -> list[EngineCoreOutput]:
@@ -83,7 +85,12 @@ class DecodeRole:
             if isinstance(ev, Released):
                 if ev.key in self._held:
                     self._held.discard(ev.key)
+                    blocks = core.kv.holds[ev.key]
                     core.kv.release_hold(ev.key)
+                    if self.poison is not None:  # those now free and in no prefix cache
+                        self.poison.poison(
+                            [b.block_id for b in blocks if not b.ref_cnt and b.block_hash is None]
+                        )
                 continue
             req = sched.remote_waiting.get(rid)
             if req is None or req.attempt != attempt:
@@ -93,8 +100,8 @@ class DecodeRole:
                 self.bytes_received += ev.num_blocks * self._block_bytes
                 req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob, ev.top)
                 req.kv_done_time, (queue, compute) = time.monotonic(), ev.prefill_node_s
-                # the queue holds the order's unread time, taken on the wall clock against
-                # ours: never more of the round trip than the prefill compute left
+                # the prefill node's queue time is its own measure: never more of the
+                # round trip than the prefill compute left
                 queue = min(queue, max(0.0, req.kv_done_time - req.kv_order_time - compute))
                 req.prefill_node_s = (queue, compute)
                 if ev.prompt_logprobs is not None:  # checked against the order's prompt
@@ -134,6 +141,10 @@ class DecodeRole:
 
     def after_schedule(self, core: EngineHandle, sched: SchedulerOutput) -> None:
         bs = core.config.cache.block_size
+        if self.poison is not None:  # blocks handed out this step, before anything writes
+            self.poison.scan()
+            for r in [s.request for s in sched.scheduled] + list(sched.remote_prefills):
+                self.poison.check(core.kv.get_block_ids(r.request_id), "handed out")
         for req in sched.remote_prefills:
             req.attempt = next(self._attempts)
             first_block = req.num_computed_tokens // bs
@@ -147,7 +158,7 @@ class DecodeRole:
                     decode_agent=self.connector.local_name,
                     first_block=first_block,
                     dst_block_ids=block_ids[first_block:],
-                    expires_at=self.clock() + self.transfer_timeout_s,
+                    ttl_s=self.transfer_timeout_s,
                 )
             except ValueError as e:  # confined to this request: nothing was sent
                 self._outs += self._failed(core, req, f"cannot order its prefill: {e}")

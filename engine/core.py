@@ -115,6 +115,7 @@ class EngineCore:
             GrammarCompiler(str(self.model_dir), self.vocab_size, sorted(self.eos_token_ids))
         )
         self.generated_tokens = 0
+        self.num_steps = 0  # engine loop progress (EngineStats.engine_steps)
         self.last_step_idle = True
         if kv_role is not None:
             kv_role.attach(self)
@@ -228,6 +229,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One iteration: role polling, schedule, execute, update. Never waits for work."""
         role = self.kv_role
+        self.num_steps += 1
         outs = role.before_step(self) if role is not None else []
         if self.grammars:  # compiles finished (or past their deadline) since the last step
             ready, failed = self.grammars.settle()
@@ -356,6 +358,7 @@ class EngineCore:
             prefix_hit_tokens=self.kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             generated_tokens=self.generated_tokens,
+            engine_steps=self.num_steps,
             num_waiting_for_kv=len(self.scheduler.remote_waiting),
             kv_blocks_held=self.kv.num_held_blocks,
             kv_store_hit_tokens=self.scheduler.store_hit_tokens,

@@ -89,6 +89,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_hit_tokens: int
     num_preemptions: int
     generated_tokens: int
+    engine_steps: int = 0  # loop iterations so far: a busy engine whose count stalls is stuck
     # PD roles (0 on a colocated node)
     num_waiting_for_kv: int = 0  # decode: admitted, blocks held, KV not yet arrived
     kv_blocks_held: int = 0  # blocks kept out of circulation until transfers settle
@@ -97,6 +98,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     pd_failures: int = 0  # decode: remote prefills that failed or timed out
     pd_bad_dones: int = 0  # decode: PrefillDones from a peer that failed their checks
     kv_bytes_received: int = 0  # decode
+    kv_poison_violations: int = 0  # decode, PDSERVE_KV_POISON=1: WRITEs after release
     pd_orders: int = 0  # prefill: orders taken
     kv_bytes_sent: int = 0  # prefill
     # KV store (0 without one): prompt tokens loaded from it and used, jobs, failures

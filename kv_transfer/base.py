@@ -12,8 +12,10 @@ Decode side (`DecodeConnector`, consumer):
     follows for the attempt, and exactly one `Released` (no WRITE of the attempt can land
     any more: the blocks may be reused); `RecvDone` implies `Released` and comes alone.
   * `cancel(key)`: stop an attempt (client abort); `Released` follows once the prefill
-    node acknowledged, or at the order's `expires_at` plus a grace period.
-  * `peer_alive(node)`: False while the prefill node misses heartbeats (fail over).
+    node acknowledged, or once its connection was fenced and the last lease on it ran
+    out (never because a deadline passed: kv_transfer/decode_side.py).
+  * `peer_alive(node)`: False while the prefill node misses heartbeats or its engine is
+    stuck (fail over).
 
 Prefill side (`PrefillConnector`, producer):
   * `poll()` yields `NewOrder` (compute this prompt; push its blocks) and `OrderAborted`
@@ -28,8 +30,8 @@ Prefill side (`PrefillConnector`, producer):
   * `flush(timeout_s)`: progress posted WRITEs (and the done notifications they carry)
     for at most `timeout_s`, before the engine starts a step that polls nothing.
   After `NewOrder`, exactly one `SendDone` or `SendFailed` follows per attempt, once no
-  WRITE of it is in flight (or the order's deadline plus grace passed): only then may the
-  source blocks be reused.
+  WRITE of it is in flight (or its deadline, counted from receipt, plus grace passed):
+  only then may the source blocks be reused.
 
 Worker side: `register_kv_cache(kv_cache)` once, before anything else.
 `check_integrity()` raises if any transfer table is inconsistent; `close()` is idempotent.

@@ -11,20 +11,20 @@ queue is full, or the address cannot be connected, `send` returns False and the 
 fails over. `withdraw` takes a queued frame back: such a frame was never sent, so the
 peer never saw it. Liveness: while the caller says a peer is busy (`tick(busy)`), a
 `Heartbeat` goes out every `heartbeat_s`; a peer that has not answered anything for
-`peer_timeout_s` since an unanswered heartbeat is dead (`alive()` is False); it keeps
-getting heartbeats and is alive again as soon as it answers one.
+`peer_timeout_s` since an unanswered heartbeat is dead (`dead()`); it keeps getting
+heartbeats and is alive again as soon as it answers one. A peer whose answers show its
+engine holding work without taking a step for `stall_s` is stuck (`stuck()`), alive again
+once its step counter moves; `alive()` is False while it is dead or stuck (no new orders).
 
-Prefill side (`PrefillControl`): one ROUTER, owned by a pump thread
-(kv_transfer/control_pump.py) that checks each frame's seal and answers heartbeats at
-once, even while the engine thread is inside a long step (so a decode node sees this node
-alive exactly while its process runs); `recv` hands over every other message, or a
-`MalformedMessage`, with the sender's identity. `reply` never blocks: ZMQ drops what it
-cannot deliver, and the decode node's deadlines cover it. With a `link` given (the
-simulator), there is no thread: `recv` screens frames and answers heartbeats itself.
+Leases and fencing (all on this host's monotonic clock): each `HeartbeatAck` is answered
+at once with a `LeaseGrant` (unless the peer is dead), letting that connection post
+WRITEs for `lease_s` more. `fence(node)` closes the connection (a new one, under a new
+ZMQ identity, replaces it) and returns when every lease it granted has run out; links
+have numbered generations (`generation()`), and `closed_until(gen)` tells a caller
+whether a generation's link is gone and since when nothing of it can be posted. Links
+closed for another reason (idle, evicted) get the same bound.
 
-With a cluster secret (`auth`), every frame is sealed (kv_transfer/frame_auth.py) and the
-connection is encrypted with CurveZMQ: the prefill node's key pair is derived from the
-secret (`curve_server_keys`), so only holders of the secret can connect at all.
+Prefill side: `PrefillControl` (kv_transfer/prefill_control.py), re-exported here.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
-from zmq.utils import z85
 
 from pdserve.kv_transfer import messages as m
-from pdserve.kv_transfer.control_pump import ControlPump
 from pdserve.kv_transfer.frame_auth import FrameAuth, UnauthenticatedFrame
+from pdserve.kv_transfer.prefill_control import PrefillControl, curve_server_keys
+
+__all__ = ["DecodeControl", "PrefillControl", "ZmqDealerLink", "curve_server_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,25 +79,26 @@ class ZmqDealerLink:
         self.socket.close(linger=0)
 
 
-def curve_server_keys(auth: FrameAuth) -> tuple[bytes, bytes] | None:
-    """The prefill nodes' CURVE key pair (public, secret; Z85), derived from the cluster
-    secret: with a secret, ZMQ encrypts the control channel (CurveZMQ), and a client that
-    does not know the public key (so not the secret) cannot even complete a handshake."""
-    seed = auth.derive(b"zmq curve server")
-    if seed is None:
-        return None
-    secret = z85.encode(seed)
-    return zmq.curve_public(secret), secret
+# Clock rate bound: a duration of d on one host's monotonic clock is within d * (1 +- this)
+# of real time (NTP slews at most 0.05 %; this leaves a wide margin).
+MAX_RATE_ERROR = 0.01
+LEASE_STRETCH = (1 + MAX_RATE_ERROR) / (1 - MAX_RATE_ERROR)
+CLOSED_MEMORY_S = 3600.0  # how long a closed link's bound is remembered
 
 
 @dataclass
 class _Peer:
     link: ZmqDealerLink
     last_used: float
+    gen: int
     queue: deque[tuple[bytes, tuple[str, int] | None]] = field(default_factory=deque)
     ping_sent_at: float | None = None  # an unanswered heartbeat went out then
     last_ping: float = float("-inf")
     dead: bool = False
+    last_grant: float | None = None  # the last LeaseGrant on this link went out then
+    steps: int = -1  # the peer engine's step counter, as last heard
+    busy: bool = False
+    progressed_at: float = 0.0  # when `steps` last moved (or the engine was idle)
 
 
 class DecodeControl:
@@ -106,6 +108,8 @@ class DecodeControl:
         *,
         heartbeat_s: float = 1.0,
         peer_timeout_s: float = 5.0,
+        stall_s: float | None = None,
+        lease_s: float | None = None,
         idle_close_s: float = 60.0,
         max_peers: int = 64,
         max_queued: int = 1024,
@@ -115,7 +119,9 @@ class DecodeControl:
     ):
         """`connect(node)` opens a link (default: a ZMQ DEALER; the simulator passes an
         in-memory one) and raises ConnectionError if it cannot. `auth` seals and checks
-        every frame (a cluster secret); frames that fail the check are dropped."""
+        every frame (a cluster secret); frames that fail the check are dropped.
+        `stall_s` (default `peer_timeout_s`; nodes pass `engine_stall_s`): a busy peer
+        engine that took no step for this long is stuck (keep it above the longest step). `lease_s` (default `peer_timeout_s`): each grant's length."""
         self.auth = auth or FrameAuth(None)
         self.rejected_frames = 0
         self._ctx = zmq.Context() if connect is None else None
@@ -126,11 +132,15 @@ class DecodeControl:
         self._hello = hello
         self.heartbeat_s = heartbeat_s
         self.peer_timeout_s = peer_timeout_s
+        self.stall_s = peer_timeout_s if stall_s is None else stall_s
+        self.lease_s = peer_timeout_s if lease_s is None else lease_s
         self.idle_close_s = idle_close_s
         self.max_peers = max_peers
         self.max_queued = max_queued
         self.clock = clock
         self._peers: dict[str, _Peer] = {}
+        self._closed: dict[int, float] = {}  # generation -> nothing of it lands after
+        self._gens = 0
         self._seq = 0
 
     # -- sending -------------------------------------------------------------------------
@@ -162,7 +172,7 @@ class DecodeControl:
     def _try_send(self, peer: _Peer, frame: bytes) -> bool:
         return peer.link.send(frame)
 
-    def _connect(self, node: str) -> _Peer | None:
+    def _connect(self, node: str, like: _Peer | None = None) -> _Peer | None:
         if len(self._peers) >= self.max_peers and not self._close_one_idle():
             logger.warning("already %d prefill peers; not connecting to %s", self.max_peers, node)
             return None
@@ -171,7 +181,11 @@ class DecodeControl:
         except ConnectionError as e:
             logger.warning("cannot connect to prefill node %s: %s", node, e)
             return None
-        peer = _Peer(link, self.clock())
+        self._gens += 1
+        peer = _Peer(link, self.clock(), self._gens, progressed_at=self.clock())
+        if like is not None:  # a replacement link: the peer's liveness carries over
+            peer.dead, peer.ping_sent_at = like.dead, like.ping_sent_at
+            peer.steps, peer.busy, peer.progressed_at = like.steps, like.busy, like.progressed_at
         self._peers[node] = peer
         peer.queue.append((self._frame(self._hello()), None))
         self._flush(peer)
@@ -184,7 +198,7 @@ class DecodeControl:
     # -- receiving, liveness -------------------------------------------------------------
     def recv(self) -> list[tuple[str, m.ToDecode | m.MalformedMessage]]:
         out: list[tuple[str, m.ToDecode | m.MalformedMessage]] = []
-        for node, peer in self._peers.items():
+        for node, peer in list(self._peers.items()):
             while (raw := peer.link.recv()) is not None:
                 try:  # MAC only: an answer may wait here through a long engine step
                     # (past the freshness window); a CurveZMQ session admits no replays
@@ -200,22 +214,37 @@ class DecodeControl:
                     logger.warning("malformed control message from %s: %s", node, e)
                     out.append((node, e))
                     continue
-                if not isinstance(msg, m.HeartbeatAck):
+                if isinstance(msg, m.HeartbeatAck):
+                    self._on_ack(peer, msg)
+                else:
                     out.append((node, msg))
         return out
+
+    def _on_ack(self, peer: _Peer, ack: m.HeartbeatAck) -> None:
+        now = self.clock()
+        if ack.steps != peer.steps or not ack.busy:
+            peer.progressed_at = now
+        peer.steps, peer.busy = ack.steps, ack.busy
+        if self._try_send(peer, self._frame(m.LeaseGrant(at=ack.at, for_s=self.lease_s))):
+            peer.last_grant = now
 
     def tick(self, busy: set[str]) -> None:
         """Flush queues, heartbeat busy (and dead) peers, mark silent ones dead, close
         connections with nothing outstanding for `idle_close_s`."""
         now = self.clock()
+        for gen, until in list(self._closed.items()):
+            if now > until + CLOSED_MEMORY_S:
+                del self._closed[gen]
         for node, peer in list(self._peers.items()):
             self._flush(peer)
             if node in busy:
                 peer.last_used = now
-            elif not peer.queue and now - peer.last_used > self.idle_close_s:
-                self._close(node)
-                continue
-            elif not peer.dead:
+            else:  # nothing asked of it: its engine's progress is not ours to judge
+                peer.busy, peer.progressed_at = False, now
+                if not peer.queue and now - peer.last_used > self.idle_close_s:
+                    self._close(node)
+                    continue
+            if node not in busy and not peer.dead:
                 peer.ping_sent_at = None  # nothing outstanding: no answer expected
                 continue
             # busy, or dead: heartbeat until it answers (a dead peer may come back)
@@ -232,8 +261,40 @@ class DecodeControl:
                     peer.dead = True
 
     def alive(self, node: str) -> bool:
+        """Whether to order from `node`: not dead, and its engine not stuck."""
+        return not self.dead(node) and not self.stuck(node)
+
+    def dead(self, node: str) -> bool:
         peer = self._peers.get(node)
-        return peer is None or not peer.dead
+        return peer is not None and peer.dead
+
+    def stuck(self, node: str) -> bool:
+        peer = self._peers.get(node)
+        if peer is None or not peer.busy:
+            return False
+        if self.clock() - peer.progressed_at <= self.stall_s:
+            return False
+        logger.warning("prefill node %s: engine stuck at step %d", node, peer.steps)
+        return True
+
+    # -- generations, fencing ------------------------------------------------------------
+    def generation(self, node: str) -> int | None:
+        peer = self._peers.get(node)
+        return None if peer is None else peer.gen
+
+    def closed_until(self, gen: int | None) -> float | None:
+        """None while generation `gen`'s link is open; else the time (this clock) after
+        which no WRITE posted under its leases is still being posted."""
+        return self._closed.get(gen) if gen is not None else 0.0
+
+    def fence(self, node: str) -> None:
+        """Close `node`'s link so no lease of it is renewed; a new link replaces it."""
+        peer = self._peers.get(node)
+        if peer is None:
+            return
+        logger.warning("fencing the control connection to %s (generation %d)", node, peer.gen)
+        self._close(node)
+        self._connect(node, like=peer)
 
     def _close_one_idle(self) -> bool:
         idle = [(p.last_used, n) for n, p in self._peers.items() if not p.queue]
@@ -243,7 +304,11 @@ class DecodeControl:
         return True
 
     def _close(self, node: str) -> None:
-        self._peers.pop(node).link.close()
+        peer = self._peers.pop(node)
+        peer.link.close()
+        now = self.clock()
+        grant = peer.last_grant
+        self._closed[peer.gen] = now if grant is None else grant + self.lease_s * LEASE_STRETCH
         logger.info("closed the control connection to %s", node)
 
     @property
@@ -256,73 +321,5 @@ class DecodeControl:
     def close(self) -> None:
         for node in list(self._peers):
             self._close(node)
-        if self._ctx is not None:
-            self._ctx.term()
-
-
-class PrefillControl:
-    def __init__(
-        self, address: str, link: ControlPump | None = None, auth: FrameAuth | None = None
-    ):
-        """`link`: a bound socket with `recv`/`send`/`socket`/`address`/`close` whose
-        frames `recv` screens (the simulator's); default: a `ControlPump` that binds a ZMQ
-        ROUTER at `address` and screens frames in its own thread. `auth`: frames not
-        sealed with the cluster secret, or replayed, are dropped unanswered."""
-        self.auth = auth or FrameAuth(None)
-        self.rejected_frames = 0
-        self._ctx = zmq.Context() if link is None else None
-        self._link = link or ControlPump(
-            self._ctx, address, self._screen, curve_server_keys(self.auth)
-        )
-        self.address = self._link.address
-        logger.info("prefill control channel on %s", self.address)
-
-    def _screen(self, ident: bytes, raw: bytes, send: Callable[[bytes, bytes], None]):
-        """The opened payload of an authentic frame for the engine, or None: a refused
-        frame is dropped, a `Heartbeat` is answered here through `send`."""
-        try:
-            raw = self.auth.open(raw)
-        except UnauthenticatedFrame as e:
-            self.rejected_frames += 1
-            logger.warning("dropping a control frame: %s", e)
-            return None
-        try:
-            msg = m.decode_to_prefill(raw)
-        except m.MalformedMessage:
-            return raw  # the engine thread decodes it again and answers the sender
-        if isinstance(msg, m.Heartbeat):
-            send(ident, self.auth.seal(m.encode(m.HeartbeatAck(seq=msg.seq))))
-            return None
-        return raw
-
-    def recv(self) -> list[tuple[bytes, m.ToPrefill | m.MalformedMessage]]:
-        out: list[tuple[bytes, m.ToPrefill | m.MalformedMessage]] = []
-        screened = getattr(self._link, "screened", False)
-        while (frames := self._link.recv()) is not None:
-            if len(frames) != 2:
-                logger.warning("dropping a control message of %d frames", len(frames))
-                continue
-            ident, raw = frames
-            if not screened:
-                raw = self._screen(ident, raw, self._link.send)
-                if raw is None:
-                    continue
-            try:
-                msg = m.decode_to_prefill(raw)
-            except m.MalformedMessage as e:
-                logger.warning("malformed control message: %s", e)
-                out.append((ident, e))
-                continue
-            out.append((ident, msg))
-        return out
-
-    def reply(self, ident: bytes, msg: m.ToDecode) -> None:
-        self._link.send(ident, self.auth.seal(m.encode(msg)))
-
-    def sockets(self) -> list[zmq.Socket]:
-        return [self._link.socket] if self._link.socket is not None else []
-
-    def close(self) -> None:
-        self._link.close()
         if self._ctx is not None:
             self._ctx.term()

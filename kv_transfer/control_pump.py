@@ -8,7 +8,9 @@ in a daemon thread that
 * reads every incoming frame at once and passes it to `screen(ident, raw, send)`
   (`PrefillControl._screen`: checks the frame's seal and answers a `Heartbeat` itself
   through `send`); what `screen` returns (an opened, non-heartbeat payload) goes on to
-  the engine thread over an inproc PAIR socket;
+  the engine thread over an inproc PAIR socket, with the time the pump received it
+  (`clock`, so an order's deadline counts from its arrival, not from when a long step
+  let the engine read it);
 * sends out the engine thread's replies, which arrive over the same PAIR.
 
 So the ROUTER is used by the pump thread only, and the engine thread sees one PAIR
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -44,10 +47,12 @@ class ControlPump:
         address: str,
         screen: Screen,
         curve: tuple[bytes, bytes] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`curve`: this node's CURVE (public, secret) key pair: clients must know the
         public key, and everything on the connection is encrypted."""
         self._screen = screen
+        self._clock = clock
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -111,6 +116,7 @@ class ControlPump:
                 logger.warning("dropping a control message of %d frames", len(frames))
                 continue
             ident, raw = frames
+            at = repr(self._clock()).encode()
             try:
                 payload = self._screen(ident, raw, self._send_out)
             except Exception:  # one bad frame must not stop the pump
@@ -119,7 +125,7 @@ class ControlPump:
             if payload is None:
                 continue
             try:
-                self._inner.send_multipart([ident, payload], zmq.NOBLOCK)
+                self._inner.send_multipart([ident, payload, at], zmq.NOBLOCK)
             except zmq.Again:
                 logger.warning("engine thread %d frames behind; dropping one", INNER_HWM)
 

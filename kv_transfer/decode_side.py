@@ -2,18 +2,27 @@
 
 Each attempt `(request_id, attempt)` is in one `RecvState`:
 
-    ORDERED --PrefillDone (all blocks)--------------------------> gone   (RecvDone)
-    ORDERED --rejected / failed / peer dead / deadline--> FAILED          (RecvFailed)
-    ORDERED --cancel (client abort)---------------------> CANCELLED
-    FAILED, CANCELLED --end message from the prefill node, or
-                        expires_at + grace on the shared clock--> gone   (Released)
+    ORDERED --PrefillDone (all blocks)------------------------------> gone (RecvDone)
+    ORDERED --rejected / failed / peer dead or stuck / deadline--> FAILED  (RecvFailed)
+    ORDERED --cancel (client abort)-------------------------------> CANCELLED
+    FAILED, CANCELLED --end message from the prefill node---------> gone (Released)
+    FAILED, CANCELLED --no end within abort_grace_s, or peer dead--> FENCED
+    any --its connection closed (fenced, evicted)-----------------> FENCED (RecvFailed
+                                                                    if it was ORDERED)
+    FENCED --the link's last lease ran out, plus abort_grace_s----> gone (Released)
 
-An order still in the local send queue when its attempt fails or is cancelled was never
-sent: it is withdrawn and released at once. Any end message from the prefill node
-(`PrefillRejected`, `PrefillFailed`, `AbortAck`, a late `PrefillDone`) proves no WRITE of
-that attempt will land, so it releases at once too; a message from another peer about
-the attempt is ignored. The control channel and the data plane are passed in, so the
-same logic runs over ZMQ + NIXL and over the seeded simulator's in-memory transport.
+All times are this host's monotonic clock (`clock`); the order carries only a duration
+(`ttl_s`), which the prefill node counts from its own receipt. Blocks are never reused on
+"the deadline passed" alone: only an end message from the prefill node (`PrefillRejected`,
+`PrefillFailed`, `AbortAck`, a late `PrefillDone`) proves no WRITE of the attempt will
+land, or fencing does: the control connection is closed, so the prefill node's lease to
+post WRITEs on it is not renewed, and once the last lease granted on it ran out (with
+the clocks' rate bound) and `abort_grace_s` more (a WRITE posted before then is landed
+or failed by then) nothing of it can land (`DecodeControl.fence`). An order still in the
+local send queue when its attempt fails or is cancelled was never sent: it is withdrawn
+and released at once. A message from another peer, or another connection, about the
+attempt is ignored. The control channel and the data plane are passed in, so the same
+logic runs over ZMQ + NIXL and over the seeded simulator's in-memory transport.
 """
 
 from __future__ import annotations
@@ -49,24 +58,34 @@ class RecvState(enum.Enum):
     ORDERED = "ordered"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    FENCED = "fenced"
 
 
 @dataclass
 class _Attempt:
     node: str
     order: m.PrefillOrder
+    deadline: float  # ORDERED until then (this clock)
+    gen: int | None = None  # the control link it was ordered on
     state: RecvState = RecvState.ORDERED
     hello_resent: bool = False
+    end_by: float = float("inf")  # FAILED/CANCELLED: fence if no end message by then
+    release_at: float = float("inf")  # FENCED: released then
 
 
 class DecodeSide(DataPlaneOwner, DecodeConnector):
+    # The peer WRITEs into our blocks (NIXL): fence before reuse. False (LMCache: only our
+    # own retrieve writes them, tracked by the subclass): a failed attempt is released
+    # once its end-message wait is over, without fencing.
+    peer_writes = True
+
     def __init__(
         self,
         control_factory: Callable[[Callable[[], m.PeerHello]], object],
         data_factory: Callable[[torch.Tensor], DataPlane],
         *,
         abort_grace_s: float = 2.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`control_factory(hello)` builds the control channel (`DecodeControl` or a
         simulated one); `data_factory(kv_cache)` the data plane, on `register_kv_cache`."""
@@ -84,7 +103,7 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
     # -- requests from the decode role ---------------------------------------------------
     def request_prefill(self, order: m.PrefillOrder, prefill_node: str) -> None:
         key = (order.request_id, order.attempt)
-        order = msgspec.structs.replace(order, nonce=secrets.randbits(63), sent_at=self.clock())
+        order = msgspec.structs.replace(order, nonce=secrets.randbits(63))
         if not self.control.alive(prefill_node):
             self._events += [RecvFailed(key, f"prefill node {prefill_node} is not answering")]
             self._events.append(Released(key))
@@ -93,7 +112,9 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
             self._events += [RecvFailed(key, f"cannot send to prefill node {prefill_node}")]
             self._events.append(Released(key))
             return
-        self._attempts[key] = _Attempt(prefill_node, order)
+        deadline = self.clock() + order.ttl_s
+        gen = self.control.generation(prefill_node)
+        self._attempts[key] = _Attempt(prefill_node, order, deadline, gen)
         logger.info(
             "request %s (attempt %d): prefill ordered from %s (%d blocks from block %d)",
             *key,
@@ -107,6 +128,7 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         if att is None or att.state is not RecvState.ORDERED:
             return
         att.state = RecvState.CANCELLED
+        att.end_by = self.clock() + self.abort_grace_s
         self._stop(key, att)
 
     def peer_alive(self, prefill_node: str) -> bool:
@@ -136,17 +158,39 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
                 except Exception:  # a bug met by one peer message: drop it, keep serving
                     logger.exception("control message %s from %s failed", type(msg).__name__, node)
         self.control.tick({a.node for a in self._attempts.values()})
-        now = self.clock()
+        return events + self._expire()
+
+    def _expire(self) -> list[DecodeEvent]:
+        events: list[DecodeEvent] = []
+        now, fence = self.clock(), set()
         for key, att in list(self._attempts.items()):
+            if att.state is not RecvState.FENCED:
+                until = self.control.closed_until(att.gen)
+                if until is not None:  # its link is gone: no lease of it is renewed
+                    if att.state is RecvState.ORDERED:
+                        events.append(RecvFailed(key, f"connection to {att.node} fenced"))
+                    grace = self.abort_grace_s if self.peer_writes else float("-inf")
+                    att.state, att.release_at = RecvState.FENCED, until + grace
+            if att.state is RecvState.FENCED:
+                if now >= att.release_at:
+                    del self._attempts[key]
+                    events.append(Released(key))
+                continue
             if att.state is RecvState.ORDERED:
-                if now > att.order.expires_at:
+                if now > att.deadline:
                     events += self._fail(key, att, f"no KV from {att.node} within the deadline")
                 elif not self.control.alive(att.node):
-                    events += self._fail(key, att, f"prefill node {att.node} is not answering")
-            elif now > att.order.expires_at + self.abort_grace_s:
-                del self._attempts[key]
-                events.append(Released(key))
-        return events
+                    why = "stuck" if self.control.stuck(att.node) else "not answering"
+                    events += self._fail(key, att, f"prefill node {att.node} is {why}")
+            if key in self._attempts and att.state is not RecvState.ORDERED:
+                if not self.peer_writes and now > att.end_by:
+                    del self._attempts[key]
+                    events.append(Released(key))
+                elif now > att.end_by or self.control.dead(att.node):
+                    fence.add(att.node)  # no end message in time: stop its leases
+        for node in fence:
+            self.control.fence(node)
+        return events + (self._expire() if fence else [])
 
     def _on_done(self, agent: str, msg: m.PrefillDone) -> list[DecodeEvent]:
         key = (msg.request_id, msg.attempt)
@@ -194,8 +238,10 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
             return []  # PrefillDone counts only as a data-plane notification
         key = (msg.request_id, msg.attempt)
         att = self._attempts.get(key)
-        if att is None or att.node != node:
+        if att is None or att.node != node or att.state is RecvState.FENCED:
             return []  # stale, or another peer's word about a transfer it does not own
+        if att.gen != self.control.generation(node):  # heard on another connection
+            return []
         if isinstance(msg, m.PrefillRejected) and msg.need_hello and not att.hello_resent:
             att.hello_resent = True
             if self.control.send(node, self._hello()) and self.control.send(node, att.order, key):
@@ -210,6 +256,7 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
     def _fail(self, key: TransferKey, att: _Attempt, reason: str) -> list[DecodeEvent]:
         logger.warning("request %s (attempt %d): %s", *key, reason)
         att.state = RecvState.FAILED
+        att.end_by = self.clock() + self.abort_grace_s
         released = self._stop(key, att)
         return [RecvFailed(key, reason)] + ([Released(key)] if released else [])
 
@@ -220,7 +267,7 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
             if att.state is RecvState.CANCELLED:
                 self._events.append(Released(key))
             return True
-        abort = m.AbortPrefill(request_id=key[0], attempt=key[1], expires_at=att.order.expires_at)
+        abort = m.AbortPrefill(request_id=key[0], attempt=key[1], ttl_s=att.order.ttl_s)
         self.control.send(att.node, abort)
         return False
 

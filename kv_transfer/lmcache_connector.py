@@ -15,8 +15,8 @@ way (`pdserve.kv_transfer.lmcache_transport`):
     every prompt token present -> RecvDone; else RecvFailed (fail over)
 
 Completeness: the decode side uses the KV only when the retrieve filled every prompt
-token from the order's first block on. Deadlines: the order's `expires_at` bounds the
-prefill's store, the wait for `PrefillDone` and the retrieve; at it the attempt fails
+token from the order's first block on. Deadlines: the order's `ttl_s` (each side's own
+deadline on its own monotonic clock) bounds the prefill's store, the wait for `PrefillDone` and the retrieve; at it the attempt fails
 (`RecvFailed`, fail over), and its blocks are released once no retrieve writes them
 (`Released` waits for the job to end). Abort: an attempt cancelled mid-retrieve is
 released when the job ends; one cancelled before is aborted at the prefill node as with
@@ -98,6 +98,8 @@ def _slots(
 class LMCacheDecodeSide(DecodeSide):
     """Orders prefills over the control channel; retrieves their KV from the store."""
 
+    peer_writes = False  # only our own retrieve writes the blocks (`_loading`)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # attempts whose retrieve runs: (attempt, its handle, the RecvDone it will give)
@@ -114,11 +116,11 @@ class LMCacheDecodeSide(DecodeSide):
         if not (len(events) == 1 and isinstance(events[0], RecvDone)):
             return events
         o = att.order
-        if self.clock() > o.expires_at:
+        if self.clock() > att.deadline:
             return [RecvFailed(key, "the KV was stored after the deadline"), Released(key)]
         slots = _slots(o, o.dst_block_ids, o.first_block, self._data.layout.block_size)
         skip = o.first_block * self._data.layout.block_size
-        handle = self._data.retrieve(o.prompt_token_ids, slots, skip, o.expires_at)
+        handle = self._data.retrieve(o.prompt_token_ids, slots, skip, att.deadline)
         self._loading[key] = (att, handle, events[0])  # RecvDone once every token is in
         return []
 
@@ -128,7 +130,7 @@ class LMCacheDecodeSide(DecodeSide):
         for key, (att, handle, done) in list(self._loading.items()):
             state = self._data.poll(handle)
             if state is TransferState.PENDING:
-                if att.state is RecvState.ORDERED and now > att.order.expires_at:
+                if att.state is RecvState.ORDERED and now > att.deadline:
                     att.state = RecvState.FAILED  # fail over now; release when it ends
                     logger.warning("request %s (attempt %d): retrieve missed the deadline", *key)
                     events.append(RecvFailed(key, "the KV retrieve missed the deadline"))
@@ -175,6 +177,8 @@ class LMCachePrefillSide(PrefillSide):
     engine computes the next chunk); `finish` posts the rest, and `PrefillDone` goes out
     once every job has made its chunks visible in Redis."""
 
+    needs_lease = False  # it writes the shared store, never a decode node's blocks
+
     def __init__(self, *args, chunk_size: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.chunk_size = chunk_size
@@ -183,8 +187,8 @@ class LMCachePrefillSide(PrefillSide):
         self._stored: dict[TransferKey, int] = {}  # prompt tokens posted for storing
         self.early_stores = 0  # store jobs posted before the prompt finished (pipelined)
 
-    def _on_order(self, ident: bytes, order: m.PrefillOrder) -> list[PrefillEvent]:
-        events = super()._on_order(ident, order)
+    def _on_order(self, ident: bytes, order: m.PrefillOrder, at: float) -> list[PrefillEvent]:
+        events = super()._on_order(ident, order, at)
         if not events:
             return events
         key = (order.request_id, order.attempt)
@@ -198,7 +202,7 @@ class LMCachePrefillSide(PrefillSide):
         s = self._sends.get(key)
         if s is None or s.state is not SendState.COMPUTING:
             return
-        if self.clock() > s.order.expires_at:
+        if self.clock() > s.deadline:
             return self._end(key, s, "the order expired")
         self._blocks[key] += src_block_ids
         o, bs = s.order, self._data.layout.block_size
@@ -213,7 +217,7 @@ class LMCachePrefillSide(PrefillSide):
         slots = _slots(o, self._blocks[key], first, bs, end)
         try:
             handle = self._data.store(
-                o.prompt_token_ids[:end], slots, self._stored[key], o.expires_at
+                o.prompt_token_ids[:end], slots, self._stored[key], s.deadline
             )
         except RuntimeError as e:
             self._end(key, s, f"cannot store the KV: {e}")
@@ -266,6 +270,7 @@ def lmcache_connector(
     control_address: str | None = None,
     abort_grace_s: float = 2.0,
     peer_timeout_s: float = 30.0,
+    engine_stall_s: float = 30.0,
     heartbeat_s: float = 1.0,
     cluster_secret: bytes | None = None,
 ) -> LMCacheDecodeSide | LMCachePrefillSide:
@@ -278,7 +283,11 @@ def lmcache_connector(
     if role == "decode":
         return LMCacheDecodeSide(
             lambda hello: DecodeControl(
-                hello, heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s, auth=auth
+                hello,
+                heartbeat_s=heartbeat_s,
+                peer_timeout_s=peer_timeout_s,
+                stall_s=engine_stall_s,
+                auth=auth,
             ),
             data,
             abort_grace_s=abort_grace_s,

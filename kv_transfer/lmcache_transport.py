@@ -114,21 +114,21 @@ class LMCacheDataPlane:
         return self._peers[peer]
 
     # -- jobs (engine thread) ------------------------------------------------------------
-    def store(self, token_ids, slots, skip_tokens: int, expires_at: float) -> TransferHandle:
+    def store(self, token_ids, slots, skip_tokens: int, deadline: float) -> TransferHandle:
         """Store tokens [skip_tokens, n) from `slots`; DONE once Redis holds every chunk."""
-        return self._post("store", token_ids, slots, skip_tokens, expires_at)
+        return self._post("store", token_ids, slots, skip_tokens, deadline)
 
-    def retrieve(self, token_ids, slots, skip_tokens: int, expires_at: float) -> TransferHandle:
+    def retrieve(self, token_ids, slots, skip_tokens: int, deadline: float) -> TransferHandle:
         """Load stored chunks into `slots` (tokens [0, skip_tokens) untouched); DONE with
         `present(handle)` the leading tokens now in the cache."""
-        return self._post("retrieve", token_ids, slots, skip_tokens, expires_at)
+        return self._post("retrieve", token_ids, slots, skip_tokens, deadline)
 
-    def _post(self, kind, token_ids, slots, skip, expires_at: float) -> TransferHandle:
+    def _post(self, kind, token_ids, slots, skip, deadline: float) -> TransferHandle:
+        """`deadline`: time.monotonic() by which the job gives up."""
         if self._closed:
             raise RuntimeError("the LMCache data plane is closed")
         nbytes = (len(token_ids) - skip) * self._token_bytes
         handle = TransferHandle(next(self._ids), kind, TransferStats(nbytes, 1))
-        deadline = time.monotonic() + (expires_at - time.time())
         job = _Job(kind, list(token_ids), list(slots), skip, deadline, handle)
         self._jobs[handle.id] = job
         self._queue.put(job)

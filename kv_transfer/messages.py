@@ -7,7 +7,9 @@ Prefill -> decode, over the same connection:
   `PrefillRejected` (the order was not taken; nothing was or will be written;
   `need_hello` asks for `PeerHello` first), `PrefillFailed` (the prefill ended early:
   a WRITE failed, the order expired, the prefill node dropped it), `AbortAck` (answer to
-  `AbortPrefill`), `HeartbeatAck`.
+  `AbortPrefill`), `HeartbeatAck` (with the prefill engine's progress, and the prefill
+  node's own clock reading that a `LeaseGrant` hands back).
+Decode -> prefill, in answer to each `HeartbeatAck`: `LeaseGrant`.
 Prefill -> decode, as the data-plane notification of the request's last block WRITE, so
 it is delivered only after every block has landed:
   `PrefillDone` (first sampled token, number of blocks written and, when the order asked,
@@ -18,9 +20,18 @@ never meets its earlier attempt. A prefill node sends `PrefillRejected`, `Prefil
 or `AbortAck` only once none of that attempt's WRITEs is in flight: each one proves that
 nothing more will land, so the decode node may reuse the blocks at once.
 
-Deadlines are absolute: `PrefillOrder.expires_at` is a wall-clock time (seconds since the
-epoch, clocks in sync across nodes). The prefill node posts no WRITE after it; the decode
-node reuses the blocks of an attempt it never heard an end of at `expires_at + grace`.
+Time: no field is a timestamp compared across hosts. `PrefillOrder.ttl_s` is a duration;
+each side counts it on its own monotonic clock from its own event (decode: sending;
+prefill: receiving, so the prefill node's deadline falls later), and the prefill node
+posts no WRITE after its deadline. The decode node never reuses an attempt's blocks on
+time alone: only after an end message from the prefill node, or after fencing the
+connection. Fencing rests on a lease the prefill node holds per connection: it posts
+WRITEs only while the lease runs (`lease_until = at + for_s` on its own clock, where `at`
+is its own reading sent in the `HeartbeatAck` the grant answers, so the lease starts
+before the decode node granted it). A decode node fences a connection by closing it:
+no grant follows, and once `for_s` (stretched by the clocks' rate bound) plus the WRITE
+flight bound has passed on its clock since its last grant, nothing of that connection
+can land (`DecodeControl.fence`).
 """
 
 from __future__ import annotations
@@ -43,19 +54,26 @@ class PrefillOrder(msgspec.Struct, tag=True, kw_only=True):
     decode_agent: str
     first_block: int  # decode already holds blocks [0, first_block) (its prefix cache)
     dst_block_ids: list[int]  # decode blocks for prompt blocks first_block, first_block+1, ...
-    expires_at: float  # wall clock: the prefill node writes nothing after this
+    ttl_s: float  # the prefill node writes nothing later than this after receiving it
     nonce: int = 0  # set by the decode side; PrefillDone must echo it
-    sent_at: float = 0.0  # wall clock when the decode side sent it (0: unknown)
 
 
 class AbortPrefill(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
     attempt: int
-    expires_at: float  # the order's: an order arriving after its abort is refused until then
+    ttl_s: float  # the order's: an order arriving after its abort is refused this long
 
 
 class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
     seq: int
+
+
+class LeaseGrant(msgspec.Struct, tag=True, kw_only=True):
+    """The prefill node may post WRITEs on this connection until `at + for_s` on its own
+    clock (`at`: its reading from the `HeartbeatAck` this answers)."""
+
+    at: float
+    for_s: float
 
 
 class PrefillRejected(msgspec.Struct, tag=True, kw_only=True):
@@ -78,6 +96,9 @@ class AbortAck(msgspec.Struct, tag=True, kw_only=True):
 
 class HeartbeatAck(msgspec.Struct, tag=True, kw_only=True):
     seq: int
+    at: float = 0.0  # the prefill node's monotonic clock when it answered (for LeaseGrant)
+    steps: int = 0  # engine steps the prefill node has run (its loop's progress)
+    busy: bool = False  # its engine holds work (so `steps` must advance)
 
 
 class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
@@ -99,7 +120,7 @@ class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
-ToPrefill = PeerHello | PrefillOrder | AbortPrefill | Heartbeat
+ToPrefill = PeerHello | PrefillOrder | AbortPrefill | Heartbeat | LeaseGrant
 ToDecode = PrefillRejected | PrefillFailed | AbortAck | HeartbeatAck | PrefillDone
 
 _enc = msgspec.msgpack.Encoder()

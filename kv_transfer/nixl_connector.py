@@ -45,6 +45,7 @@ def nixl_connector(
     control_address: str | None = None,
     abort_grace_s: float = 2.0,
     peer_timeout_s: float = 5.0,
+    engine_stall_s: float = 30.0,
     heartbeat_s: float = 1.0,
     cluster_secret: bytes | None = None,
     net_devices: str | None = None,
@@ -54,7 +55,8 @@ def nixl_connector(
     `cluster_secret`, control frames are sealed and checked (kv_transfer/frame_auth.py),
     the control channel is encrypted (CurveZMQ) and `PrefillDone` notifications are sealed;
     `net_devices` (UCX_NET_DEVICES) keeps the data plane's listeners on those devices;
-    `warmup_timeout_s` bounds a new decode peer's connection warm-up (default
+    `engine_stall_s`: a prefill peer whose engine holds work but took no step this long
+    is stuck (`DecodeControl.stuck`); `warmup_timeout_s` bounds a new decode peer's connection warm-up (default
     `nixl_warmup.WARMUP_TIMEOUT_S`; a peer that misses it is dropped and refused)."""
     if role == "decode":
         return DecodeSide(
@@ -62,6 +64,7 @@ def nixl_connector(
                 hello,
                 heartbeat_s=heartbeat_s,
                 peer_timeout_s=peer_timeout_s,
+                stall_s=engine_stall_s,
                 auth=FrameAuth(cluster_secret),
             ),
             _nixl_factory(node_id, net_devices),
@@ -70,7 +73,7 @@ def nixl_connector(
     if role == "prefill":
         if not control_address:
             raise ValueError("a prefill node needs a control address (kv control)")
-        # Give up on in-flight WRITEs half a grace before decode nodes reuse their blocks.
+        # Give up on in-flight WRITEs half a grace past the order's own deadline.
         return PrefillSide(
             PrefillControl(control_address, auth=FrameAuth(cluster_secret)),
             _nixl_factory(node_id, net_devices, warmup_timeout_s),

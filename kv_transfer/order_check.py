@@ -9,18 +9,15 @@ from __future__ import annotations
 
 from pdserve.kv_transfer.messages import PrefillOrder
 
-MAX_ORDER_TTL_S = 3600.0  # an order may not claim a deadline further away than this
+MAX_ORDER_TTL_S = 3600.0  # an order may not ask for a longer deadline than this
 MAX_ATTEMPT = 2**62
 
 
-def order_problem(
-    order: PrefillOrder, *, block_size: int, peer_num_blocks: int, now: float
-) -> str | None:
+def order_problem(order: PrefillOrder, *, block_size: int, peer_num_blocks: int) -> str | None:
     """Why `order` cannot be taken (None if it can).
 
     `block_size` is ours (the layouts were checked compatible at `PeerHello`);
-    `peer_num_blocks` is the decode node's pool size, bounding its block ids; `now` is
-    the shared wall clock the order's `expires_at` refers to.
+    `peer_num_blocks` is the decode node's pool size, bounding its block ids.
     """
     if not order.request_id or len(order.request_id) > 256:
         return "request_id must be 1-256 characters"
@@ -43,8 +40,6 @@ def order_problem(
         return f"destination block {bad} outside the decode node's [0, {peer_num_blocks})"
     if len(set(dst)) != len(dst):
         return "duplicate destination block ids"
-    if not order.expires_at > now:
-        return "the order has expired"
-    if order.expires_at > now + MAX_ORDER_TTL_S:
-        return f"the order's deadline is more than {MAX_ORDER_TTL_S:g} s away"
+    if not 0 < order.ttl_s <= MAX_ORDER_TTL_S:  # NaN fails too
+        return f"ttl_s {order.ttl_s} outside (0, {MAX_ORDER_TTL_S:g}] s"
     return None

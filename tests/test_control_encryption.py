@@ -69,7 +69,7 @@ def test_orders_cross_the_wire_encrypted(secret):
         decode_agent="d",
         first_block=0,
         dst_block_ids=[1, 2, 3, 4],
-        expires_at=time.time() + 60,
+        ttl_s=60.0,
     )
     try:
         node = f"tcp://127.0.0.1:{relay.port}"

@@ -45,7 +45,7 @@ def order(agent: str, rid: str = "r1") -> m.PrefillOrder:
         decode_agent=agent,
         first_block=0,
         dst_block_ids=[5, 6],
-        expires_at=time.time() + 60,
+        ttl_s=60.0,
     )
 
 

@@ -22,7 +22,7 @@ def order(**params) -> m.PrefillOrder:
     return m.PrefillOrder(
         request_id="r", attempt=1, prompt_token_ids=PROMPT,
         params=SamplingParams(max_tokens=1, **params), decode_agent="d", first_block=0,
-        dst_block_ids=[0], expires_at=1e12,
+        dst_block_ids=[0], ttl_s=60.0,
     )  # fmt: skip
 
 

@@ -22,7 +22,7 @@ class Clock:
 def test_round_trip_and_every_refusal():
     clock = Clock()
     sender, receiver = FrameAuth(SECRET, clock=clock), FrameAuth(SECRET, clock=clock)
-    payload = m.encode(m.AbortPrefill(request_id="r1", attempt=0, expires_at=2000.0))
+    payload = m.encode(m.AbortPrefill(request_id="r1", attempt=0, ttl_s=60.0))
     frame = sender.seal(payload)
     assert frame != payload and receiver.open(frame) == payload
     with pytest.raises(UnauthenticatedFrame, match="replayed"):

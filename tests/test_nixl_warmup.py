@@ -137,7 +137,7 @@ def _order(agent: str, rid: str) -> m.PrefillOrder:
         decode_agent=agent,
         first_block=0,
         dst_block_ids=[5, 6],
-        expires_at=time.time() + 60,
+        ttl_s=60.0,
     )
 
 

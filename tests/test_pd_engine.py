@@ -234,7 +234,7 @@ def test_hostile_decode_peer_is_rejected_over_real_nixl(tiny_llama_dir, hf_model
                     decode_agent=agent.name,
                     first_block=0,
                     dst_block_ids=dst,
-                    expires_at=time.time() + 60,
+                    ttl_s=60.0,
                 )
             )
 

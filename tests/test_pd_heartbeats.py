@@ -59,7 +59,7 @@ def test_heartbeats_answered_while_the_engine_thread_is_busy():
     dc = decode_control(peer_timeout_s=0.5)
     try:
         node = pc.address
-        assert dc.send(node, m.AbortPrefill(request_id="r", attempt=0, expires_at=0.0))
+        assert dc.send(node, m.AbortPrefill(request_id="r", attempt=0, ttl_s=1.0))
         # the engine thread is in a 3 s step (six peer timeouts): it does not call recv
         verdicts = watch(dc, node, 3.0)
         assert all(verdicts), "declared dead while only the engine thread was busy"
@@ -98,7 +98,7 @@ def test_answers_read_after_a_long_decode_step_still_count():
     )
     try:
         node = pc.address
-        assert dc.send(node, m.AbortPrefill(request_id="r", attempt=0, expires_at=0.0))
+        assert dc.send(node, m.AbortPrefill(request_id="r", attempt=0, ttl_s=1.0))
         assert all(watch(dc, node, 1.0))
         time.sleep(0.15)
         dc.tick({node})  # a heartbeat goes out ...
@@ -136,7 +136,7 @@ def test_stopped_prefill_process_is_detected_within_the_timeout():
     dc = decode_control(peer_timeout_s=1.0)
     try:
         assert proc.stdout.readline().strip() == b"ready"
-        dc.send(address, m.AbortPrefill(request_id="r", attempt=0, expires_at=0.0))
+        dc.send(address, m.AbortPrefill(request_id="r", attempt=0, ttl_s=1.0))
         assert all(watch(dc, address, 2.5))  # slow steps: alive
         os.kill(proc.pid, signal.SIGSTOP)
         t0 = time.monotonic()
@@ -186,7 +186,7 @@ def test_long_prefill_step_on_real_nodes():
     )  # fmt: skip
     durl, dproc = start_server(
         [*MODEL_ARGS, "--kv-cache-bytes", str(256 << 20), "--role", "decode",
-         "--prefill-node", ctl, "--kv-peer-timeout", "3",
+         "--prefill-node", ctl, "--kv-peer-timeout", "3", "--kv-engine-stall-s", "600",
          "--kv-transfer-timeout", "120", "--kv-abort-grace", "1"]
     )  # fmt: skip
     try:

@@ -96,7 +96,7 @@ def test_3_nan_temperature_is_refused_at_the_boundary():
     c = Cluster(num_prefill=1)
     link = _hostile_link(c)
     raw = msgspec.to_builtins(_order("n", 1, dst=list(range(10)), prompt=PROMPT,
-                                     agent="evil", now=c.world.now))  # fmt: skip
+                                     agent="evil"))  # fmt: skip
     raw["params"]["temperature"] = math.nan
     link.send(msgspec.msgpack.encode(raw))
     (r,) = _replies(c, link, 1)
@@ -119,7 +119,8 @@ def test_4_dead_prefill_node_fails_over_at_once_and_blocks_free_when_provable():
     step_until(c, lambda: c.dside.states().get(("a", 1)) is not RecvState.ORDERED)
     waited = c.world.now - t_kill
     assert waited < t.peer_timeout_s + 0.5 < t.transfer_timeout_s  # not the full deadline
-    assert c.dside.states()[("a", 1)] is RecvState.FAILED  # held: p0 may still write
+    # held, its connection fenced: p0 may still write until its last lease runs out
+    assert c.dside.states()[("a", 1)] is RecvState.FENCED
     assert ("a", 1) in c.decode.kv.holds
     c.step()
     assert c.dside._attempts[("a", 2)].node == p1  # failed over to the live node
@@ -185,7 +186,7 @@ def _replies(c: Cluster, link: SimDealerLink, n: int) -> list:
 def test_5_hostile_peer_is_rejected_and_prefill_keeps_serving(what, dst, block_size):
     c = Cluster(num_prefill=1)
     link = _hostile_link(c, block_size=block_size)
-    order = _order("h", 1, dst=dst, prompt=PROMPT, agent="evil", now=c.world.now)
+    order = _order("h", 1, dst=dst, prompt=PROMPT, agent="evil")
     link.send(m.encode(order))
     link.send(b"\x93garbage")  # undecodable: dropped
     bad = msgspec.msgpack.encode({"type": "PrefillOrder", "request_id": "z", "attempt": 3})
@@ -202,16 +203,16 @@ def test_5_hostile_peer_is_rejected_and_prefill_keeps_serving(what, dst, block_s
 
 
 def test_5_prefill_node_takes_a_bounded_number_of_decode_peers(monkeypatch):
-    import pdserve.kv_transfer.prefill_side as ps
+    import pdserve.kv_transfer.decode_peers as ps
 
     monkeypatch.setattr(ps, "MAX_DECODE_PEERS", 2)
-    c = Cluster(num_prefill=1)
+    c = Cluster(faults=Faults(ctl_delay=0.0), num_prefill=1)  # each hello before its order
     c.submit("ok", PROMPT, 2)  # the honest decode node is peer 1
     c.run_until_idle()
     links = [_hostile_link(c, name=f"evil{i}") for i in range(2)]
     for i, link in enumerate(links):
         link.send(m.encode(_order("h", i, dst=list(range(10)), prompt=PROMPT,
-                                  agent=f"evil{i}", now=c.world.now)))  # fmt: skip
+                                  agent=f"evil{i}")))  # fmt: skip
     got: list = []
     step_until(c, lambda: got.extend(x for ln in links for x in iter(ln.recv, None)) or got)
     (refused,) = [m.decode_to_decode(x) for x in got]  # whichever hello came second
@@ -248,7 +249,8 @@ def test_6_failed_write_reaches_decode_at_once():
 
 def test_6_every_prefill_state_ends_by_its_deadline_plus_grace():
     """A WRITE that never completes, then the decode node aborts: ENDING waits for it,
-    but only until the order's expires_at plus grace."""
+    but only until the order's deadline (its ttl from receipt, on the prefill node's own
+    clock) plus grace."""
     c = Cluster(faults=Faults(write_delay=1000.0), num_prefill=1, prefill_budget=4)
     p = c.prefills[c.addrs[0]]
     side = p.kv_role.connector
@@ -256,9 +258,9 @@ def test_6_every_prefill_state_ends_by_its_deadline_plus_grace():
     step_until(c, lambda: pending_writes(c, ("a", 1)))
     c.abort("a")
     step_until(c, lambda: side.states().get(("a", 1)) is SendState.ENDING)
-    expires = c.dside._attempts[("a", 1)].order.expires_at
+    deadline, clock = side._sends[("a", 1)].deadline, c.clocks[1]
     step_until(c, lambda: ("a", 1) not in side.states())
-    assert expires < c.world.now <= expires + c.t.abort_grace_s / 2 + 2 * c.t.dt
+    assert deadline < clock() <= deadline + c.t.abort_grace_s / 2 + 2 * c.t.dt
     c.run_until_idle()
     c.check_final()
 
@@ -291,7 +293,7 @@ def test_8_retry_with_the_same_request_id_never_meets_its_earlier_attempt():
     assert c.reqs["r"].tokens == expected_output(other, 3)
 
 
-def _order(rid, attempt, *, dst, prompt=None, agent="d", now=None) -> m.PrefillOrder:
+def _order(rid, attempt, *, dst, prompt=None, agent="d") -> m.PrefillOrder:
     prompt = prompt or list(range(3, 3 + 4 * len(dst)))
     return m.PrefillOrder(
         request_id=rid,
@@ -301,5 +303,5 @@ def _order(rid, attempt, *, dst, prompt=None, agent="d", now=None) -> m.PrefillO
         decode_agent=agent,
         first_block=0,
         dst_block_ids=dst,
-        expires_at=(now if now is not None else time.time()) + 60,
+        ttl_s=60.0,
     )

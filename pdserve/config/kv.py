@@ -40,6 +40,13 @@ class TransferSettings(Settings):
         gt=0,
         aliases=("--kv-peer-timeout",),
     )
+    engine_stall_s: float = setting(
+        30.0,
+        "decode: a prefill node whose engine holds work but took no step this long is "
+        "stuck (its requests fail over; no new orders until it steps again); keep it above "
+        "the longest prefill step",
+        gt=0,
+    )
     net_devices: str = setting(
         "auto",
         "network devices the NIXL/UCX data plane listens on (UCX_NET_DEVICES, e.g. `lo`, "

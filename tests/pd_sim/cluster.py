@@ -1,7 +1,9 @@
 """A simulated PD cluster: one decode node and N prefill nodes, each a real `EngineCore`
 (real scheduler, real KV cache manager) with its real role and connector side, over the
-in-memory world of `world.py`. `step()` advances the clock and steps every live node,
-then checks the invariants; the scenario tests and the seeded sweep drive it.
+in-memory world of `world.py`. Every host has a clock of its own (`Clocks`: offset and
+rate error). `step()` advances time, pumps every live prefill node's control channel and
+steps every live node whose engine is not hung, then checks the invariants; the scenario
+tests and the seeded sweep drive it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from pdserve.kv_transfer.decode_side import DecodeSide
 from pdserve.kv_transfer.prefill_side import PrefillSide
 from pdserve.prefill.role import PrefillRole
 from tests.pd_sim.stub_model import StubRunner, expected_output, stub_arch
-from tests.pd_sim.world import Faults, SimData, SimDealerLink, SimRouterLink, SimWrite, World
+from tests.pd_sim.world import (
+    Faults,
+    SimData,
+    SimDealerLink,
+    SimPump,
+    SimRouterLink,
+    SimWrite,
+    World,
+)
 
 
 class InvariantViolation(AssertionError):
@@ -28,13 +38,24 @@ class InvariantViolation(AssertionError):
 @dataclass
 class Timing:
     transfer_timeout_s: float = 1.0
-    # The protocol's one timing assumption: the grace covers the longest prefill step (a
-    # prefill node cancels late WRITEs only between steps) plus the longest WRITE latency
-    # plus how long a cancelled WRITE may still land. The sweep's faults stay within it.
+    # The protocol's one timing assumption (durations only): a WRITE posted while the
+    # lease ran lands or fails within the grace (its latency plus how long a cancelled
+    # one may still land). A prefill step longer than it costs a fence, never safety.
     abort_grace_s: float = 1.5
     peer_timeout_s: float = 0.4
     heartbeat_s: float = 0.1
     dt: float = 0.02
+    idle_close_s: float = 60.0
+
+
+@dataclass
+class Clocks:
+    """Each host's clock: (offset, rate); index 0 is the decode node."""
+
+    hosts: list[tuple[float, float]] = field(default_factory=list)
+
+    def of(self, i: int) -> tuple[float, float]:
+        return self.hosts[i] if i < len(self.hosts) else (0.0, 1.0)
 
 
 @dataclass
@@ -68,21 +89,30 @@ class Cluster:
         prefill_blocks: int = 48,
         prefill_budget: int = 8,
         prefill_locally: bool = True,
+        clocks: Clocks | None = None,
     ):
         self.world = w = World(seed, faults)
         self.t = t = timing or Timing()
+        clocks = clocks or Clocks()
+        self.clocks = [w.host_clock(*clocks.of(i)) for i in range(num_prefill + 1)]
         self.addrs = [f"sim://p{i}" for i in range(num_prefill)]
         self.prefills: dict[str, EngineCore] = {}
         self.routers: dict[str, SimRouterLink] = {}
-        self.stalled_until: dict[str, float] = {}
+        self.pumps: dict[str, SimPump] = {}
+        self.stalled_until: dict[str, float] = {}  # the whole process stopped (SIGSTOP)
+        self.hung_until: dict[str, float] = {}  # the engine thread only: the pump runs
         self.dead: set[str] = set()
         for i, addr in enumerate(self.addrs):
             router = SimRouterLink(w, addr)
+            clock = self.clocks[i + 1]
+            pump = self.pumps[addr] = SimPump(router, clock)
+            control = PrefillControl(addr, pump, clock=clock)
+            pump.screen = control._screen
             side = PrefillSide(
-                PrefillControl(addr, router),
+                control,
                 lambda kv, n=f"p{i}": SimData(w, n, kv),
                 grace_s=t.abort_grace_s / 2,
-                clock=w.clock,
+                clock=clock,
             )
             core = EngineCore(
                 _config(f"p{i}", prefill_blocks, prefill_budget),
@@ -97,19 +127,19 @@ class Cluster:
                 hello,
                 heartbeat_s=t.heartbeat_s,
                 peer_timeout_s=t.peer_timeout_s,
-                clock=w.clock,
+                idle_close_s=t.idle_close_s,
+                clock=self.clocks[0],
                 connect=lambda node: SimDealerLink(w, node, b"d"),
             ),
             lambda kv: SimData(w, "d", kv),
             abort_grace_s=t.abort_grace_s,
-            clock=w.clock,
+            clock=self.clocks[0],
         )
         self.drole = DecodeRole(
             self.dside,
             transfer_timeout_s=t.transfer_timeout_s,
             prefill_locally_on_failure=prefill_locally,
             prefill_nodes=tuple(self.addrs),
-            clock=w.clock,
         )
         self.decode = EngineCore(
             _config("d", decode_blocks, 64), self.drole, arch=stub_arch(), runner_factory=StubRunner
@@ -138,15 +168,27 @@ class Cluster:
         self.routers[addr].dead = True
 
     def stall(self, addr: str, seconds: float) -> None:
+        """The whole prefill process stops (SIGSTOP): nothing answers."""
         self.stalled_until[addr] = self.world.now + seconds
+
+    def hang(self, addr: str, seconds: float) -> None:
+        """Only the prefill engine thread stops: its pump still answers heartbeats."""
+        self.hung_until[addr] = self.world.now + seconds
+
+    def reconnect(self, addr: str) -> None:
+        """The decode node drops its connection to `addr` (a new one replaces it)."""
+        self.dside.control.fence(addr)
 
     def step(self) -> None:
         self.world.advance(self.t.dt)
         for o in self.decode.step():
             self._record(o)
+        now = self.world.now
         for addr, core in self.prefills.items():
-            if addr not in self.dead and self.stalled_until.get(addr, 0) <= self.world.now:
-                assert core.step() == []
+            if addr not in self.dead and self.stalled_until.get(addr, 0) <= now:
+                self.pumps[addr].pump()
+                if self.hung_until.get(addr, 0) <= now:
+                    assert core.step() == []
         self.steps += 1
         self.check_step()
 
@@ -197,25 +239,31 @@ class Cluster:
         for addr, core in self.prefills.items():
             if addr not in self.dead:
                 core.check_integrity()
-        # prefill steps may stretch a tick (the clock moves while they execute)
-        now = self.world.now
+        # prefill steps may stretch a tick (the clock moves while they execute); each
+        # host's deadlines are on its own clock, so compare them there
         slack = 2 * self.t.dt + self.world.faults.step_time * len(self.prefills)
+        dnow = self.clocks[0]()
         for key, att in self.dside._attempts.items():  # every decode state ends in time
-            end = att.order.expires_at + (
-                0 if att.state.value == "ordered" else self.t.abort_grace_s
+            end = {"ordered": att.deadline, "fenced": att.release_at}.get(
+                att.state.value, att.end_by
             )
-            if now > end + slack:
+            if dnow > end + 2 * slack:
                 raise InvariantViolation(f"decode attempt {key} still {att.state} past {end}")
-        step = self.world.faults.step_time
-        for addr, core in self.prefills.items():  # and every prefill state (once it runs)
-            if addr in self.dead or self.stalled_until.get(addr, 0) > now - self.t.dt:
-                continue
+        step, now = self.world.faults.step_time, self.world.now
+        for i, (addr, core) in enumerate(self.prefills.items()):  # and every prefill state
+            if (
+                addr in self.dead
+                or max(self.stalled_until.get(addr, 0), self.hung_until.get(addr, 0))
+                > now - self.t.dt
+            ):
+                continue  # fmt: skip
+            pnow = self.clocks[i + 1]()
             for key, st in core.kv_role.connector._sends.items():
-                end = st.order.expires_at + self.t.abort_grace_s / 2 + step
-                if now > end + slack:
+                end = st.deadline + self.t.abort_grace_s / 2 + step
+                if pnow > end + 2 * slack:
                     raise InvariantViolation(f"prefill attempt {key} still {st.state} past {end}")
         # a request may queue behind blocks held by failed attempts: a looser overall bound
-        bound = self.t.transfer_timeout_s + self.t.abort_grace_s
+        bound = self.t.transfer_timeout_s + 2 * self.t.abort_grace_s + 1.1 * self.t.peer_timeout_s
         limit = 2 * (len(self.addrs) + 1) * (bound + 4 * self.t.dt) + 3.0
         for rid, tr in self.reqs.items():
             if tr.finish is None and now > tr.arrival + limit:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import sys
 
-from tests.pd_sim.cluster import Cluster
+from tests.pd_sim.cluster import Clocks, Cluster
 from tests.pd_sim.world import Faults
 
 
@@ -19,10 +19,20 @@ def run_seed(seed: int) -> Cluster:
         write_fail=rng.choice([0.0, 0.0, 0.05, 0.2]),
         step_time=rng.choice([0.0, 0.0, 0.05, 0.5]),
     )
+    num_prefill = rng.choice([1, 2])
+    # every host's clock: any offset at all, and a rate error within the protocol's bound
+    clocks = Clocks(
+        [
+            (rng.choice([0.0, rng.uniform(-1e6, 1e6), rng.uniform(-30, 30)]),
+             1 + rng.choice([0.0, rng.uniform(-0.005, 0.005)]))
+            for _ in range(num_prefill + 1)
+        ]
+    )  # fmt: skip
     c = Cluster(
         seed,
         faults,
-        num_prefill=rng.choice([1, 2]),
+        num_prefill=num_prefill,
+        clocks=clocks,
         prefill_blocks=rng.choice([12, 24, 64]),
         prefill_budget=rng.choice([4, 8, 64]),
         decode_blocks=rng.choice([24, 64]),
@@ -48,6 +58,10 @@ def run_seed(seed: int) -> Cluster:
             plan.append((rng.uniform(0, 1.0), "kill", addr))
         if rng.random() < 0.2:
             plan.append((rng.uniform(0, 1.0), "stall", (addr, rng.uniform(0.1, 1.5))))
+        if rng.random() < 0.2:  # a stuck (not dead) engine: its pump answers heartbeats
+            plan.append((rng.uniform(0, 1.0), "hang", (addr, rng.uniform(0.1, 3.0))))
+        for _ in range(rng.choice([0, 0, 1, 5])):  # reconnect churn
+            plan.append((rng.uniform(0, 1.2), "reconnect", addr))
     plan.sort(key=lambda x: x[0])
     start = c.world.now
     for at, action, arg in plan:
@@ -62,6 +76,10 @@ def run_seed(seed: int) -> Cluster:
             c.kill(arg)
         elif action == "stall":
             c.stall(*arg)
+        elif action == "hang":
+            c.hang(*arg)
+        elif action == "reconnect":
+            c.reconnect(arg)
     c.run_until_idle()
     c.check_final()
     return c

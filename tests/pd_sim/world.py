@@ -4,6 +4,8 @@ in-memory data plane (WRITEs that copy block bytes when they land).
 Faults are all drawn from the world's RNG, so a seed reproduces a run exactly:
 control messages are delayed (hence reordered) and dropped; WRITEs are delayed, fail
 (scribbling garbage into their destination), and may still land after their sender died.
+Each host reads its own clock (`World.host_clock`): an offset and a rate error of its
+own, so nothing may compare two hosts' readings.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class World:
     def clock(self) -> float:
         return self.now
 
+    def host_clock(self, offset: float, rate: float):
+        """A host's monotonic clock: `offset + rate * (true time)`."""
+        return lambda: offset + rate * self.now
+
     def delay(self, hi: float) -> float:
         return self.rng.uniform(0.0, hi)
 
@@ -89,13 +95,17 @@ class World:
 
 class SimDealerLink:
     """Decode -> one prefill node. Refuses sends while the node is unreachable (like a
-    ZMQ DEALER with IMMEDIATE before it connects); a killed node swallows them."""
+    ZMQ DEALER with IMMEDIATE before it connects); a killed node swallows them. Each
+    link has an identity of its own (a new connection, as a new ZMQ DEALER); a closed
+    one gets nothing more."""
 
     socket = None
+    _ids = itertools.count()
 
-    def __init__(self, world: World, node: str, ident: bytes):
+    def __init__(self, world: World, node: str, name: bytes):
         if node not in world.routers:
             raise ConnectionError(f"no route to {node}")
+        ident = name + b"#%d" % next(SimDealerLink._ids)
         self.world, self.router, self.ident = world, world.routers[node], ident
         self.inbox = Inbox(world)
         self.router.dealers[ident] = self
@@ -112,7 +122,7 @@ class SimDealerLink:
         return self.inbox.pop_ready()
 
     def close(self) -> None:
-        pass
+        self.router.dealers.pop(self.ident, None)
 
 
 class SimRouterLink:
@@ -135,6 +145,37 @@ class SimRouterLink:
         dealer = self.dealers.get(ident)
         if dealer is not None and not self.dead and self.world.rng.random() >= f.ctl_drop:
             dealer.inbox.put(frame, self.world.delay(f.ctl_delay))
+
+    def close(self) -> None:
+        pass
+
+
+class SimPump:
+    """The control pump thread's stand-in (kv_transfer/control_pump.py): `pump()` screens
+    what reached the node (heartbeats answered, grants taken) and queues the rest, stamped
+    with the host's clock, for the engine; the cluster pumps every live node each tick,
+    also while its engine hangs."""
+
+    screened = True
+    socket = None
+
+    def __init__(self, router: SimRouterLink, clock):
+        self.router, self.address, self.clock = router, router.address, clock
+        self.screen = None  # PrefillControl._screen, set once the control exists
+        self._ready: list[list[bytes]] = []
+
+    def pump(self) -> None:
+        while (got := self.router.recv()) is not None:
+            ident, raw = got
+            payload = self.screen(ident, raw, self.router.send)
+            if payload is not None:
+                self._ready.append([ident, payload, repr(self.clock()).encode()])
+
+    def recv(self) -> list[bytes] | None:
+        return self._ready.pop(0) if self._ready else None
+
+    def send(self, ident: bytes, frame: bytes) -> None:
+        self.router.send(ident, frame)
 
     def close(self) -> None:
         pass
