@@ -1,33 +1,47 @@
-"""Authenticated control frames: an HMAC with the cluster secret, a timestamp and a nonce.
+"""Authenticated control frames: an HMAC with the cluster secret, a sender session and a counter.
 
 With a cluster secret configured, every control frame between nodes is sealed as
 
-    MAGIC (4) | timestamp (8, float64 seconds) | nonce (16) | HMAC-SHA256 (32) | payload
+    MAGIC (4) | session (16) | counter (8, uint64) | HMAC-SHA256 (32) | payload
 
-where the HMAC covers magic, timestamp, nonce and payload. `open()` refuses (raises
-`UnauthenticatedFrame`) a frame that is too short, has another magic, a wrong MAC (a
-stranger without the secret, or a tampered frame), a timestamp further than `window_s`
-from this host's clock (a stale replay; nodes need clocks within `window_s`), or a nonce
-already seen within the window (a fresh replay). Refused frames are dropped unanswered:
-a stranger learns nothing, and the node keeps serving. Without a secret (`secret=None`)
-frames pass through unchanged, as before (fine on loopback, where only this host's users
-reach the port).
+where the HMAC covers magic, session, counter and payload. The session is drawn at random
+when the sealing `FrameAuth` is made (once per process side) and the counter rises by one
+per sealed frame. `open()` refuses (raises `UnauthenticatedFrame`) a frame that is too
+short, has another magic, a wrong MAC (a stranger without the secret, or a tampered frame),
+or repeats a (session, counter) already accepted: a frame is taken once if its counter is
+above the highest seen from its session or within the `window` below it (frames sealed on
+several threads may arrive a little out of order) and not yet seen; one further behind is
+refused as replayed. No timestamp is compared with this host's clock: two hosts' wall
+clocks never meet (issue 27), and old frames cannot be replayed into a new connection
+anyway, since the control channel is a CurveZMQ session with its own ephemeral keys. The
+table of sessions is bounded (least recently used out). Refused frames are dropped
+unanswered: a stranger learns nothing, and the node keeps serving. Without a secret
+(`secret=None`) frames pass through unchanged, as before (fine on loopback, where only
+this host's users reach the port).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import os
 import struct
-import time
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
 
-MAGIC = b"PDA1"
-_HEAD = struct.Struct("!4sd16s")
+MAGIC = b"PDA2"
+_HEAD = struct.Struct("!4s16sQ")
 _MAC_LEN = 32
 MIN_SECRET_BYTES = 16
+
+
+class _Session:
+    __slots__ = ("top", "seen")
+
+    def __init__(self, counter: int):
+        self.top = counter
+        self.seen = {counter}
 
 
 class UnauthenticatedFrame(ValueError):
@@ -35,21 +49,16 @@ class UnauthenticatedFrame(ValueError):
 
 
 class FrameAuth:
-    def __init__(
-        self,
-        secret: bytes | None,
-        *,
-        window_s: float = 30.0,
-        max_nonces: int = 1 << 16,
-        clock: Callable[[], float] = time.time,
-    ):
+    def __init__(self, secret: bytes | None, *, window: int = 4096, max_sessions: int = 1 << 14):
         if secret is not None and len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"the cluster secret must be at least {MIN_SECRET_BYTES} bytes")
         self._secret = secret
-        self.window_s = window_s
-        self.max_nonces = max_nonces
-        self.clock = clock
-        self._seen: OrderedDict[bytes, float] = OrderedDict()  # nonce -> timestamp
+        self.window = window
+        self.max_sessions = max_sessions
+        self.session = os.urandom(16)
+        self._counter = itertools.count(1)
+        self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
+        self._lock = threading.Lock()  # open() may run on a pump thread and the loop
 
     @property
     def enabled(self) -> bool:
@@ -64,45 +73,47 @@ class FrameAuth:
     def seal(self, payload: bytes) -> bytes:
         if self._secret is None:
             return payload
-        head = _HEAD.pack(MAGIC, self.clock(), os.urandom(16))
+        head = _HEAD.pack(MAGIC, self.session, next(self._counter))
         mac = hmac.new(self._secret, head + payload, hashlib.sha256).digest()
         return head + mac + payload
 
     def open(self, frame: bytes, fresh: bool = True) -> bytes:
-        """The payload of an authentic, fresh frame; else raises `UnauthenticatedFrame`.
-        `fresh=False` checks only the MAC (for messages whose own content makes a replay
-        harmless, e.g. a `PrefillDone` naming an order's one-time nonce, or that arrive
-        over a CurveZMQ session, and which may wait longer than the window before they
-        are read)."""
+        """The payload of an authentic frame not accepted before; else raises
+        `UnauthenticatedFrame`. `fresh=False` checks only the MAC (for messages whose own
+        content makes a replay harmless, e.g. a `PrefillDone` naming an order's one-time
+        nonce)."""
         if self._secret is None:
             return frame
         if len(frame) < _HEAD.size + _MAC_LEN:
             raise UnauthenticatedFrame("frame too short to be sealed")
         head, mac = frame[: _HEAD.size], frame[_HEAD.size : _HEAD.size + _MAC_LEN]
         payload = frame[_HEAD.size + _MAC_LEN :]
-        magic, ts, nonce = _HEAD.unpack(head)
+        magic, session, counter = _HEAD.unpack(head)
         if magic != MAGIC:
             raise UnauthenticatedFrame("not a sealed frame")
         want = hmac.new(self._secret, head + payload, hashlib.sha256).digest()
         if not hmac.compare_digest(mac, want):
             raise UnauthenticatedFrame("bad MAC (wrong cluster secret or tampered frame)")
-        if not fresh:
-            return payload
-        now = self.clock()
-        if not abs(now - ts) <= self.window_s:  # also refuses NaN
-            raise UnauthenticatedFrame(f"timestamp {now - ts:+.1f} s off (stale or replayed)")
-        self._forget(now)
-        if nonce in self._seen:
-            raise UnauthenticatedFrame("replayed frame (nonce already seen)")
-        self._seen[nonce] = ts
-        if len(self._seen) > self.max_nonces:  # flood of fresh frames: keep the newest
-            self._seen.popitem(last=False)
+        if fresh:
+            with self._lock:
+                self._admit(session, counter)
         return payload
 
-    def _forget(self, now: float) -> None:
-        # Nonces older than the window cannot be replayed anyway (the timestamp check).
-        while self._seen:
-            nonce, ts = next(iter(self._seen.items()))
-            if now - ts <= self.window_s:
-                break
-            del self._seen[nonce]
+    def _admit(self, session: bytes, counter: int) -> None:
+        known = self._sessions.get(session)
+        if known is None:
+            self._sessions[session] = _Session(counter)
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+            return
+        self._sessions.move_to_end(session)
+        if counter <= known.top - self.window:
+            raise UnauthenticatedFrame(f"replayed frame (counter {counter} behind the window)")
+        if counter in known.seen:
+            raise UnauthenticatedFrame("replayed frame (counter already seen)")
+        known.seen.add(counter)
+        if counter > known.top:
+            known.top = counter
+            if len(known.seen) > 2 * self.window:  # keep only the window's counters
+                floor = known.top - self.window
+                known.seen = {c for c in known.seen if c > floor}
