@@ -10,8 +10,10 @@ test) reach every host; each host's default route points at the bridge, where th
 Faults: `cut(host)` sets the bridge side of the host's veth down (the host keeps its
 address but no packet crosses, in either direction) and `heal(host)` sets it up again;
 `rate(host, "10mbit")` puts a tbf qdisc on both ends of the veth; `run(..., clock_offset_s=)`
-starts a process under `faketime` with FAKETIME_DONT_FAKE_MONOTONIC=1, so only its wall
-clock is off. Every process `run()` starts gets its own process group and is tracked; `down()`
+starts a process under `faketime`, so its wall clock is off by the offset (its monotonic
+clock moves by the same constant, harmless: another host's monotonic clock has another
+origin anyway; FAKETIME_DONT_FAKE_MONOTONIC=1 would keep it, but libfaketime 0.9.10 then
+makes Python's `time.sleep` fail with EINVAL). Every process `run()` starts gets its own process group and is tracked; `down()`
 ends them by process group, then every process still inside a namespace by PID, then
 deletes the namespaces and the bridge. `up()` first removes whatever an earlier (crashed) run
 with the same prefix left behind.
@@ -178,7 +180,7 @@ class Hosts:
         """`argv` as run on `host` (and with its wall clock off by `clock_offset_s`)."""
         cmd = ["ip", "netns", "exec", self.ns(host)]
         if clock_offset_s:
-            cmd += ["env", "FAKETIME_DONT_FAKE_MONOTONIC=1", "faketime", "-f"]
+            cmd += ["faketime", "-f"]
             cmd += [f"{clock_offset_s:+g}s"]
         return cmd + list(argv)
 
