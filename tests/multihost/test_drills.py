@@ -150,10 +150,11 @@ def test_1_no_fault(cluster):
     assert stat(c, "decode-0", "kv_bytes_received") > 0
     # `pdserve status` from this machine (another host to the cluster) sees every process.
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve", "status", "--redis-url", c.state()["redis_url"],
-         "--cluster", c.config["cluster"]],
+        [sys.executable, "-m", "pdserve", "status", str(c.config_path)],  # its secret, its Redis
         capture_output=True, text=True, timeout=60,
-    ).stdout  # fmt: skip
+    )  # fmt: skip
+    out = out.stdout + out.stderr
+    assert "IGNORED" not in out, out  # every record is signed with the cluster secret
     for name in NODES:
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
         assert " up " in line and " 200 " in line, out
