@@ -24,6 +24,12 @@ from tests.servers import ROOT
 
 SHIPPED = ROOT / "configs" / "multihost-ray.yaml"
 RAY_PORT = 6379
+# Ray's own listeners other than the runtime-env agent bind every address of their host
+# (Ray 2.60 has no flag for that; docs/operations.md "Multi-host"): their ports are pinned so
+# that a firewall can hold them and the bind check knows them. Workers (and the driver) take
+# their gRPC port from WORKER_PORTS.
+RAY_PORTS = {"node_manager": 6381, "object_manager": 6382, "autoscaler_metrics": 6383}
+WORKER_PORTS = (10002, 10999)
 ROLES = {"h1": "head", "h2": "prefill_host", "h3": "decode_host"}
 
 
@@ -75,6 +81,7 @@ class MultiHostCluster:
             **os.environ,
             "RAY_memory_monitor_refresh_ms": "0",  # Ray's OOM killer judges the whole box
             "RAY_USAGE_STATS_ENABLED": "0",
+            "AUTOSCALER_METRIC_PORT": str(RAY_PORTS["autoscaler_metrics"]),
             "PYTHONPATH": str(ROOT),
             # Hosts on one machine: UCX would move KV through its shared-memory transports
             # across namespaces; TCP only makes it cross the veth links like between machines.
@@ -85,7 +92,11 @@ class MultiHostCluster:
     def start(self) -> None:
         temp = f"/tmp/ray-{self.hosts.prefix}"  # short: Ray's socket paths must fit
         head = self.hosts.addr("h1")
-        common = ["start", "--block", "--disable-usage-stats"]
+        common = ["start", "--block", "--disable-usage-stats",
+                  "--node-manager-port", str(RAY_PORTS["node_manager"]),
+                  "--object-manager-port", str(RAY_PORTS["object_manager"]),
+                  "--min-worker-port", str(WORKER_PORTS[0]),
+                  "--max-worker-port", str(WORKER_PORTS[1])]  # fmt: skip
         self.ray.append(self.hosts.run(
             "h1", [*ray_cmd(), *common, "--head", "--include-dashboard", "false", "--node-ip-address", head,
                    "--port", str(RAY_PORT), "--num-cpus", "0", "--temp-dir", f"{temp}-h1"],

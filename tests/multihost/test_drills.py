@@ -17,11 +17,12 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.multihost.cluster import MultiHostCluster
+from tests.multihost.cluster import RAY_PORT, RAY_PORTS, WORKER_PORTS, MultiHostCluster
 from tests.multihost.hosts import Hosts, leftovers
 from tests.multihost.load import CLIENT_DEADLINE_S, Load, Outcome, counts, references, send
 from tests.servers import alive
@@ -161,22 +162,52 @@ def test_1_no_fault(cluster):
 
 
 def test_every_process_binds_its_own_host_address(cluster):
-    """`ss` inside each host: Redis, the router, each node's HTTP, KV control and NIXL/UCX
-    listeners, on the address the config gives that host; nothing on 0.0.0.0 or loopback."""
+    """`ss` inside each host, every listener: Redis, the router, each node's HTTP, KV control
+    and NIXL/UCX listeners on the address the config gives that host (nothing on 0.0.0.0 or
+    loopback); any other process on its host's address or loopback, except Ray's own
+    listeners that Ray 2.60 binds on every address (GCS, raylet, core workers and the driver,
+    the autoscaler's metrics), which must be on the ports cluster.py pins for a firewall."""
     c, hosts = cluster, cluster.hosts
     ours = {c.redis.pid, *(s["pid"] for s in c.state()["services"])}
-    seen = {}
+    ours |= {d for p in ours for d in _descendants(p)}
+    ray_ports = {RAY_PORT, *RAY_PORTS.values(), *range(WORKER_PORTS[0], WORKER_PORTS[1] + 1)}
+    seen, wrong, ray_any = {}, {}, {}
     for h in hosts.names:
-        out = hosts.check(h, ["ss", "-ltnupH"])
-        for line in out.splitlines():
+        for line in hosts.check(h, ["ss", "-ltnupH"]).splitlines():
+            addr = line.split()[4]
             pids = {int(p.split(",")[0]) for p in line.split("pid=")[1:]}
-            if pids & (ours | {d for p in ours for d in _descendants(p)}):
-                seen.setdefault(h, []).append(line.split()[4])
-    wrong = {h: [a for a in addrs if not a.startswith(hosts.addr(h) + ":")]
-             for h, addrs in seen.items()}  # fmt: skip
-    assert wrong == {h: [] for h in seen}, seen
+            if pids & ours:
+                seen.setdefault(h, []).append(addr)
+                if not addr.startswith(hosts.addr(h) + ":"):
+                    wrong.setdefault(h, []).append(line)
+            elif addr.startswith((hosts.addr(h) + ":", "127.0.0.1:", "[::1]:")):
+                continue
+            elif all(_ray_process(p, c) for p in pids) and int(addr.rsplit(":", 1)[1]) in ray_ports:
+                ray_any.setdefault(h, []).append(addr)
+            else:
+                wrong.setdefault(h, []).append(line)
+    assert not wrong, wrong
     # h1: redis, router; h2: HTTP, KV control, UCX; h3: HTTP, UCX.
     assert len(seen["h1"]) >= 2 and len(seen["h2"]) >= 3 and len(seen["h3"]) >= 2, seen
+    print(f"\nRay listeners on every address: {ray_any}")
+
+
+def _ray_process(pid: int, c) -> bool:
+    """GCS, raylet, a Ray core worker (titled `ray::...`, or default_worker.py before it
+    takes its title), the autoscaler monitor, or the Ray driver (`pdserve launch`)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return (
+        pid == c.launcher.pid
+        or Path(argv[0].decode()).name in ("gcs_server", "raylet")
+        or argv[0].startswith(b"ray::")
+        or any(
+            a.endswith((b"autoscaler/_private/monitor.py", b"workers/default_worker.py"))
+            for a in argv
+        )
+    )
 
 
 def _descendants(pid: int) -> set[int]:
