@@ -23,5 +23,8 @@ def test_bench_kv_between_two_hosts(tmp_path):
     methods = {r["method"]: r for r in report["results"]}
     assert set(methods) == {"paged_contig", "paged_scattered", "nixl_flat"}
     for r in methods.values():
-        assert r["tokens"] == 64 and r["gbps"] > 0 and 0 < r["of_tcp"] < 2, r
+        # 64 tokens, 2 iterations and a 1 s TCP stream on a busy 2-core box are noisy (CI
+        # once measured 2.5x); a shared-memory bypass of the link is far above this bound,
+        # and drill 6 checks the KV is held to a capped link's rate.
+        assert r["tokens"] == 64 and r["gbps"] > 0 and 0 < r["of_tcp"] < 5, r
     assert out.exists() and leftovers("pdkt") == {"netns": [], "links": []}
