@@ -132,6 +132,32 @@ def test_prefix_survives_node_restart(tiny_llama_dir, hf_model, redis_server):
         a2.kv_store.shutdown()
 
 
+def test_store_through_a_redis_that_wants_a_password(tiny_llama_dir, hf_model):
+    """A cluster with a secret runs Redis with a password (issue 28): the LMCache store
+    saves and loads through it with the password in its URL (as node/cli.py passes it
+    from the environment), and a node without the password is refused and computes
+    locally instead of reading anything."""
+    from pdserve.cluster.embedded_redis import EmbeddedRedis
+    from pdserve.common.redis_auth import with_password
+
+    with EmbeddedRedis(password="s3cret-pw-for-lmcache") as server:
+        url = with_password(server.url, server.password)
+        a, b = make_node(tiny_llama_dir, url), make_node(tiny_llama_dir, url)
+        stranger = make_node(tiny_llama_dir, server.url, retry_after_s=0.0)  # no password
+        try:
+            p = prompt(50, seed=7)
+            out_a, _ = run(a, p, "a")
+            out_b, cached_b = run(b, p, "b")
+            assert cached_b == 48 and b.stats().kv_store_hit_tokens == 48
+            out_s, cached_s = run(stranger, p, "s")
+            assert cached_s == 0 and stranger.stats().kv_store_hit_tokens == 0
+            want = hf_greedy(hf_model, p, GREEDY.max_tokens)
+            assert out_a == out_b == out_s == want
+        finally:
+            for node in (a, b, stranger):
+                node.kv_store.shutdown()
+
+
 def test_redis_down_computes_locally(tiny_llama_dir, hf_model, redis_server, caplog):
     url = redis_server.url
     redis_server.stop()
