@@ -61,11 +61,7 @@ class RouterConfig:
 
     @property
     def cost_limits(self) -> CostLimits:
-        return CostLimits(
-            self.max_sequences_per_request,
-            self.max_sequence_tokens_per_request,
-            self.max_logprob_entries_per_request,
-        )
+        return CostLimits.of(self)
 
     @property
     def api_name(self) -> str:

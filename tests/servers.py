@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -104,3 +105,13 @@ def wait_idle(url: str, timeout_s: float = 30) -> dict:
             return stats
         assert time.monotonic() < deadline, f"engine still busy: {stats}"
         time.sleep(0.2)
+
+
+def launcher_state(run_root: Path, cluster: str) -> dict:
+    """`pdserve launch`'s cluster.json for `cluster` under `run_root` (no services until the
+    launcher has written it)."""
+    path = run_root / f"{cluster}-latest" / "cluster.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"services": []}

@@ -19,7 +19,7 @@ request over a limit gets `InvalidRequestError` (HTTP 400) naming the limit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pdserve.common.errors import InvalidRequestError
 
@@ -29,6 +29,11 @@ class CostLimits:
     max_sequences_per_request: int
     max_sequence_tokens_per_request: int
     max_logprob_entries_per_request: int
+
+    @classmethod
+    def of(cls, config) -> CostLimits:
+        """The limits a settings or config object holds under the same field names."""
+        return cls(*(getattr(config, f.name) for f in fields(cls)))
 
 
 class CostMeter:

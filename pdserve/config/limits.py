@@ -25,8 +25,4 @@ class RequestCostSettings(Settings):
 
     @property
     def cost_limits(self) -> CostLimits:
-        return CostLimits(
-            self.max_sequences_per_request,
-            self.max_sequence_tokens_per_request,
-            self.max_logprob_entries_per_request,
-        )
+        return CostLimits.of(self)

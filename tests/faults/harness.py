@@ -12,7 +12,6 @@ the Redis KV index holds sets only of live epochs.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -30,7 +29,7 @@ import yaml
 from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
 from pdserve.common.redis_auth import PASSWORD_ENV, embedded_password
 from pdserve.common.redis_keys import ClusterKeys
-from tests.servers import ROOT, alive, free_port
+from tests.servers import ROOT, alive, free_port, launcher_state
 
 DEADLINE_S = 90.0  # every request must end by then, whatever the drill does
 VOCAB = 1000
@@ -104,11 +103,7 @@ class Cluster:
 
     # -- state ---------------------------------------------------------------------------
     def state(self) -> dict:
-        path = self.run_root / f"{self.config['cluster']}-latest" / "cluster.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {"services": []}
+        return launcher_state(self.run_root, self.config["cluster"])
 
     def service(self, name: str) -> dict:
         return next(s for s in self.state()["services"] if s["name"] == name)

@@ -20,7 +20,7 @@ import yaml
 
 from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
 from tests.multihost.hosts import HostProcess, Hosts
-from tests.servers import ROOT
+from tests.servers import ROOT, launcher_state
 
 SHIPPED = ROOT / "configs" / "multihost-ray.yaml"
 RAY_PORT = 6379
@@ -152,11 +152,7 @@ class MultiHostCluster:
             return ""
 
     def state(self) -> dict:
-        path = self.run_root / f"{self.config['cluster']}-latest" / "cluster.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {"services": []}
+        return launcher_state(self.run_root, self.config["cluster"])
 
     def service(self, name: str) -> dict:
         return next(s for s in self.state()["services"] if s["name"] == name)
