@@ -68,6 +68,8 @@ CATALOGUE = {
     "10 MB body": body(prompt="a" * (10 << 20)),
     "missing prompt": raw(C, b'{"max_tokens": 2}'),
     "prompt int": body(prompt=12345),
+    "cache_salt int": body(prompt="x", cache_salt=7),
+    "cache_salt 257 chars": body(prompt="x", cache_salt="s" * 257),
     "prompt dict": body(prompt={"a": 1}),
     "token id -1": body(prompt=[1, -1, 2]),
     "token id 10**12": body(prompt=[10**12]),
