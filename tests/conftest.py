@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +15,67 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # (cache.kv_populate) would cost seconds per engine in a VM. tests/test_hugepages.py turns
 # it back on where it tests it.
 os.environ.setdefault("PDSERVE_KV_POPULATE", "0")
+
+
+# scripts/test.sh runs the suite on pytest-xdist workers (`--dist loadgroup`): the tests of
+# one group run on one worker, one after another. A module is one group (its module-scoped
+# fixtures, a served model or a cluster, are set up once, on one worker, as in a serial
+# run), unless it names a shared group, `pytestmark = pytest.mark.xdist_group("NAME")`, for
+# tests that must not run beside each other (README.md, "Tests"); every module under
+# tests/multihost/ is in the group `multihost`. The groups are read here, from the modules'
+# source: pytest-xdist 3.8 cannot see the marks under pytest 9 (it tags the tests' node ids,
+# which pytest 9 no longer lets it change), so this conftest gives the scheduler itself.
+_GROUP_MARK = re.compile(r"""xdist_group\(\s*(?:name\s*=\s*)?["']([^"']+)["']""")
+
+
+@functools.cache
+def module_group(root: Path, module: str) -> str:
+    """The xdist group of the tests of `module` (a path relative to the rootdir)."""
+    try:
+        names = set(_GROUP_MARK.findall((root / module).read_text()))
+    except OSError:
+        names = set()
+    if len(names) == 1:
+        return names.pop()
+    if len(names) > 1:
+        raise pytest.UsageError(
+            f"{module}: more than one xdist_group ({sorted(names)}): one a module"
+        )
+    return _default_group(module)
+
+
+def _default_group(module: str) -> str:
+    return "multihost" if module.startswith("tests/multihost/") else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # an xdist that tags the node ids
+                return nodeid.rsplit("@", 1)[1]
+            return module_group(config.rootpath, nodeid.split("::", 1)[0])
+
+    return ModuleGroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """An xdist_group mark is the module's (`pytestmark`), never one test's: the scheduler
+    reads it from the module's source."""
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        marks = {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                 for m in item.iter_markers("xdist_group")}  # fmt: skip
+        group = module_group(config.rootpath, module)
+        if marks != {group} if marks else group != _default_group(module):
+            raise pytest.UsageError(
+                f"{item.nodeid}: an xdist_group mark goes on the whole module "
+                f"(pytestmark = pytest.mark.xdist_group(NAME)), not on one test"
+            )
 
 
 def skip_in_isa_view() -> None:

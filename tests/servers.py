@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -16,7 +17,45 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _worker_ports() -> range | None:
+    """Under pytest-xdist, this worker's own slice of the ports from 20000 up to the
+    kernel's ephemeral range (None otherwise, or where that range starts too low)."""
+    worker, count = (
+        os.environ.get("PYTEST_XDIST_WORKER"),
+        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
+    )
+    if not worker or not count:
+        return None
+    try:
+        top = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        top = 32768
+    span = (min(top, 32768) - 20000) // int(count)
+    if span < 200:
+        return None
+    lo = 20000 + int(worker.removeprefix("gw")) * span
+    return range(lo, lo + span)
+
+
+# from a random point: two test sessions at once on one box do not walk the same ports
+_next_port = itertools.count(int.from_bytes(os.urandom(2), "big"))
+
+
 def free_port() -> int:
+    """A loopback port with nothing on it, for a server about to be started. Under
+    pytest-xdist each worker takes its ports, in turn, from its own slice below the
+    ephemeral range: a port picked here is then never handed out meanwhile, before the
+    server binds it, to another worker's pick or to an outgoing connection (which take
+    theirs from the ephemeral range). Otherwise the kernel picks one."""
+    ports = _worker_ports()
+    for _ in range(len(ports) if ports else 0):
+        port = ports[next(_next_port) % len(ports)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or a closed connection's TIME_WAIT): the next one
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -23,7 +23,8 @@ import pytest
 from tests.multihost.cluster import ray_cmd
 from tests.servers import ROOT, alive, free_port
 
-pytestmark = pytest.mark.slow
+# Ray's fixed default ports (dashboard agent, ...): one local Ray cluster at a time
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 pytest.importorskip("nixl")
 pytest.importorskip("ray", reason="ray is not installed (pip install 'pdserve[ray]')")
 
