@@ -12,8 +12,8 @@ PY_DIRS="pdserve bench api node router cluster engine prefill decode kv_transfer
 # box without AVX-512): a bf16 or kernel check that holds only where the CPU has native
 # bf16 fails here, whichever box kind CI gets. Whole-suite runs only; PDSERVE_AVX2_VIEW=0
 # skips it, =1 runs it with pytest arguments too.
-# The view runs beside the main suite (it keeps one core busy for a few minutes; the main
-# suite averages under one of CI's two cores), its output kept apart and shown after.
+# The view runs beside the main suite (it keeps one core busy for a few minutes), its output
+# kept apart and shown after.
 VIEW_PID=""
 if [ "${PDSERVE_AVX2_VIEW:-$([ $# -eq 0 ] && echo 1 || echo 0)}" = 1 ]; then
   VIEW_LOG=$(mktemp -t pdserve-avx2-view.XXXXXX.log)
@@ -21,8 +21,15 @@ if [ "${PDSERVE_AVX2_VIEW:-$([ $# -eq 0 ] && echo 1 || echo 0)}" = 1 ]; then
   VIEW_PID=$!
   trap '[ -n "$VIEW_PID" ] && kill "$VIEW_PID" 2>/dev/null || true' EXIT
 fi
+# The suite runs on pytest-xdist workers: most of its wall time is spent waiting (servers
+# starting, deadlines waited out), so a few workers share CI's two cores well. Tests of one
+# xdist_group run on one worker, in order; a test's group is its module unless it names a
+# shared one (tests/conftest.py, README.md "Tests"). PDSERVE_TEST_WORKERS=0 runs it serially.
+WORKERS=${PDSERVE_TEST_WORKERS:-4}
+XDIST=()
+[ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadgroup)
 rc=0
-.venv/bin/python -m pytest -q -ra --durations=15 "$@" || rc=$?
+.venv/bin/python -m pytest -q -ra --durations=15 "${XDIST[@]}" "$@" || rc=$?
 if [ -n "$VIEW_PID" ]; then
   view_rc=0
   wait "$VIEW_PID" || view_rc=$?

@@ -98,10 +98,14 @@ def launch_server(
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Wait for the server's /health; one that is not healthy in time is killed (with its
+    children), so that a failed fixture leaves no server behind for the rest of the run."""
     deadline = time.monotonic() + timeout_s
     while True:
         assert proc.poll() is None, f"server {url} exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"server {url} not healthy in {timeout_s} s"
+        if time.monotonic() >= deadline:
+            kill_server(proc)
+            raise AssertionError(f"server {url} not healthy in {timeout_s} s")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
