@@ -24,8 +24,10 @@ fi
 # The suite runs on pytest-xdist workers: most of its wall time is spent waiting (servers
 # starting, deadlines waited out), so a few workers share CI's two cores well. Tests of one
 # xdist_group run on one worker, in order; a test's group is its module unless it names a
-# shared one (tests/conftest.py, README.md "Tests"). PDSERVE_TEST_WORKERS=0 runs it serially.
-WORKERS=${PDSERVE_TEST_WORKERS:-4}
+# shared one (tests/conftest.py, README.md "Tests"). Three, not more: a served SmolLM2 with
+# its engine core holds ~2 GB, a PD pair or a drill cluster 4-8 GB, and CI has 24 GiB.
+# PDSERVE_TEST_WORKERS=0 runs it serially.
+WORKERS=${PDSERVE_TEST_WORKERS:-3}
 XDIST=()
 [ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadgroup)
 rc=0
