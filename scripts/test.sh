@@ -25,7 +25,8 @@ fi
 # starting, deadlines waited out), so a few workers share CI's two cores well. Tests of one
 # xdist_group run on one worker, in order; a test's group is its module unless it names a
 # shared one (tests/conftest.py, README.md "Tests"). Three, not more: a served SmolLM2 with
-# its engine core holds ~2 GB, a PD pair or a drill cluster 4-8 GB, and CI has 24 GiB.
+# its engine core holds ~2 GB, a PD pair or a drill cluster 4-8 GB, and CI has 24 GiB (the
+# heaviest server modules on 3 workers peaked at 15 GB of the run's own processes).
 # PDSERVE_TEST_WORKERS=0 runs it serially.
 WORKERS=${PDSERVE_TEST_WORKERS:-3}
 XDIST=()
