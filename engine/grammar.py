@@ -12,8 +12,11 @@ hold up the others; llguidance drops the GIL while it builds), with a cache keye
 grammar, so the engine loop keeps stepping while a new schema (or, the first time, the
 tokenizer view: about a second) compiles; each compile runs under `parser_limits()`
 (llguidance's own fuel and size caps, checked as it works: a hostile grammar ends in an
-error, not a long compile), and a request waits at most `COMPILE_DEADLINE_S` for it; `Grammar` wraps one request's matcher (requests waiting for a compile
-wait in `pdserve.engine.pending_grammars`). When the grammar is complete
+error, not a long compile), and a request waits at most `COMPILE_DEADLINE_S` for it. A
+client's grammar reaches the engine only after the node compiled it the same way in a
+worker process that is killed past its deadline (`pdserve.engine.grammar_check`), so the
+threads here only repeat work known to finish. `Grammar` wraps one request's matcher
+(requests waiting for a compile wait in `pdserve.engine.pending_grammars`). When the grammar is complete
 the request's EOS tokens are allowed (and the matcher's own EOS), so generation ends.
 """
 
@@ -23,10 +26,12 @@ import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.common.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -47,9 +47,11 @@ from pdserve.api.tokenize import (
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.request_cost import CostLimits
 from pdserve.common.sampling_rules import check_token_ids
+from pdserve.config.node import HTTPSettings
 from pdserve.engine.async_llm import AsyncLLM, RequestFailedError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core_client import EngineDeadError
+from pdserve.engine.grammar_check import GrammarCheckPool, GrammarWorkersBusy
 from pdserve.engine.messages import EngineAddresses, OutputBatch
 from pdserve.node import openai_responses as responses
 from pdserve.node.cluster_agent import ClusterAgent, ClusterOptions
@@ -74,6 +76,8 @@ def build_app(
     prefill_nodes: PrefillNodes | None = None,
     cluster: ClusterOptions | None = None,
     limits: CostLimits | None = None,
+    grammar_deadline_s: float | None = None,
+    grammar_workers: int | None = None,
 ) -> FastAPI:
     """`prefill_nodes` (decode role): where requests may be prefilled; default: the
     configured `kv_transfer.prefill_nodes` (see node/prefill_nodes.py for the hook), plus,
@@ -104,9 +108,17 @@ def build_app(
         app.state.serving = OpenAIServing(
             llm, metrics, model_name, config.kv_transfer, prefill_nodes, limits
         )
-        watch = None
+        watch = pool = None
         try:
             await llm.start()
+            http = HTTPSettings()
+            app.state.serving.plans.pool = pool = GrammarCheckPool(
+                llm.info.model_dir,
+                llm.info.vocab_size,
+                llm.info.eos_token_ids,
+                grammar_workers or http.grammar_workers,
+                grammar_deadline_s or http.grammar_deadline_s,
+            )
             await agent.start()
             watch = asyncio.create_task(_exit_when_engine_dies(app, llm, agent), name="engine")
             # What startup made (torch, transformers, the tokenizer, the app) lives as long
@@ -123,6 +135,8 @@ def build_app(
                 watch.cancel()
             await agent.stop()
             await llm.shutdown()
+            if pool is not None:
+                pool.close()
 
     app = FastAPI(title="pdserve node", lifespan=lifespan)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
@@ -272,6 +286,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ModelNotFoundError)
     async def model_not_found(request: Request, exc: ModelNotFoundError) -> JSONResponse:
         return error_response(404, str(exc), param="model", code="model_not_found")
+
+    @app.exception_handler(GrammarWorkersBusy)
+    async def grammar_busy(request: Request, exc: GrammarWorkersBusy) -> JSONResponse:
+        msg = "every structured-output compile worker stayed busy: retry later"
+        return error_response(429, msg, "rate_limit_error", code="grammar_workers_busy")
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

@@ -232,6 +232,8 @@ def serve(args: argparse.Namespace) -> None:
             cluster=cluster,
             body_timeout_s=settings.http.body_timeout_s,
             limits=settings.http.cost_limits,
+            grammar_deadline_s=settings.http.grammar_deadline_s,
+            grammar_workers=settings.http.grammar_workers,
         )
         serve_draining(
             app,

@@ -1,11 +1,13 @@
 """Structured-output plans built off the event loop, cached by what the request asks.
 
-Turning a JSON schema into an llguidance grammar and validating it takes tens of
-milliseconds (more for a large schema); done inline it would stall every stream this
-node serves. A request with `response_format` or `tools` has its plan built on a worker
-thread, with a deadline, and cached (LRU) by its `response_format`, `tools` and
-`tool_choice`, so a schema sent again costs a dictionary lookup. An invalid schema, or
-one that does not compile within the deadline, is a 400 naming the field.
+Turning a JSON schema into an llguidance grammar takes milliseconds; compiling it can
+take seconds for a hostile one. A request with `response_format` or `tools` has its plan
+built on a worker thread, which converts the schema (its size and depth capped first)
+and has the grammar compiled in a worker process (`pdserve.engine.grammar_check`, killed
+at `grammar_deadline_s`), so the thread itself returns by the deadline. Plans are cached
+(LRU) by `response_format`, `tools` and `tool_choice`, so a schema sent again costs a
+dictionary lookup. An invalid schema, or one that does not compile within the deadline,
+is a 400 naming the field; no worker free in time is a 429.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import json
 from collections import OrderedDict
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.engine.grammar_check import GrammarCheckPool, GrammarTimeout
 from pdserve.node import structured_output as structured
-
-PLAN_DEADLINE_S = 10.0
 
 
 class GrammarPlans:
-    def __init__(self, max_entries: int = 256, deadline_s: float = PLAN_DEADLINE_S):
+    """`pool`: where client grammars compile (set once the engine is up; without one, in
+    process, as for trusted input)."""
+
+    def __init__(self, max_entries: int = 256, pool: GrammarCheckPool | None = None):
         self.max_entries = max_entries
-        self.deadline_s = deadline_s
+        self.pool = pool
         self._cache: OrderedDict[str, structured.Plan] = OrderedDict()
         self.hits = 0
         self.misses = 0
@@ -40,14 +44,14 @@ class GrammarPlans:
             self._cache.move_to_end(key)
             return hit
         self.misses += 1
+        pool = self.pool
+        check = pool.check if pool is not None else structured.validate_in_process
         try:
-            plan = await asyncio.wait_for(
-                asyncio.to_thread(structured.plan, req), timeout=self.deadline_s
-            )
-        except TimeoutError:
+            plan = await asyncio.to_thread(structured.plan, req, check)
+        except GrammarTimeout:
             param = "response_format" if rf is not None and rf.type != "text" else "tools"
             raise InvalidRequestError(
-                f"the schema did not compile within {self.deadline_s:g} s", param
+                f"the schema did not compile within {pool.deadline_s:g} s", param
             ) from None
         self._cache[key] = plan
         while len(self._cache) > self.max_entries:

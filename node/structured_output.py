@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +26,9 @@ from pdserve.api import chat_tools
 from pdserve.api.protocol import ChatCompletionRequest
 from pdserve.api.structured import FunctionCall, ToolCall
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.schema_bounds import check_schema_bounds
 from pdserve.engine.grammar import parser_limits
 
-MAX_SCHEMA_BYTES = 64 << 10  # a response_format or tools schema, as JSON
-MAX_SCHEMA_DEPTH = 48  # nested objects and arrays
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -41,29 +41,18 @@ class Plan:
     tool_names: frozenset[str] = frozenset()
 
 
-def check_schema_bounds(schema: object, param: str) -> None:
-    """A schema's size and depth are capped before anything compiles it, so a hostile one
-    costs its own request a 400, not the node's grammar workers."""
-    size = len(json.dumps(schema))
-    if size > MAX_SCHEMA_BYTES:
-        raise InvalidRequestError(
-            f"the schema is {size} bytes; at most {MAX_SCHEMA_BYTES} are accepted", param
-        )
-    todo, deepest = [(schema, 1)], 0
-    while todo:
-        node, depth = todo.pop()
-        deepest = max(deepest, depth)
-        if deepest > MAX_SCHEMA_DEPTH:
-            raise InvalidRequestError(
-                f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param
-            )
-        children = (
-            node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        )
-        todo += [(c, depth + 1) for c in children if isinstance(c, (dict, list))]
+def validate_in_process(grammar: str) -> str | None:
+    """llguidance's validation here, on this thread (trusted grammars; a node checks a
+    client's in a worker process: `pdserve.engine.grammar_check`)."""
+    import llguidance
+
+    return llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits()) or None
 
 
-def json_grammar(schema: dict[str, Any], param: str) -> str:
+def json_grammar(
+    schema: dict[str, Any], param: str, check: Callable[[str], str | None] = validate_in_process
+) -> str:
+    """The grammar of `schema`, once `check` finds no error in it (a 400 naming `param`)."""
     import llguidance
 
     check_schema_bounds(schema, param)
@@ -71,14 +60,14 @@ def json_grammar(schema: dict[str, Any], param: str) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as e:
         raise InvalidRequestError(f"invalid JSON schema: {e}", param) from e
-    error = llguidance.LLMatcher.validate_grammar(grammar, limits=parser_limits())
+    error = check(grammar)
     if error:
         raise InvalidRequestError(f"unsupported JSON schema: {error}", param)
     return grammar
 
 
-def plan(req) -> Plan:
-    """What `req` asks for (chat or completions request)."""
+def plan(req, check: Callable[[str], str | None] = validate_in_process) -> Plan:
+    """What `req` asks for (chat or completions request); `check` validates a grammar."""
     rf = req.response_format
     tools = getattr(req, "tools", None) or []
     choice = getattr(req, "tool_choice", None)
@@ -91,11 +80,13 @@ def plan(req) -> Plan:
             "response_format and a forced tool_choice cannot be combined", "response_format"
         )
     if rf is not None and rf.type == "json_object":
-        return Plan(grammar=json_grammar({"type": "object"}, "response_format"))
+        return Plan(grammar=json_grammar({"type": "object"}, "response_format", check))
     if rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
             raise InvalidRequestError("json_schema needs a schema", "response_format.json_schema")
-        return Plan(grammar=json_grammar(rf.json_schema.schema_, "response_format.json_schema"))
+        return Plan(
+            grammar=json_grammar(rf.json_schema.schema_, "response_format.json_schema", check)
+        )
     if forced:
         if choice == "required":
             chosen = tools
@@ -107,7 +98,9 @@ def plan(req) -> Plan:
                     "tool_choice",
                 )
         schema = {"anyOf": [_call_schema(t.function) for t in chosen]}
-        return Plan(grammar=json_grammar(schema, "tools"), tools_forced=True, tool_names=names)
+        return Plan(
+            grammar=json_grammar(schema, "tools", check), tools_forced=True, tool_names=names
+        )
     return Plan(tools_auto=bool(tools) and choice != "none", tool_names=names)
 
 

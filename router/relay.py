@@ -144,7 +144,7 @@ def _check_status(node: NodeState, status: int, content: bytes) -> None:
             try:
                 fault = _engine_dead(msgspec.json.decode(content).get("error"))
             except (msgspec.DecodeError, AttributeError):
-                fault = True  # not a node's own error body: something broke on the way
+                fault = False  # a crash on one request (its input?): a 503 or death is a fault
         raise AttemptFailed("status", f"{node.url} answered {status}", status, content, fault)
     if status == 400 and b"kv_transfer_params.prefill_node" in content:
         try:

@@ -12,6 +12,7 @@ router: no answer is ever a 5xx.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -20,118 +21,39 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.servers import kill_server, start_server
+from tests.hostile_cases import (
+    CATALOGUE,
+    CHAT,
+    COSTLY,
+    MSG,
+    OK,
+    SLOW_SCHEMA,
+    UNSATISFIABLE,
+    C,
+    body,
+    nested_schema,
+    schema_format,
+)
+from tests.servers import free_port, kill_server, launch_server, start_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m-instruct"
 NODE_ARGS = ["--model", MODEL, "--num-threads", "1", "--log-level", "warning"]
 NODE_ARGS += ["--kv-cache-bytes", str(64 << 20), "--max-model-len", "512"]
-
-C, CHAT = "/v1/completions", "/v1/chat/completions"
-OK = {"prompt": "Hello", "max_tokens": 2, "temperature": 0}
-MSG = [{"role": "user", "content": "hi"}]
-
-
-def nested_schema(depth: int) -> dict:
-    schema: dict = {"type": "boolean"}
-    for _ in range(depth):
-        schema = {"type": "array", "items": schema}
-    return schema
-
-
-def schema_format(schema: dict) -> dict:
-    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
-
-
-def raw(path: str, data: bytes, ctype: str = "application/json"):
-    return (path, data, ctype)
-
-
-def body(path: str = C, **fields):
-    merged = {**OK, **fields} if path == C else {"messages": MSG, "max_tokens": 2, **fields}
-    return (path, json.dumps(merged).encode(), "application/json")
-
-
-CATALOGUE = {
-    "malformed json": raw(C, b'{"prompt": "x", '),
-    "json array": raw(C, b"[1, 2, 3]"),
-    "json string": raw(C, b'"prompt"'),
-    "empty body": raw(C, b""),
-    "deep nesting": raw(C, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-    "text/plain": raw(C, b'{"prompt": "x"}', "text/plain"),
-    "invalid utf-8": raw(C, b'{"prompt": "\xff\xfe\xfa", "max_tokens": 2}'),
-    "NaN temperature": raw(C, b'{"prompt": "x", "temperature": NaN}'),
-    "Infinity top_p": raw(C, b'{"prompt": "x", "top_p": Infinity}'),
-    "-Infinity penalty": raw(C, b'{"prompt": "x", "presence_penalty": -Infinity}'),
-    "1e999 temperature": raw(C, b'{"prompt": "x", "temperature": 1e999}'),
-    "10 MB body": body(prompt="a" * (10 << 20)),
-    "missing prompt": raw(C, b'{"max_tokens": 2}'),
-    "prompt int": body(prompt=12345),
-    "cache_salt int": body(prompt="x", cache_salt=7),
-    "cache_salt 257 chars": body(prompt="x", cache_salt="s" * 257),
-    "prompt dict": body(prompt={"a": 1}),
-    "token id -1": body(prompt=[1, -1, 2]),
-    "token id 10**12": body(prompt=[10**12]),
-    "token id float": body(prompt=[1.5]),
-    "empty prompt": body(prompt=""),
-    "prompt beyond context (ids)": body(prompt=[42] * 5000),
-    "prompt beyond context (text)": body(prompt="hello " * 5000),
-    "max_tokens string": body(max_tokens="ten"),
-    "max_tokens -1": body(max_tokens=-1),
-    "max_tokens 10**30": body(max_tokens=10**30),
-    "max_tokens beyond context": body(max_tokens=100_000),
-    "temperature string": body(temperature="hot"),
-    "temperature -1": body(temperature=-1),
-    "temperature 1e308": body(temperature=1e308),
-    "top_p -1": body(top_p=-1),
-    "top_k 2**70": body(top_k=2**70),
-    "seed 2**70": body(seed=2**70),
-    "n 0": body(n=0),
-    "n -1": body(n=-1),
-    "n 10**6": body(n=10**6),
-    "logprobs -5": body(logprobs=-5),
-    "logprobs 10**6": body(logprobs=10**6),
-    "best_of 10**6": body(best_of=10**6),
-    "stream string": body(stream="maybe"),
-    "unknown field": body(frobnicate=1),
-    "5000 stop strings": body(stop=["x"] * 5000),
-    "stop int": body(stop=5),
-    "logit_bias bad key": body(logit_bias={"abc": 1}),
-    "logit_bias superscript key": body(logit_bias={"²": 1}),
-    "schema nested 100 deep": body(CHAT, response_format=schema_format(nested_schema(100))),
-    "schema of 200 KB": body(
-        CHAT,
-        response_format=schema_format(
-            {"type": "string", "enum": [f"value-{i}" for i in range(20_000)]}
-        ),
-    ),
-    "tool schema nested 100 deep": body(
-        CHAT,
-        tool_choice="required",
-        tools=[{"type": "function", "function": {"name": "f", "parameters": nested_schema(100)}}],
-    ),
-    "logit_bias arabic-indic key": body(logit_bias={"\u0663": 1}),
-    "logit_bias 10**9 entries key": body(logit_bias={"99999999999": 1}),
-    "logit_bias NaN-ish": body(logit_bias={"1": 1e308}),
-    "kv_transfer_params string": body(kv_transfer_params="x"),
-    "kv_transfer_params unknown keys": body(kv_transfer_params={"do_remote_decode": 5}),
-    "model unknown": body(model="gpt-9"),
-    "chat messages string": body(CHAT, messages="hi"),
-    "chat empty messages": body(CHAT, messages=[]),
-    "chat bad role": body(CHAT, messages=[{"role": "hacker", "content": "x"}]),
-    "chat content int": body(CHAT, messages=[{"role": "user", "content": 7}]),
-    "chat top_logprobs 10**6": body(CHAT, logprobs=True, top_logprobs=10**6),
-    "chat n 10**6": body(CHAT, n=10**6),
-    "chat unknown field": body(CHAT, tools_of_doom=[1]),
-}
+NODE_ARGS += ["--grammar-deadline-s", "2"]
 
 
 @pytest.fixture(scope="module")
-def node():
+def node_proc():
     url, proc = start_server(NODE_ARGS)
-    yield url
+    yield url, proc
     kill_server(proc)
+
+
+@pytest.fixture(scope="module")
+def node(node_proc):
+    return node_proc[0]
 
 
 @pytest.fixture(scope="module")
@@ -172,25 +94,6 @@ def test_catalogue_gets_4xx_from_node_and_router(node, router):
         generation_works(url)
     assert bad == [], "\n".join(b.splitlines()[0][:160] for b in bad)
     print(f"\nhostile inputs: {len(statuses)} requests, statuses: {json.dumps(statuses)}")
-
-
-BOOLEAN = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
-# Constraints the sampler cannot all meet, or edge values of its filters: each is a client's
-# own business, so it ends with a finish reason (200), never a 5xx.
-UNSATISFIABLE = {
-    "min_tokens vs finished grammar": dict(response_format=BOOLEAN, min_tokens=20, max_tokens=30,
-                                           temperature=1),
-    "min_tokens vs finished grammar, greedy": dict(response_format=BOOLEAN, min_tokens=20,
-                                                   max_tokens=30, temperature=0),
-    "stop ids vs grammar": dict(response_format=BOOLEAN, min_tokens=5, max_tokens=10,
-                                stop_token_ids=[2], temperature=1),
-    "logit_bias -100 on all": dict(logit_bias={str(t): -100 for t in range(1024)}, temperature=1),
-    "top_p tiny": dict(top_p=1e-12, temperature=1),
-    "min_p 1": dict(min_p=1.0, temperature=1),
-    "top_k 1, temperature 100": dict(top_k=1, temperature=100),
-    "temperature just above greedy": dict(temperature=1.1e-5),
-    "repetition_penalty 1e-300": dict(repetition_penalty=1e-300, temperature=1),
-}  # fmt: skip
 
 
 def test_unsatisfiable_constraints_end_cleanly_and_open_no_breaker(node, router):
@@ -297,18 +200,6 @@ def test_property_random_bodies_never_get_a_5xx(router, node):
 
 # Issue 29 item 1: 64 prompts x n=16 x echo x logprobs=20 is 1,024 sequences, each keeping
 # prompt length x 21 logprob entries. Refused before any work, naming the limit.
-COSTLY_PROMPTS = [[42] * 400] * 64
-COSTLY = {
-    "max_sequences_per_request": (
-        C, {"prompt": COSTLY_PROMPTS, "n": 16, "echo": True, "logprobs": 20, "max_tokens": 1}
-    ),
-    "max_logprob_entries_per_request": (
-        C, {"prompt": COSTLY_PROMPTS, "n": 4, "echo": True, "logprobs": 20, "max_tokens": 1}
-    ),
-    "max_logprob_entries_per_request ": (
-        CHAT, {"messages": MSG, "n": 16, "logprobs": True, "top_logprobs": 20, "max_tokens": 4000}
-    ),
-}  # fmt: skip
 
 
 def test_costly_requests_get_a_400_naming_the_limit(node, router):
@@ -359,3 +250,68 @@ def test_big_body_does_not_stall_a_concurrent_stream(node, router, target):
     assert during >= max(3, 0.1 * rate * (t1 - t0)), (during, rate, t1 - t0)
     print(f"\n{target}: big body answered in {t1 - t0:.2f} s; {during} stream tokens meanwhile "
           f"(stream rate {rate:.1f}/s)")  # fmt: skip
+
+
+def cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_slow_schema_costs_its_own_request_only(node_proc, router):
+    """Issue 29 item 8: a slow hostile schema used to compile on a node thread that no
+    deadline stopped. Now it compiles in a worker process killed at the node's 2 s
+    deadline: the hostile client gets a 400 by then, another client's new schema is
+    answered meanwhile, and afterwards the node process burns no CPU on it."""
+    node, proc = node_proc
+    chat = {"messages": MSG, "max_tokens": 16, "temperature": 0}
+    answers = {}
+
+    def ask(name: str, schema: dict) -> None:
+        t0 = time.monotonic()
+        r = httpx.post(f"{router}{CHAT}", json={**chat, "response_format": schema_format(schema)},
+                       timeout=120)  # fmt: skip
+        answers[name] = (r, time.monotonic() - t0)
+
+    ask("warm", {"type": "integer"})  # the workers' start (a tokenizer view each) is not timed
+    assert answers["warm"][0].status_code == 200, answers["warm"][0].text
+    hostile = threading.Thread(target=ask, args=("hostile", SLOW_SCHEMA))
+    hostile.start()
+    time.sleep(0.3)
+    small = {"type": "integer", "minimum": 0, "maximum": 99}
+    ask("other", {"type": "object", "properties": {"n": small}, "required": ["n"]})
+    hostile.join(120)
+    (bad, bad_s), (ok, ok_s) = answers["hostile"], answers["other"]
+    assert ok.status_code == 200 and "n" in json.loads(
+        ok.json()["choices"][0]["message"]["content"]
+    )
+    assert ok_s < bad_s and 2.0 < bad_s < 20, (ok_s, bad_s)  # answered while the other compiles
+    assert_openai_error(bad, "slow schema")
+    assert bad.status_code == 400 and "did not compile within 2 s" in bad.json()["error"]["message"]
+    before = cpu_s(proc.pid)
+    time.sleep(2)
+    assert cpu_s(proc.pid) - before < 0.5  # no compile goes on in the node process
+    generation_works(router)
+
+
+def test_router_caps_schemas_without_a_node():
+    """The router checks a schema's size and depth itself: with its only node unreachable,
+    the catalogue's oversized schemas get their 400 from the router (a plain request: 503)."""
+    gone = f"http://127.0.0.1:{free_port()}"
+    url, proc = launch_server(["--model", MODEL, "--decode", gone, "--log-level", "warning"],
+                              free_port(), "router")  # fmt: skip
+    try:
+        for _ in range(600):  # until it answers (503: it has no usable node)
+            assert proc.poll() is None
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 503:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        for name in ("schema nested 100 deep", "schema of 200 KB", "tool schema nested 100 deep"):
+            r = send(url, CATALOGUE[name])
+            assert r.status_code == 400 and "schema" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] in ("response_format.json_schema", "tools"), name
+        assert send(url, body()).status_code == 503
+    finally:
+        kill_server(proc)

@@ -15,6 +15,8 @@ does in a node.
   its connection is fenced and the last lease on it ran out (its abort is never
   answered), and once the engine steps again it takes orders again. Outputs equal the
   transformers reference throughout.
+* A prefill node with the secret whose done names a first token outside the vocabulary
+  (2**40, -1): the attempt fails over, counted and logged with the peer's address.
 """
 
 import os
@@ -174,4 +176,36 @@ def test_a_stuck_prefill_engine_is_failed_over_and_taken_back(trio, hf_model):
     trio.until(trio.idle)
     assert p0.kv_role.num_orders == orders + 1
     assert trio.outs["back"] == hf_greedy(hf_model, back, 8)
+    trio.check_baseline()
+
+
+@pytest.mark.parametrize("first_token", [2**40, -1])
+def test_a_done_with_its_first_token_out_of_range_fails_over(trio, hf_model, first_token, caplog):
+    """Issue 29 item 2 through a decode engine and its role: prefill node 0 holds the
+    secret and speaks the real protocol (its real KV, every block, a sealed done), but
+    its done names a first token outside the vocabulary. The decode node fails that
+    attempt over, counts it (`pd_bad_dones`), logs the peer, and the request's tokens
+    still equal the reference; its engine keeps stepping."""
+    p0, a0, side = trio.prefills[0], trio.addrs[0], trio.pconns[0]
+    honest = side.finish
+
+    def lying(key, src, first_index, first, *args, **kw):
+        honest(key, src, first_index, first_token, *args, **kw)
+
+    side.finish = lying
+    bad, failovers = trio.dconn.num_bad_dones, trio.drole.num_failovers
+    prompt = prompts_of([37], seed=16 + (first_token < 0))[0]
+    rid = f"lie{first_token}"
+    orders = p0.kv_role.num_orders
+    try:
+        trio.decode.add_request(rid, prompt, GREEDY, remote_prefill=a0)
+        trio.until(trio.idle)
+    finally:
+        side.finish = honest
+    assert p0.kv_role.num_orders == orders + 1  # the lying node was asked, and answered
+    assert trio.outs[rid] == hf_greedy(hf_model, prompt, 8)
+    assert trio.dconn.num_bad_dones == bad + 1 and trio.drole.num_failovers > failovers
+    assert trio.decode.stats().pd_bad_dones == bad + 1
+    assert f"bad done from prefill node {a0}" in caplog.text
+    assert f"first token {first_token} outside the vocabulary" in caplog.text
     trio.check_baseline()

@@ -12,6 +12,9 @@ applied by the router and the node alike:
 * `max_logprob_entries_per_request`: with `echo`, prompt length x (alternatives + 1) per
   sequence, plus, when `max_tokens` is given, max_tokens x (alternatives + 1) per sequence.
 
+`meter_for` also caps the size and depth of the request's schemas
+(`pdserve.common.schema_bounds`), so a request starts no work for one it cannot compile.
+
 `CostMeter` is charged prompt by prompt, so the caller tokenizes a text prompt only while
 the request still fits: a request over a limit stops at the first prompt past it. A
 request over a limit gets `InvalidRequestError` (HTTP 400) naming the limit.
@@ -22,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.schema_bounds import check_request_schemas
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,9 @@ class CostMeter:
 
 
 def meter_for(req, limits: CostLimits, num_prompts: int = 1) -> CostMeter:
-    """The meter of an OpenAI completion or chat request (`api.protocol`)."""
+    """The meter of an OpenAI completion or chat request (`api.protocol`), once its
+    schemas are within their caps."""
+    check_request_schemas(req)
     logprobs = req.logprobs
     if isinstance(logprobs, bool):  # chat: logprobs=true with top_logprobs alternatives
         alternatives = (req.top_logprobs or 0) if logprobs else None

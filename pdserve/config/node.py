@@ -27,6 +27,15 @@ class HTTPSettings(RequestCostSettings):
     body_timeout_s: float = setting(
         30.0, "a request body not received in full by then gets HTTP 408", gt=0
     )
+    grammar_deadline_s: float = setting(
+        10.0,
+        "a client's JSON schema compiles in a worker process killed past this (HTTP 400); "
+        "engine/grammar_check.py",
+        gt=0,
+    )
+    grammar_workers: int = setting(
+        2, "worker processes compiling client schemas, started on the first", ge=1
+    )
 
 
 class RegistrySettings(Settings):
