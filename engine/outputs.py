@@ -126,6 +126,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_store_saves: int = 0
     kv_store_save_failures: int = 0
     kv_store_fallbacks: int = 0  # loads passed to the next backend after one failed
+    kv_store_checksum_mismatches: int = 0  # loads cut short: a block failed its checksum
 
 
 @dataclass(slots=True)

@@ -120,6 +120,11 @@ class _EngineStatsCollector(Collector):
                 s.kv_store_fallbacks,
             ),
             (
+                "pdserve_kv_store_checksum_mismatches",
+                "KV store loads cut short: a loaded block failed its checksum (computed here)",
+                s.kv_store_checksum_mismatches,
+            ),
+            (
                 "pdserve_kv_checksum_mismatches",
                 "PD decode: transfers whose landed KV blocks failed their checksums",
                 s.kv_checksum_mismatches,

@@ -140,6 +140,7 @@ def _prefix_store(config: EngineConfig, b: KVBackendConfig) -> KVStore:
             chunk_size=cfg.chunk_size,
             local_cpu_bytes=cfg.local_cpu_bytes,
             remote_url=url,
+            checksums=config.kv_transfer.checksums,
         )
 
     return PrefixStore(
