@@ -134,7 +134,6 @@ class DecodeRole:
             req.prefill_fallback = (
                 "local_checksum_mismatch" if mismatch else "local_transfer_failed"
             )
-
         failed_node = req.remote_prefill
         tried = self._tried.setdefault(rid, set())
         tried.add(failed_node)

@@ -300,3 +300,19 @@ def test_hostile_decode_peer_is_rejected_over_real_nixl(tiny_llama_dir, hf_model
             a.close()
         ctx.destroy(linger=0)
         pair.close()
+
+
+def test_fallback_share_over_the_setting_is_logged_once_a_minute(caplog):
+    """Issue 30: more than `fallback_warn_share` of the recent remote prefills computed
+    here after a failed transfer: one warning (not one per request)."""
+    from pdserve.decode.role import FallbackWatch
+
+    watch = FallbackWatch(0.25)
+    for i in range(40):
+        watch.record(i % 2 == 0)  # 50% fell back
+    warnings = [r for r in caplog.records if "remote prefills were computed here" in r.message]
+    assert len(warnings) == 1 and "50% of the last 20" in warnings[0].message
+    quiet = FallbackWatch(0.6)
+    for i in range(40):
+        quiet.record(i % 2 == 0)
+    assert len([r for r in caplog.records if "computed here" in r.message]) == 1
