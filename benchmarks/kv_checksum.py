@@ -139,7 +139,11 @@ def ttft_pair(args) -> dict:
                 else:
                     dropped[label].append(path)
         return {
-            k: {"ttft_s_median": statistics.median(v), "ttft_s": v, "not_remote": dropped[k]}
+            k: {
+                "ttft_s_median": statistics.median(v) if v else None,
+                "ttft_s": v,
+                "not_remote": dropped[k],
+            }
             for k, v in ttft.items()
         }
     finally:
@@ -169,8 +173,9 @@ def main() -> None:
         t = ttft_pair(args)
         on, off = t["on"]["ttft_s_median"], t["off"]["ttft_s_median"]
         results["ttft"] = t
-        results["ttft_median_diff_share"] = (on - off) / off
-        results["checksum_work_share_of_ttft"] = work_s / on
+        if on is not None and off is not None:
+            results["ttft_median_diff_share"] = (on - off) / off
+            results["checksum_work_share_of_ttft"] = work_s / on
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
