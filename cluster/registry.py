@@ -47,6 +47,9 @@ class NodeRecord(msgspec.Struct, kw_only=True):
     waiting: int = 0
     kv_used: int = 0
     kv_total: int = 0
+    # decode/colocated: requests so far prefilled by a prefill node, and here (any reason)
+    prefills_remote: int = 0
+    prefills_local: int = 0
     updated: float = 0.0
     # the shared KV store this node loads prefixes from ("": none); its blocks are in the
     # index set `{prefix}:kv:store:{kv_store}`, so they count as this node's hits too

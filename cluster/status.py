@@ -91,7 +91,7 @@ def render(state: dict | None, nodes: list[dict]) -> str:
     lines.append(f"registry: {len(nodes)} live node record(s)")
     if nodes:
         lines.append(f"  {'node':<12} {'role':<8} {'epoch':>14} {'run':>4} {'wait':>4} "
-                     f"{'kv blocks':>11} {'age':>5}  url")  # fmt: skip
+                     f"{'kv blocks':>11} {'remote':>6} {'age':>5}  url")  # fmt: skip
     for n in nodes:
         try:
             age = f"{time.time() - float(n.get('updated', 'nan')):.1f}s"
@@ -101,10 +101,19 @@ def render(state: dict | None, nodes: list[dict]) -> str:
         lines.append(
             f"  {n['key'].rsplit(':', 1)[1]:<12} {n.get('role', '?'):<8} "
             f"{n.get('epoch', '?'):>14} {n.get('running', '?'):>4} {n.get('waiting', '?'):>4} "
-            f"{kv:>11} {age:>5}  {n.get('url', '')}"
+            f"{kv:>11} {remote_share(n):>6} {age:>5}  {n.get('url', '')}"
             + (f"  IGNORED: {n['ignored']}" if "ignored" in n else "")
         )
     return "\n".join(lines)
+
+
+def remote_share(n: dict) -> str:
+    """The share of a node's requests prefilled by a prefill node ("-": none yet)."""
+    try:
+        remote, local = int(n.get("prefills_remote", 0)), int(n.get("prefills_local", 0))
+    except ValueError:
+        return "?"
+    return f"{100 * remote / (remote + local):.0f}%" if remote + local else "-"
 
 
 def run(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ them. Orders carry their deadline as a duration (`ttl_s`), never a wall-clock ti
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -41,9 +42,16 @@ class DecodeRole:
         transfer_timeout_s: float = 60.0,
         prefill_locally_on_failure: bool = True,
         prefill_nodes: tuple[str, ...] = (),
+        checksums: bool = True,
+        fallback_warn_share: float = 0.2,
     ):
-        """`prefill_nodes`: where a failed remote prefill may be retried (live ones only)."""
+        """`prefill_nodes`: where a failed remote prefill may be retried (live ones only).
+        `checksums`: orders ask for per-block checksums, verified on landing.
+        `fallback_warn_share`: warn when more of the recent remote prefills than this share
+        ended prefilled here (`FallbackWatch`)."""
         self.connector = connector
+        self.checksums = checksums
+        self.fallbacks = FallbackWatch(fallback_warn_share)
         self.transfer_timeout_s = transfer_timeout_s
         self.prefill_locally_on_failure = prefill_locally_on_failure
         self.prefill_nodes = prefill_nodes
@@ -73,6 +81,7 @@ class DecodeRole:
             "pd_remote_prefills": self.num_remote_prefills,
             "pd_failures": self.num_failures,
             "pd_bad_dones": self.connector.num_bad_dones,
+            "kv_checksum_mismatches": self.connector.num_checksum_mismatches,
             "kv_bytes_received": self.bytes_received,
             "kv_poison_violations": self.poison.violations if self.poison else 0,
         }
@@ -97,6 +106,7 @@ class DecodeRole:
                 continue  # aborted meanwhile: its hold is released on Released
             if isinstance(ev, RecvDone):
                 self._tried.pop(rid, None)
+                self.fallbacks.record(False)
                 self.bytes_received += ev.num_blocks * self._block_bytes
                 req = sched.remote_kv_ready(rid, ev.first_token, ev.logprob, ev.top)
                 req.kv_done_time, (queue, compute) = time.monotonic(), ev.prefill_node_s
@@ -112,12 +122,18 @@ class DecodeRole:
                 if req.is_finished:
                     core.requests.pop(rid, None)
             elif isinstance(ev, RecvFailed):
-                outs += self._failed(core, req, ev.reason)
+                outs += self._failed(core, req, ev.reason, ev.checksum_mismatch)
         return outs
 
-    def _failed(self, core: EngineHandle, req: Request, reason: str) -> list[EngineCoreOutput]:
+    def _failed(
+        self, core: EngineHandle, req: Request, reason: str, mismatch: bool = False
+    ) -> list[EngineCoreOutput]:
         rid = req.request_id
         self.num_failures += 1
+        if mismatch or req.prefill_fallback is None:  # what `pdserve_timings` will say
+            req.prefill_fallback = (
+                "local_checksum_mismatch" if mismatch else "local_transfer_failed"
+            )
         failed_node = req.remote_prefill
         tried = self._tried.setdefault(rid, set())
         tried.add(failed_node)
@@ -134,6 +150,7 @@ class DecodeRole:
             req.remote_prefill = other  # back in the queue as a remote prefill there
             return []
         self._tried.pop(rid, None)
+        self.fallbacks.record(True)
         if not local:
             core.requests.pop(rid, None)
             return [core.make_output(req, [])]
@@ -159,6 +176,7 @@ class DecodeRole:
                     first_block=first_block,
                     dst_block_ids=block_ids[first_block:],
                     ttl_s=self.transfer_timeout_s,
+                    checksums=self.checksums,
                 )
             except ValueError as e:  # confined to this request: nothing was sent
                 self._outs += self._failed(core, req, f"cannot order its prefill: {e}")
@@ -197,6 +215,30 @@ class DecodeRole:
 
     def shutdown(self) -> None:
         self.connector.close()
+
+
+class FallbackWatch:
+    """The share of recent remote prefills (the last `window`) that ended prefilled here
+    after their transfer failed; a warning, at most once a minute, while it exceeds
+    `warn_share` (a node that silently recomputes is slow and costs the cluster twice)."""
+
+    def __init__(self, warn_share: float, window: int = 100, min_count: int = 20):
+        self.warn_share, self.min_count = warn_share, min_count
+        self.recent: collections.deque[bool] = collections.deque(maxlen=window)
+        self._warned_at = float("-inf")
+
+    def record(self, fell_back: bool) -> None:
+        self.recent.append(fell_back)
+        share = sum(self.recent) / len(self.recent)
+        now = time.monotonic()
+        if len(self.recent) >= self.min_count and share > self.warn_share:
+            if now - self._warned_at >= 60.0:
+                self._warned_at = now
+                logger.warning(
+                    "%.0f%% of the last %d remote prefills were computed here after their "
+                    "transfer failed (warning above %.0f%%, kv_transfer.fallback_warn_share)",
+                    100 * share, len(self.recent), 100 * self.warn_share,
+                )  # fmt: skip
 
 
 def _first_token_params(req: Request) -> SamplingParams:

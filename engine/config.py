@@ -131,6 +131,8 @@ class KVTransferConfig:
     abort_grace_s: float = default(TransferSettings, "abort_grace_s")
     peer_timeout_s: float = default(TransferSettings, "peer_timeout_s")
     engine_stall_s: float = default(TransferSettings, "engine_stall_s")
+    checksums: bool = default(TransferSettings, "checksums")
+    fallback_warn_share: float = default(TransferSettings, "fallback_warn_share")
     on_prefill_failure: str = default(SchedulerSettings, "on_prefill_failure")
     # seals every control frame (kv_transfer/frame_auth.py); None: unauthenticated
     cluster_secret: bytes | None = field(default=None, repr=False)

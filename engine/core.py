@@ -115,6 +115,7 @@ class EngineCore:
             GrammarCompiler(str(self.model_dir), self.vocab_size, sorted(self.eos_token_ids))
         )
         self.generated_tokens = 0
+        self.prefill_paths: dict[str, int] = {}  # requests by `RequestTimings.prefill`
         self.num_steps = 0  # engine loop progress (EngineStats.engine_steps)
         self.last_step_idle = True
         if kv_role is not None:
@@ -300,6 +301,8 @@ class EngineCore:
         timings = None
         if tokens and not req.timings_sent:  # the first token: report where its time went
             timings, req.timings_sent = self.first_token_timings(req), True
+            paths = self.prefill_paths
+            paths[timings.prefill] = paths.get(timings.prefill, 0) + 1
         prompt_lps = None
         if req.sampling_params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             if tokens or req.is_finished:
@@ -330,7 +333,7 @@ class EngineCore:
     def first_token_timings(req: Request) -> RequestTimings:
         """The TTFT stages of `req`, whose first token is going out now."""
         now = time.monotonic()
-        t = RequestTimings()
+        t = RequestTimings(prefill=req.prefill_path)
         start = req.arrival_time
         if req.kv_order_time is not None:
             t.decode_admission_s = req.kv_order_time - req.arrival_time
@@ -363,6 +366,7 @@ class EngineCore:
             kv_blocks_held=self.kv.num_held_blocks,
             kv_store_hit_tokens=self.scheduler.store_hit_tokens,
             grammars_compiling=len(self.grammars),
+            prefill_paths=dict(self.prefill_paths),
             **(self.kv_role.stats() if self.kv_role is not None else {}),
             **(self.kv_store.stats() if self.kv_store is not None else {}),
         )

@@ -45,14 +45,29 @@ class RequestTimings(msgspec.Struct, kw_only=True, omit_defaults=True):
     prefill_compute_s: float | None = None
     kv_transfer_s: float | None = None
     first_decode_step_s: float | None = None
+    # Where the prompt was prefilled and why (`PREFILL_PATHS`); not a stage.
+    prefill: str | None = None
 
     def stages(self) -> dict[str, float]:
         """Stage name (without `_s`) -> seconds, in request order, for the stages present."""
         return {
             f.removesuffix("_s"): v
             for f in self.__struct_fields__
-            if (v := getattr(self, f)) is not None
+            if f.endswith("_s") and (v := getattr(self, f)) is not None
         }
+
+
+# `RequestTimings.prefill`: remote (a prefill node computed it), local_policy (computed
+# here by choice: no prefill node named, or a suffix short enough), local_transfer_failed
+# / local_checksum_mismatch (computed here after the remote transfer failed / its blocks
+# failed their checksums), store_hit (its prefix loaded from the KV store, the rest here).
+PREFILL_PATHS = (
+    "remote",
+    "local_policy",
+    "local_transfer_failed",
+    "local_checksum_mismatch",
+    "store_hit",
+)
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True):
@@ -99,6 +114,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     pd_bad_dones: int = 0  # decode: PrefillDones from a peer that failed their checks
     kv_bytes_received: int = 0  # decode
     kv_poison_violations: int = 0  # decode, PDSERVE_KV_POISON=1: WRITEs after release
+    kv_checksum_mismatches: int = 0  # decode: transfers whose blocks failed their checksums
+    # requests by where their prompt was prefilled (`PREFILL_PATHS`), at their first token
+    prefill_paths: dict[str, int] = msgspec.field(default_factory=dict)
     pd_orders: int = 0  # prefill: orders taken
     kv_bytes_sent: int = 0  # prefill
     # KV store (0 without one): prompt tokens loaded from it and used, jobs, failures
@@ -108,6 +126,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_store_saves: int = 0
     kv_store_save_failures: int = 0
     kv_store_fallbacks: int = 0  # loads passed to the next backend after one failed
+    kv_store_checksum_mismatches: int = 0  # loads cut short: a block failed its checksum
 
 
 @dataclass(slots=True)

@@ -61,6 +61,9 @@ class Request:
         self.kv_order_time: float | None = None  # PD decode: prefill order sent
         self.kv_done_time: float | None = None  # PD decode: every KV block landed
         self.prefill_node_s: tuple[float, float] | None = None  # PD: its queue, compute
+        # PD decode: why it was prefilled here after all (`local_transfer_failed`,
+        # `local_checksum_mismatch`; None: it was not, or never asked a prefill node)
+        self.prefill_fallback: str | None = None
         self.timings_sent = False
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -94,6 +97,15 @@ class Request:
         self._update_block_hashes()
         self._generator: torch.Generator | None = None
         self.processes_logits = sampling_params.processes_logits
+
+    @property
+    def prefill_path(self) -> str:
+        """Where its prompt was prefilled and why (`outputs.PREFILL_PATHS`)."""
+        if self.kv_done_time is not None:
+            return "remote"
+        if self.prefill_fallback is not None:
+            return self.prefill_fallback
+        return "store_hit" if self.store_tokens else "local_policy"
 
     @property
     def wants_prompt_logprobs(self) -> bool:

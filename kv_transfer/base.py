@@ -63,11 +63,13 @@ class RecvDone(msgspec.Struct, frozen=True):
     prefill_node_s: tuple[float, float] = (0.0, 0.0)  # the prefill node's queue, compute
     top: TokenLogprobs | None = None  # the first token's, if the order asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # if the order asked (checked)
+    checksums: list[int] | None = None  # the sender's, per block, if the order asked
 
 
 class RecvFailed(msgspec.Struct, frozen=True):
     key: TransferKey
     reason: str
+    checksum_mismatch: bool = False  # the blocks landed but did not match their checksums
 
 
 class Released(msgspec.Struct, frozen=True):
@@ -132,6 +134,7 @@ class _Connector(abc.ABC):
 class DecodeConnector(_Connector):
     vocab_size: int | None = None  # the model's, set on attach: a peer's token ids are checked
     num_bad_dones: int = 0  # PrefillDones that failed their checks (a broken or hostile peer)
+    num_checksum_mismatches: int = 0  # attempts whose landed blocks failed their checksums
 
     @abc.abstractmethod
     def poll(self) -> list[DecodeEvent]: ...

@@ -2,7 +2,7 @@
 
 Each attempt `(request_id, attempt)` is in one `RecvState`:
 
-    ORDERED --PrefillDone (all blocks)------------------------------> gone (RecvDone)
+    ORDERED --PrefillDone (all blocks, checksums match)-------------> gone (RecvDone)
     ORDERED --rejected / failed / peer dead or stuck / deadline--> FAILED  (RecvFailed)
     ORDERED --cancel (client abort)-------------------------------> CANCELLED
     FAILED, CANCELLED --end message from the prefill node---------> gone (Released)
@@ -49,6 +49,7 @@ from pdserve.kv_transfer.base import (
 )
 from pdserve.kv_transfer.done_check import done_problem
 from pdserve.kv_transfer.frame_auth import UnauthenticatedFrame
+from pdserve.kv_transfer.kv_verify import corrupt_enabled, flip_bytes, mismatches
 from pdserve.kv_transfer.transfer_types import DataPlane, DataPlaneOwner
 
 logger = logging.getLogger(__name__)
@@ -218,6 +219,10 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
                 RecvFailed(key, f"bad done from the prefill node: {problem}"),
                 Released(key),
             ]
+        if self.peer_writes:  # every WRITE landed before this notification
+            bad = self._verify(key, att, msg.checksums)
+            if bad:
+                return bad
         timing = (msg.prefill_queue_s, msg.prefill_compute_s)
         if not all(math.isfinite(x) and 0 <= x < 1e6 for x in timing):
             timing = (0.0, 0.0)  # only ever reported, so a bad value is just dropped
@@ -230,8 +235,30 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
                 timing,
                 top=msg.top,
                 prompt_logprobs=msg.prompt_logprobs,
+                checksums=msg.checksums,
             )
         ]
+
+    def _verify(self, key: TransferKey, att: _Attempt, sums: list[int] | None) -> list[DecodeEvent]:
+        """Hash the landed blocks against the sender's checksums, if the order asked
+        (kv_transfer/kv_verify.py); a mismatch fails the attempt (every block landed, so
+        its blocks are released at once)."""
+        ids = att.order.dst_block_ids
+        if not att.order.checksums or not ids or self.kv_cache is None:
+            return []
+        if corrupt_enabled():  # test hook: a corruption after the sender's hash
+            flip_bytes(self.kv_cache, ids[0])
+        bad = mismatches(self.kv_cache, ids, sums or [])
+        if not bad:
+            return []
+        self.num_checksum_mismatches += 1
+        logger.warning(
+            "request %s (attempt %d): KV checksum mismatch from prefill node %s: "
+            "%d of %d blocks differ (decode blocks %s)", *key, att.node, len(bad), len(ids),
+            bad[:8],
+        )  # fmt: skip
+        reason = f"KV checksum mismatch from prefill node {att.node} ({len(bad)} blocks)"
+        return [RecvFailed(key, reason, checksum_mismatch=True), Released(key)]
 
     def _on_control(self, node: str, msg: m.ToDecode) -> list[DecodeEvent]:
         if isinstance(msg, (m.PrefillDone, m.HeartbeatAck)):

@@ -4,7 +4,9 @@ The decode node trusts nothing a peer sends: the first token must lie in the mod
 vocabulary (a peer's `first_token = 2**40` once reached `embed_tokens` and crashed the
 engine), its logprob must be a finite log-probability, and the first token's top
 logprobs and the prompt logprobs must be exactly what its own order asked for (counts,
-the tokens they describe, ids in the vocabulary, finite log-probabilities); else the
+the tokens they describe, ids in the vocabulary, finite log-probabilities), and so must
+the block checksums (one unsigned 64-bit value per written block when asked, none
+otherwise; whether they match what landed is `DecodeSide`'s check); else the
 attempt fails like an incomplete transfer and the request fails over. This also bounds
 what reaches a client: at most one entry per prompt token, each with at most
 `MAX_LOGPROBS` + 1 tokens.
@@ -27,6 +29,15 @@ def done_problem(order: PrefillOrder, done: PrefillDone, vocab_size: int | None)
         return f"first token {done.first_token} outside the vocabulary [0, {vocab})"
     if done.logprob is not None and not _is_logprob(done.logprob):
         return f"first token's logprob {done.logprob} is not a log-probability"
+    sums = done.checksums
+    if not order.checksums:
+        if sums is not None:
+            return "block checksums returned but not asked for"
+    elif sums is None or len(sums) != done.num_blocks:
+        got = "no" if sums is None else len(sums)
+        return f"{got} block checksums for {done.num_blocks} blocks"
+    elif any(not 0 <= x < 2**64 for x in sums):
+        return "a block checksum outside the unsigned 64-bit range"
     params = order.params
     k = params.top_logprobs if params.logprobs else 0
     if not k and done.top is not None:

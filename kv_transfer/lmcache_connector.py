@@ -142,7 +142,7 @@ class LMCacheDecodeSide(DecodeSide):
             if att.state is not RecvState.ORDERED:
                 events.append(Released(key))
             elif state is TransferState.DONE and present >= n:
-                events.append(done)
+                events += self._verify(key, att, done.checksums) or [done]
             else:
                 reason = f"incomplete KV in the store: {present} of {n} prompt tokens"
                 logger.warning("request %s (attempt %d): %s", *key, reason)

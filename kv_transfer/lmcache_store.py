@@ -37,6 +37,7 @@ import torch
 from pdserve.common.redis_auth import redact
 from pdserve.kv_transfer.kv_layout import KVLayout
 from pdserve.kv_transfer.kv_slots import SlotRows
+from pdserve.kv_transfer.store_sums import StoreChecksums
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,12 @@ class LMCacheKVStore:
         local_cpu_bytes: int = 1 << 30,
         remote_url: str | None = None,
         fast_retrieve: bool = True,
+        checksums: bool = False,
     ):
         """`fast_retrieve`: read chunks that only Redis holds with `RedisChunkReader`
-        (LMCache's layout, one pipelined round trip) instead of LMCache's Redis backend."""
+        (LMCache's layout, one pipelined round trip) instead of LMCache's Redis backend.
+        `checksums`: keep each chunk's block checksums beside it and verify them on load
+        (kv_transfer/store_sums.py)."""
         _quiet_lmcache()
         from lmcache.v1.cache_engine import LMCacheEngine
         from lmcache.v1.config import LMCacheEngineConfig
@@ -151,6 +155,7 @@ class LMCacheKVStore:
             from pdserve.kv_transfer.lmcache_redis_reader import RedisChunkReader
 
             self._reader = RedisChunkReader(remote_url, SlotRows(kv_cache))
+        self._sums = StoreChecksums(kv_cache, self.block_size, remote_url) if checksums else None
         self._closed = False
         logger.info(
             "LMCache store %s: chunk %d tokens, local CPU %.2f GiB, remote %s",
@@ -172,6 +177,8 @@ class LMCacheKVStore:
         if mask is not None and not bool(mask.any()):
             return 0
         self._engine.store(tokens, mask=mask, kvcaches=self._kv_cache, slot_mapping=slot_t)
+        if self._sums is not None:
+            self._sums.save(self._chunks(tokens, mask), slots)
         return int(mask.sum()) if mask is not None else len(token_ids)
 
     def wait_visible(self, token_ids: list[int], deadline: float, salt: str = "") -> bool:
@@ -202,19 +209,31 @@ class LMCacheKVStore:
         if skip_tokens:
             slot_t[:skip_tokens] = -1  # present locally: never overwrite shared blocks
         self._salt = salt
+        chunks = self._chunks(tokens, mask)
         if self._reader is not None and (
             self.lookup(token_ids, local_only=True, salt=salt) < len(token_ids)
         ):
-            db = self._engine.token_database
-            chunks = ((s, e, k.to_string()) for s, e, k in db.process_tokens(tokens, mask=mask))
-            return max(self._reader.read(chunks, slot_t), skip_tokens)
-        filled = self._engine.retrieve(
-            tokens, mask=mask, kvcaches=self._kv_cache, slot_mapping=slot_t
-        )
-        start = skip_tokens - skip_tokens % self.chunk_size
-        misses = (~filled[start:]).nonzero()
-        end = start + (int(misses[0]) if misses.numel() else len(token_ids) - start)
+            end = self._reader.read(iter(chunks), slot_t)
+        else:
+            filled = self._engine.retrieve(
+                tokens, mask=mask, kvcaches=self._kv_cache, slot_mapping=slot_t
+            )
+            start = skip_tokens - skip_tokens % self.chunk_size
+            misses = (~filled[start:]).nonzero()
+            end = start + (int(misses[0]) if misses.numel() else len(token_ids) - start)
+        if self._sums is not None and end > skip_tokens:
+            end = self._sums.verified(chunks, slots, skip_tokens, end)
         return max(end, skip_tokens)
+
+    @property
+    def checksum_mismatches(self) -> int:
+        """Loads cut short because a block failed its checksum."""
+        return self._sums.mismatches if self._sums is not None else 0
+
+    def _chunks(self, tokens: torch.Tensor, mask) -> list[tuple[int, int, str]]:
+        """(start, end, key) of each chunk LMCache stores or loads for `tokens`."""
+        db = self._engine.token_database
+        return [(s, e, k.to_string()) for s, e, k in db.process_tokens(tokens, mask=mask)]
 
     def lookup(
         self,
@@ -256,6 +275,8 @@ class LMCacheKVStore:
         self._closed = True
         if self._reader is not None:
             self._reader.close()
+        if self._sums is not None:
+            self._sums.close()
         sm = self._engine.storage_manager
         if sm is not None:
             sm.loop.call_soon_threadsafe(sm.loop.stop)

@@ -13,7 +13,7 @@ Decode -> prefill, in answer to each `HeartbeatAck`: `LeaseGrant`.
 Prefill -> decode, as the data-plane notification of the request's last block WRITE, so
 it is delivered only after every block has landed:
   `PrefillDone` (first sampled token, number of blocks written and, when the order asked,
-  the first token's top logprobs and the prompt's logprobs).
+  the first token's top logprobs, the prompt's logprobs and each written block's checksum).
 
 Every per-request message names the transfer by (request_id, attempt): a retried request
 never meets its earlier attempt. A prefill node sends `PrefillRejected`, `PrefillFailed`
@@ -56,6 +56,7 @@ class PrefillOrder(msgspec.Struct, tag=True, kw_only=True):
     dst_block_ids: list[int]  # decode blocks for prompt blocks first_block, first_block+1, ...
     ttl_s: float  # the prefill node writes nothing later than this after receiving it
     nonce: int = 0  # set by the decode side; PrefillDone must echo it
+    checksums: bool = False  # the done carries each written block's checksum (verified)
 
 
 class AbortPrefill(msgspec.Struct, tag=True, kw_only=True):
@@ -118,6 +119,9 @@ class PrefillDone(msgspec.Struct, tag=True, kw_only=True):
     # checks their counts against its order (`kv_transfer.done_check`).
     top: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # When the order asked: xxh3_64 of each written block (engine/kv_checksum.py), in the
+    # order of the order's `dst_block_ids`; the decode node hashes what landed and compares.
+    checksums: list[int] | None = None
 
 
 ToPrefill = PeerHello | PrefillOrder | AbortPrefill | Heartbeat | LeaseGrant

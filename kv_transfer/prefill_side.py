@@ -25,14 +25,13 @@ engine sees it. A malformed frame with a readable (request_id, attempt) is rejec
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.kv_checksum import block_checksums
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.base import (
     NewOrder,
@@ -45,10 +44,10 @@ from pdserve.kv_transfer.base import (
 )
 from pdserve.kv_transfer.decode_peers import DecodePeers
 from pdserve.kv_transfer.order_check import MAX_ORDER_TTL_S, order_problem
+from pdserve.kv_transfer.send_state import SendState, _Send
 from pdserve.kv_transfer.transfer_types import (
     DataPlane,
     DataPlaneOwner,
-    TransferHandle,
     TransferState,
     WarmupTimedOut,
 )
@@ -56,27 +55,6 @@ from pdserve.kv_transfer.transfer_types import (
 logger = logging.getLogger(__name__)
 
 MAX_TOMBSTONES = 100_000  # aborts of orders not seen yet, remembered until their deadline
-
-
-class SendState(enum.Enum):
-    COMPUTING = "computing"
-    FINISHING = "finishing"
-    ENDING = "ending"
-
-
-@dataclass
-class _Send:
-    order: m.PrefillOrder
-    ident: bytes
-    state: SendState = SendState.COMPUTING
-    handles: list[TransferHandle] = field(default_factory=list)
-    blocks_sent: int = 0
-    final: tuple[list[int], list[int], m.PrefillDone] | None = None
-    final_posted: bool = False
-    reply: m.ToDecode | None = None  # what the decode node hears when ENDING completes
-    started: float = field(default_factory=time.perf_counter)
-    deadline: float = float("inf")  # this clock: no WRITE is posted after it
-    deferred: list[tuple[list[int], list[int]]] = field(default_factory=list)  # no lease yet
 
 
 class PrefillSide(DataPlaneOwner, PrefillConnector):
@@ -115,6 +93,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             return
         src, dst = self._map(s, src_block_ids, first_index)
         s.blocks_sent += len(src)
+        self._checksum(s, src)
         s.deferred.append((src, dst))
         self._post_deferred(key, s)
 
@@ -159,6 +138,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         if s is None or s.state is not SendState.COMPUTING:
             return
         src, dst = self._map(s, src_block_ids, first_index)
+        self._checksum(s, src)
         done = m.PrefillDone(
             request_id=key[0],
             attempt=key[1],
@@ -170,9 +150,15 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             prefill_compute_s=prefill_node_s[1],
             top=top,
             prompt_logprobs=prompt_logprobs,
+            checksums=s.checksums if s.order.checksums else None,
         )
         s.final, s.state = (src, dst, done), SendState.FINISHING
         self._events += self._progress(key, s)
+
+    def _checksum(self, s: _Send, src: list[int]) -> None:
+        """Hash the blocks about to be sent (finished: their step is done) if asked."""
+        if s.order.checksums:
+            s.checksums += block_checksums(self.kv_cache, src)
 
     def end(self, key: TransferKey, reason: str) -> bool:
         """The engine dropped the attempt; False if it has ended here already."""

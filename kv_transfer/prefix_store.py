@@ -154,7 +154,8 @@ class PrefixStore:
         return self._pending > 0 or bool(self._ready)
 
     def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+        sums = getattr(self._backend, "checksum_mismatches", 0)  # an int the worker bumps
+        return {**self.counters, "kv_store_checksum_mismatches": sums}
 
     def shutdown(self, timeout_s: float = 3.0) -> None:
         """Stop the worker and close the backend, within about `timeout_s`."""

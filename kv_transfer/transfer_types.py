@@ -135,8 +135,10 @@ class DataPlaneOwner:
 
     _data_factory: Callable[[torch.Tensor], DataPlane]
     data: DataPlane | None = None
+    kv_cache: torch.Tensor | None = None  # what the data plane moves (checksums read it)
 
     def register_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
         self.data = self._data_factory(kv_cache)
 
     @property

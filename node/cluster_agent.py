@@ -111,6 +111,8 @@ class ClusterAgent:
         if stats is not None:
             rec.running, rec.waiting = stats.num_running, stats.num_waiting
             rec.kv_used = stats.kv_blocks_used
+            rec.prefills_remote = stats.prefill_paths.get("remote", 0)
+            rec.prefills_local = sum(stats.prefill_paths.values()) - rec.prefills_remote
         return rec
 
     def on_batch(self, batch: OutputBatch) -> None:

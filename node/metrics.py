@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.engine.outputs import EngineStats
+from pdserve.engine.outputs import PREFILL_PATHS, EngineStats
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -119,8 +119,27 @@ class _EngineStatsCollector(Collector):
                 "KV store loads passed to the next backend after one failed",
                 s.kv_store_fallbacks,
             ),
+            (
+                "pdserve_kv_store_checksum_mismatches",
+                "KV store loads cut short: a loaded block failed its checksum (computed here)",
+                s.kv_store_checksum_mismatches,
+            ),
+            (
+                "pdserve_kv_checksum_mismatches",
+                "PD decode: transfers whose landed KV blocks failed their checksums",
+                s.kv_checksum_mismatches,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        paths = CounterMetricFamily(
+            "pdserve_prefill_path",
+            "Requests by where their prompt was prefilled and why (remote, local_policy, "
+            "local_transfer_failed, local_checksum_mismatch, store_hit)",
+            labels=["path"],
+        )
+        for path in PREFILL_PATHS:
+            paths.add_metric([path], s.prefill_paths.get(path, 0))
+        yield paths
 
 
 class NodeMetrics:

@@ -99,13 +99,14 @@ class OpenAIServing:
         """`pdserve_timings` (docs/benchmarks-history.md, "Server timings"): where this request's
         first-token time went on this node: the engine's stages (`RequestTimings`) plus
         `frontend`, the rest of this node's TTFT (tokenizing, the hops to and from the
-        engine process, detokenizing)."""
+        engine process, detokenizing), and `prefill`: where the prompt was prefilled and
+        why (`engine.outputs.PREFILL_PATHS`)."""
         if g.timings is None or g.ttft_s is None:
             return None
         stages = g.timings.stages()
         stages = {"frontend": g.ttft_s - sum(stages.values()), **stages}
         return {"node": self.pd.node_id, "role": self.pd.role, "ttft_s": g.ttft_s,
-                "stages": stages}  # fmt: skip
+                "prefill": g.timings.prefill, "stages": stages}  # fmt: skip
 
     @property
     def fmt(self) -> LogprobsFormatter:

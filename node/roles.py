@@ -99,6 +99,8 @@ def _role(config: EngineConfig, connector: DecodeConnector | PrefillConnector) -
         transfer_timeout_s=cfg.transfer_timeout_s,
         prefill_locally_on_failure=cfg.on_prefill_failure == "local",
         prefill_nodes=cfg.prefill_nodes,
+        checksums=cfg.checksums,
+        fallback_warn_share=cfg.fallback_warn_share,
     )
 
 
@@ -138,6 +140,7 @@ def _prefix_store(config: EngineConfig, b: KVBackendConfig) -> KVStore:
             chunk_size=cfg.chunk_size,
             local_cpu_bytes=cfg.local_cpu_bytes,
             remote_url=url,
+            checksums=config.kv_transfer.checksums,
         )
 
     return PrefixStore(

@@ -96,6 +96,7 @@ class NodeState:
                 "kv_total": r.kv_total if r else None,
                 "router_inflight": self.inflight,
             },
+            "remote_prefill_share": remote_prefill_share(r),
             "source": "static" if self.static_role else "registry",
             "in_registry": self.in_registry,
             "healthy": self.healthy,
@@ -104,6 +105,13 @@ class NodeState:
             "last_error": self.last_error,
             "record_age_s": round(time.time() - r.updated, 3) if r and r.updated else None,
         }
+
+
+def remote_prefill_share(r: NodeRecord | None) -> float | None:
+    """The share of a node's requests whose prompt a prefill node computed (None: no
+    record or no request yet)."""
+    total = r.prefills_remote + r.prefills_local if r else 0
+    return round(r.prefills_remote / total, 4) if r and total else None
 
 
 class ClusterView:

@@ -168,6 +168,19 @@ def test_launch_startup(tiny_model, tmp_path):
     assert one["cpu_s_to_first_answer"] > 0
 
 
+def test_kv_checksum(tmp_path):
+    """Hash throughput of the candidates and of the in-place block checksums (issue 30);
+    the TTFT half (four nodes) is skipped here for CI time: run by hand, its figures are
+    in docs/benchmarks.md."""
+    out = tmp_path / "kc.json"
+    run("kv_checksum", "--prompt-len", "64", "--skip-ttft", "--out", str(out))
+    report = read(out)
+    for row in report["hash"]:
+        assert row["blocks"] == 4 and all(v > 0 for v in row["gb_per_s"].values()), row
+        assert "xxh3_64" in row["gb_per_s"]
+    assert report["checksum_s_per_request"] > 0 and "ttft" not in report
+
+
 @pytest.mark.parametrize(
     "script, flag",
     [("soak", "--duration-s"), ("gpu_check", "--dry-run"), ("engine_throughput", "--peer"),

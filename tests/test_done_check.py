@@ -70,3 +70,17 @@ def test_anything_else_is_a_problem(params, kw, problem):
     kw.setdefault("logprob", None)
     d = msgspec.structs.replace(done(logprob=None), **kw)
     assert problem in (done_problem(order(**params), d, VOCAB) or "")
+
+
+def test_block_checksums_answer_the_order_exactly():
+    """Asked: one unsigned 64-bit checksum per written block; not asked: none."""
+    asked = msgspec.structs.replace(order(), checksums=True)
+    assert done_problem(asked, m.decode_to_decode(m.encode(done(logprob=None, checksums=[2**64 - 1]))), VOCAB) is None  # fmt: skip
+    for sums, problem in [
+        (None, "no block checksums"),
+        ([1, 2], "2 block checksums for 1 blocks"),
+        ([-1], "64-bit"),
+        ([2**64], "64-bit"),
+    ]:
+        assert problem in done_problem(asked, done(logprob=None, checksums=sums), VOCAB)
+    assert "not asked" in done_problem(order(), done(logprob=None, checksums=[1]), VOCAB)

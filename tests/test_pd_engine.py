@@ -7,6 +7,7 @@ connector run with both engine loops stepped alternately, so every state can be 
 import random
 import time
 
+import msgspec
 import pytest
 
 from pdserve.decode.role import DecodeRole
@@ -95,7 +96,42 @@ def test_pd_greedy_equals_hf(tiny_llama_dir, hf_model):
         for p, outs in zip(prompts, results):
             assert tokens(outs) == hf_greedy(hf_model, p, 8)
             assert outs[-1].finish_reason == "length"
+            assert outs[0].timings.prefill == ("local_policy" if len(p) == 4 else "remote")
         assert pair.drole.num_remote_prefills == 5  # the 4-token prompt was prefilled locally
+        assert pair.decode.stats().prefill_paths == {"remote": 5, "local_policy": 1}
+        assert pair.dconn.num_checksum_mismatches == 0  # every block verified (on by default)
+        for core in (pair.decode, pair.prefill):
+            core.check_integrity()
+            assert core.kv.pool.num_used_blocks == 0
+    finally:
+        pair.close()
+
+
+def test_corrupt_or_lying_kv_is_caught_by_its_checksum(tiny_llama_dir, hf_model, monkeypatch):
+    """Issue 30: a prefill peer whose done carries wrong checksums, then bytes flipped in
+    a landed block (PDSERVE_KV_CORRUPT, kv_transfer/kv_verify.py): both caught before the
+    request decodes, counted, and each request still ends exactly as transformers."""
+    pair = Pair(tiny_llama_dir)
+    try:
+        honest = pair.pconn._sealed
+
+        def lying(done):  # a hostile (or broken) prefill node: every checksum off by one bit
+            return honest(msgspec.structs.replace(done, checksums=[x ^ 1 for x in done.checksums]))
+
+        pair.pconn._sealed = lying
+        p1, p2 = prompts_of([40, 23], seed=9)
+        (outs,) = pair.run([p1], GREEDY)
+        assert tokens(outs) == hf_greedy(hf_model, p1, 8)
+        assert outs[0].timings.prefill == "local_checksum_mismatch"
+        assert pair.dconn.num_checksum_mismatches == 1
+        pair.pconn._sealed = honest
+        monkeypatch.setenv("PDSERVE_KV_CORRUPT", "1")
+        (outs,) = pair.run([p2], GREEDY)
+        assert tokens(outs) == hf_greedy(hf_model, p2, 8)
+        assert outs[0].timings.prefill == "local_checksum_mismatch"
+        stats = pair.decode.stats()
+        assert stats.kv_checksum_mismatches == 2 and stats.pd_failures == 2
+        assert stats.prefill_paths == {"local_checksum_mismatch": 2}
         for core in (pair.decode, pair.prefill):
             core.check_integrity()
             assert core.kv.pool.num_used_blocks == 0
@@ -264,3 +300,19 @@ def test_hostile_decode_peer_is_rejected_over_real_nixl(tiny_llama_dir, hf_model
             a.close()
         ctx.destroy(linger=0)
         pair.close()
+
+
+def test_fallback_share_over_the_setting_is_logged_once_a_minute(caplog):
+    """Issue 30: more than `fallback_warn_share` of the recent remote prefills computed
+    here after a failed transfer: one warning (not one per request)."""
+    from pdserve.decode.role import FallbackWatch
+
+    watch = FallbackWatch(0.25)
+    for i in range(40):
+        watch.record(i % 2 == 0)  # 50% fell back
+    warnings = [r for r in caplog.records if "remote prefills were computed here" in r.message]
+    assert len(warnings) == 1 and "50% of the last 20" in warnings[0].message
+    quiet = FallbackWatch(0.6)
+    for i in range(40):
+        quiet.record(i % 2 == 0)
+    assert len([r for r in caplog.records if "computed here" in r.message]) == 1

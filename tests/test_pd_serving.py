@@ -122,8 +122,16 @@ def test_pd_equals_colocated_and_hf(decode_url, offline):
         got = offline.tokenizer.encode(out["choices"][0]["text"], add_special_tokens=False)
         assert out["choices"][0]["text"] == offline.tokenizer.decode(ref, skip_special_tokens=True)
         assert len(out["choices"][0]["logprobs"]["token_logprobs"]) == 16, got
+        assert out["pdserve_timings"]["prefill"] == "remote"  # issue 30: no silent recompute
     stats = wait_idle(decode_url)
     assert stats["pd_remote_prefills"] >= 2 and stats["pd_failures"] == 0
+    assert stats["kv_checksum_mismatches"] == 0  # every block checksummed (the default)
+    metrics = httpx.get(f"{decode_url}/metrics", timeout=10).text
+    assert 'pdserve_prefill_path_total{path="local_transfer_failed"} 0.0' in metrics
+    assert (
+        f'pdserve_prefill_path_total{{path="remote"}} {stats["prefill_paths"]["remote"]}.0'
+        in metrics
+    )
 
 
 def test_chat_through_pd(decode_url):
@@ -367,6 +375,7 @@ def test_prefill_node_killed_mid_prefill(offline):
         r, waited = asyncio.run(run())
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == ref.text  # prefilled locally, same tokens
+        assert r.json()["pdserve_timings"]["prefill"] == "local_transfer_failed"  # and says so
         assert waited < 40  # failed over on peer death, not at the 40 s deadline
         stats = wait_idle(durl, timeout_s=100)  # released once the fence's lease ran out
         released = time.monotonic() - t_kill[0]

@@ -177,6 +177,13 @@ def test_kv_aware_routes_a_shared_prefix_to_the_prefill_node_holding_it(
             before = after
         metrics = httpx.get(f"{router}/metrics", timeout=10).text
         assert 'pdserve_router_prefills_total{where="remote"} 4.0' in metrics
+
+        def share():  # the decode node's record (refreshed by its heartbeat), as /cluster shows it
+            nodes = httpx.get(f"{router}/cluster", timeout=10).json()["nodes"]
+            (d,) = [n for n in nodes if n["node_id"] == "d0"]
+            return d["remote_prefill_share"] == 1.0
+
+        wait_for("the decode node's remote-prefill share", share, timeout_s=15)
     finally:
         for p in procs:
             kill_server(p)

@@ -223,3 +223,19 @@ def test_open_stream_keeps_every_event_of_the_read_that_brings_the_first_token()
         return got
 
     assert asyncio.run(run()) == events
+
+
+def test_remote_prefill_share_in_cluster_view_and_status():
+    """Issue 30: a node's record counts its prompts prefilled remotely and here; `/cluster`
+    shows the share, `pdserve status` its percentage (a signed record round-trips it)."""
+    from pdserve.cluster.status import render
+    from pdserve.router.nodes import remote_prefill_share
+
+    rec = NodeRecord(node_id="d0", role="decode", url="http://d0", model="m", block_size=16,
+                     epoch=1, prefills_remote=3, prefills_local=1)  # fmt: skip
+    back = NodeRecord.from_redis({k.encode(): v.encode() for k, v in rec.to_redis(b"s").items()})
+    assert remote_prefill_share(back) == 0.75
+    rec.prefills_remote = rec.prefills_local = 0
+    assert remote_prefill_share(rec) is None and remote_prefill_share(None) is None
+    line = render(None, [{"key": "pd:node:d0", **back.to_redis()}]).splitlines()[-1]
+    assert line.split()[:2] == ["d0", "decode"] and " 75% " in line

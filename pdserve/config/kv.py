@@ -47,6 +47,19 @@ class TransferSettings(Settings):
         "the longest prefill step",
         gt=0,
     )
+    checksums: bool = setting(
+        True,
+        "decode: ask prefill nodes for an xxh3_64 checksum of every KV block they send and "
+        "verify the landed blocks before decoding (a mismatch fails the transfer over); the "
+        "KV store keeps one per block and verifies it on load (a mismatch is a miss)",
+    )
+    fallback_warn_share: float = setting(
+        0.2,
+        "decode: log a warning when more than this share of the last 100 requests that "
+        "named a prefill node were prefilled here after their transfer failed",
+        ge=0,
+        le=1,
+    )
     net_devices: str = setting(
         "auto",
         "network devices the NIXL/UCX data plane listens on (UCX_NET_DEVICES, e.g. `lo`, "
