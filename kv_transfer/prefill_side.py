@@ -4,6 +4,7 @@ Each attempt `(request_id, attempt)` is in one `SendState`:
 
     COMPUTING --finish()---------------------------> FINISHING --last WRITE DONE--> gone (SendDone)
     COMPUTING, FINISHING --AbortPrefill / a WRITE failed / end() / deadline--> ENDING
+    COMPUTING, FINISHING --the lease lapsed with WRITEs in flight (cancelled)--> ENDING
     ENDING --no WRITE in flight--> gone (SendFailed; AbortAck or PrefillFailed to decode)
     any state --deadline + grace--> gone (SendFailed; pending WRITEs released)
 
@@ -13,8 +14,9 @@ the control channel (an abort that arrived during a step ends the attempt first)
 checks that the deadline has not passed and that the connection's lease from the decode
 node runs (`PrefillControl.lease_until`); without a lease the WRITE waits (bounded by
 the deadline), so a decode node that fenced the connection knows when the last WRITE
-could have been posted. The decode node hears of an early end as soon as nothing of the
-attempt is in flight (`PrefillFailed`/`AbortAck`), so it releases at once.
+could have been posted, and a WRITE still in flight when the lease lapses is cancelled
+(`kv_transfer/prefill_send.py`). The decode node hears of an early end as soon as nothing
+of the attempt is in flight (`PrefillFailed`/`AbortAck`), so it releases at once.
 
 Peers are validated and bounded by liveness (`kv_transfer/decode_peers.py`): a
 `PeerHello` whose layout does not match ours marks that peer bad (its orders are
@@ -25,11 +27,9 @@ engine sees it. A malformed frame with a readable (request_id, attempt) is rejec
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -45,10 +45,10 @@ from pdserve.kv_transfer.base import (
 )
 from pdserve.kv_transfer.decode_peers import DecodePeers
 from pdserve.kv_transfer.order_check import MAX_ORDER_TTL_S, order_problem
+from pdserve.kv_transfer.prefill_send import SendState, _Send
 from pdserve.kv_transfer.transfer_types import (
     DataPlane,
     DataPlaneOwner,
-    TransferHandle,
     TransferState,
     WarmupTimedOut,
 )
@@ -56,27 +56,6 @@ from pdserve.kv_transfer.transfer_types import (
 logger = logging.getLogger(__name__)
 
 MAX_TOMBSTONES = 100_000  # aborts of orders not seen yet, remembered until their deadline
-
-
-class SendState(enum.Enum):
-    COMPUTING = "computing"
-    FINISHING = "finishing"
-    ENDING = "ending"
-
-
-@dataclass
-class _Send:
-    order: m.PrefillOrder
-    ident: bytes
-    state: SendState = SendState.COMPUTING
-    handles: list[TransferHandle] = field(default_factory=list)
-    blocks_sent: int = 0
-    final: tuple[list[int], list[int], m.PrefillDone] | None = None
-    final_posted: bool = False
-    reply: m.ToDecode | None = None  # what the decode node hears when ENDING completes
-    started: float = field(default_factory=time.perf_counter)
-    deadline: float = float("inf")  # this clock: no WRITE is posted after it
-    deferred: list[tuple[list[int], list[int]]] = field(default_factory=list)  # no lease yet
 
 
 class PrefillSide(DataPlaneOwner, PrefillConnector):
@@ -103,6 +82,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         self.steps = 0  # engine steps seen (polls), carried by heartbeat answers
         self._next_expiry = float("-inf")  # of idle decode peers
         self._events: list[PrefillEvent] = []
+        self.lapsed_cancels = 0  # attempts whose WRITEs in flight a lapsed lease cancelled
 
     @property
     def control_address(self) -> str:
@@ -122,6 +102,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         """Just before posting: read aborts that came meanwhile, check the deadline and
         the connection's lease (without one, posts wait)."""
         self._events += self._read_control()
+        self._cancel_lapsed()
         if s.state is SendState.ENDING or key not in self._sends:
             return False
         now = self.clock()
@@ -172,6 +153,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             prompt_logprobs=prompt_logprobs,
         )
         s.final, s.state = (src, dst, done), SendState.FINISHING
+        self._cancel_lapsed()
         self._events += self._progress(key, s)
 
     def end(self, key: TransferKey, reason: str) -> bool:
@@ -205,7 +187,21 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         return src, o.dst_block_ids[start : start + len(src)]
 
     # -- polling ---------------------------------------------------------------------------
+    def _cancel_lapsed(self) -> None:
+        """Cancel the WRITEs in flight on every connection whose lease lapsed (see
+        `kv_transfer/prefill_send.py`); call before anything progresses NIXL."""
+        if not self.needs_lease or self.data is None:
+            return
+        now = self.clock()
+        for key, s in list(self._sends.items()):
+            if now >= self.control.lease_until(s.ident) and s.cancel_pending(self._data):
+                self.lapsed_cancels += 1
+                s.quiet_until = now + self.grace_s
+                if s.state is not SendState.ENDING:
+                    self._end(key, s, "the lease lapsed with WRITEs in flight (cancelled)")
+
     def poll(self) -> list[PrefillEvent]:
+        self._cancel_lapsed()
         events, self._events = self._events, []
         if self.data is not None:
             for agent, problem in self.data.progress_warmups():
@@ -223,7 +219,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             busy = {s.ident for s in self._sends.values()}
             self.peers.expire(now, busy, {s.order.decode_agent for s in self._sends.values()})
         for key, s in list(self._sends.items()):
-            if now > s.deadline + self.grace_s:
+            if now > max(s.deadline + self.grace_s, s.quiet_until):
                 events += self._close(key, s, "the order's deadline and grace passed")
                 continue
             if now > s.deadline and not s.final_posted and s.state is not SendState.ENDING:
@@ -305,7 +301,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         if TransferState.FAILED in states and s.state is not SendState.ENDING:
             self._end(key, s, "a block WRITE to the decode node failed")
         if s.state is SendState.ENDING:
-            if TransferState.PENDING in states:
+            if TransferState.PENDING in states or self.clock() < s.quiet_until:
                 return []  # wait for in-flight writes; bounded by the deadline + grace
             self.control.reply(s.ident, s.reply)
             return self._close(key, s, s.reply.reason if hasattr(s.reply, "reason") else "aborted")
@@ -359,6 +355,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         progress thread nothing moves while the engine computes, so a WRITE posted after
         a step (the first to a peer waits for the connection) would otherwise complete,
         and the decode node hear of it, only after the NEXT step."""
+        self._cancel_lapsed()
         deadline = time.perf_counter() + timeout_s
         pending = [h for s in self._sends.values() for h in s.handles]
         delay = 1e-5
