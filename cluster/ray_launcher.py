@@ -10,6 +10,11 @@ its own host; a group with `host: auto` binds the IP of the Ray node it landed o
 launcher passes every node's resolved host with `--set GROUP.host=[...]`, so decode nodes
 and the router learn the prefill nodes' addresses from the same loader).
 
+Node logs come back to the launcher: the actor writes its node's output on its own host
+(its own temporary directory there), and the launcher copies what is new into the run
+directory (`run_dir/<node>.log`) on every few supervisor ticks (`LOG_PULL_S`), and all of
+it when the node stops; while a host does not answer, its log just catches up later.
+
 The router (and an embedded Redis) run on the launcher's machine, as with the local
 launcher. Across machines every node must reach them there: `router.host` is the
 launcher machine's address, and Redis is a `redis://:PASSWORD@HOST:PORT` server bound to
@@ -24,17 +29,20 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from pdserve.cluster.launcher import ClusterState, http_healthy, redis_stage, router_stage
 from pdserve.cluster.nodes import cluster_nodes, serve_argv
-from pdserve.cluster.process import ManagedProcess
+from pdserve.cluster.process import ManagedProcess, log_tail
 from pdserve.cluster.schema import ClusterConfig
 from pdserve.cluster.supervisor import LaunchError, Service
 from pdserve.common.redis_auth import PASSWORD_ENV
 
 PLACEMENT_TIMEOUT_S = 120.0
 POLL_TIMEOUT_S = 3.0  # a supervisor tick waits at most this for a node's host
+LOG_PULL_S = 2.0  # how often the launcher copies new node log bytes back
+LOG_CHUNK = 1 << 20  # bytes per pull
 # Environment a node process needs from the launcher (the actor's own may differ).
 PASS_ENV = (
     "PYTHONPATH",
@@ -69,12 +77,22 @@ class NodeActor:
             "ray_resources": node.get("Resources", {}),
         }
 
-    def start(self, args: list[str], log_path: str) -> int:
-        """Run `python -m pdserve serve --config <local copy> ARGS`; returns its pid."""
+    def start(self, args: list[str]) -> int:
+        """Run `python -m pdserve serve --config <local copy> ARGS`, its output in a log
+        file on this host (`read_log`); returns its pid."""
         argv = [sys.executable, "-m", "pdserve", "serve", "--config", str(self.config_path)]
-        self.proc = ManagedProcess(argv + args, log_path, env=self.env)
+        self.proc = ManagedProcess(argv + args, self.dir / "node.log", env=self.env)
         self.proc.start()
         return self.proc.pid
+
+    def read_log(self, offset: int, max_bytes: int = LOG_CHUNK) -> bytes:
+        """Up to `max_bytes` of the node's log from `offset` (b"" when caught up)."""
+        try:
+            with open(self.dir / "node.log", "rb") as f:
+                f.seek(offset)
+                return f.read(max_bytes)
+        except OSError:
+            return b""
 
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None
@@ -94,8 +112,11 @@ class RayHandle:
     """A `Handle` (cluster/supervisor.py) whose process lives in a `NodeActor`."""
 
     def __init__(self, actor, args: list[str], log_path: str):
+        """`log_path`: where the node's log is collected on the launcher's machine."""
         self.actor, self.args, self.log_path = actor, args, log_path
         self.pid: int | None = None
+        self._log_offset = 0  # bytes of the actor's log copied so far
+        self._next_pull = 0.0
 
     def _get(self, ref, timeout_s: float = 30.0):
         import ray
@@ -106,7 +127,7 @@ class RayHandle:
         import ray
 
         try:
-            self.pid = self._get(self.actor.start.remote(self.args, self.log_path))
+            self.pid = self._get(self.actor.start.remote(self.args))
         except ray.exceptions.RayActorError as e:
             raise LaunchError(f"its Ray actor is gone, with the host it ran on ({e})") from None
 
@@ -115,6 +136,9 @@ class RayHandle:
         lost host); -1 once Ray declares the actor dead (its node died or was lost)."""
         import ray
 
+        if time.monotonic() >= self._next_pull:
+            self._next_pull = time.monotonic() + LOG_PULL_S
+            self.collect_log()
         try:
             return self._get(self.actor.poll.remote(), timeout_s=POLL_TIMEOUT_S)
         except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
@@ -132,13 +156,35 @@ class RayHandle:
             code = self._get(self.actor.stop.remote(grace_s), timeout_s=grace_s + 30)
         except (ray.exceptions.RayError, TimeoutError):
             code = None
+        self.collect_log(everything=True)
         return code
+
+    def collect_log(self, everything: bool = False) -> int:
+        """Append what the node logged since the last call to `log_path` here; bytes
+        copied. One chunk, or (`everything`) until caught up; a host that does not
+        answer is skipped (its log catches up on a later call)."""
+        copied = 0
+        while True:
+            try:
+                chunk = self._get(
+                    self.actor.read_log.remote(self._log_offset), timeout_s=POLL_TIMEOUT_S
+                )
+            except Exception:  # unreachable or gone: what was copied stays
+                return copied
+            if chunk:
+                with open(self.log_path, "ab") as f:
+                    f.write(chunk)
+                self._log_offset += len(chunk)
+                copied += len(chunk)
+            if not everything or len(chunk) < LOG_CHUNK:
+                return copied
 
     def tail(self, lines: int = 20) -> str:
         try:
             return self._get(self.actor.tail.remote(lines))
         except Exception as e:
-            return f"(log unavailable: {e})"
+            copied = log_tail(self.log_path, lines)  # what was collected before
+            return f"(log unavailable: {e}; collected:)\n{copied}"
 
 
 def place_nodes(

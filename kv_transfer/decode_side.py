@@ -17,8 +17,9 @@ All times are this host's monotonic clock (`clock`); the order carries only a du
 `PrefillFailed`, `AbortAck`, a late `PrefillDone`) proves no WRITE of the attempt will
 land, or fencing does: the control connection is closed, so the prefill node's lease to
 post WRITEs on it is not renewed, and once the last lease granted on it ran out (with
-the clocks' rate bound) and `abort_grace_s` more (a WRITE posted before then is landed
-or failed by then) nothing of it can land (`DecodeControl.fence`). An order still in the
+the clocks' rate bound) and `abort_grace_s` more (the prefill node cancels what is in
+flight when its lease lapses, kv_transfer/prefill_send.py, and what the network still
+carried lands within the grace) nothing of it can land (`DecodeControl.fence`). An order still in the
 local send queue when its attempt fails or is cancelled was never sent: it is withdrawn
 and released at once. A message from another peer, or another connection, about the
 attempt is ignored. The control channel and the data plane are passed in, so the same

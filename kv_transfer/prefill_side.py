@@ -4,6 +4,7 @@ Each attempt `(request_id, attempt)` is in one `SendState`:
 
     COMPUTING --finish()---------------------------> FINISHING --last WRITE DONE--> gone (SendDone)
     COMPUTING, FINISHING --AbortPrefill / a WRITE failed / end() / deadline--> ENDING
+    COMPUTING, FINISHING --the lease lapsed with WRITEs in flight (cancelled)--> ENDING
     ENDING --no WRITE in flight--> gone (SendFailed; AbortAck or PrefillFailed to decode)
     any state --deadline + grace--> gone (SendFailed; pending WRITEs released)
 
@@ -13,8 +14,9 @@ the control channel (an abort that arrived during a step ends the attempt first)
 checks that the deadline has not passed and that the connection's lease from the decode
 node runs (`PrefillControl.lease_until`); without a lease the WRITE waits (bounded by
 the deadline), so a decode node that fenced the connection knows when the last WRITE
-could have been posted. The decode node hears of an early end as soon as nothing of the
-attempt is in flight (`PrefillFailed`/`AbortAck`), so it releases at once.
+could have been posted, and a WRITE still in flight when the lease lapses is cancelled
+(`kv_transfer/prefill_send.py`). The decode node hears of an early end as soon as nothing
+of the attempt is in flight (`PrefillFailed`/`AbortAck`), so it releases at once.
 
 Peers are validated and bounded by liveness (`kv_transfer/decode_peers.py`): a
 `PeerHello` whose layout does not match ours marks that peer bad (its orders are
@@ -31,7 +33,6 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.kv_checksum import block_checksums
 from pdserve.kv_transfer import messages as m
 from pdserve.kv_transfer.base import (
     NewOrder,
@@ -44,7 +45,7 @@ from pdserve.kv_transfer.base import (
 )
 from pdserve.kv_transfer.decode_peers import DecodePeers
 from pdserve.kv_transfer.order_check import MAX_ORDER_TTL_S, order_problem
-from pdserve.kv_transfer.send_state import SendState, _Send
+from pdserve.kv_transfer.prefill_send import SendState, _Send
 from pdserve.kv_transfer.transfer_types import (
     DataPlane,
     DataPlaneOwner,
@@ -81,6 +82,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         self.steps = 0  # engine steps seen (polls), carried by heartbeat answers
         self._next_expiry = float("-inf")  # of idle decode peers
         self._events: list[PrefillEvent] = []
+        self.lapsed_cancels = 0  # attempts whose WRITEs in flight a lapsed lease cancelled
 
     @property
     def control_address(self) -> str:
@@ -93,7 +95,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             return
         src, dst = self._map(s, src_block_ids, first_index)
         s.blocks_sent += len(src)
-        self._checksum(s, src)
+        s.hash_sent(self.kv_cache, src)
         s.deferred.append((src, dst))
         self._post_deferred(key, s)
 
@@ -101,6 +103,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         """Just before posting: read aborts that came meanwhile, check the deadline and
         the connection's lease (without one, posts wait)."""
         self._events += self._read_control()
+        self._cancel_lapsed()
         if s.state is SendState.ENDING or key not in self._sends:
             return False
         now = self.clock()
@@ -138,7 +141,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         if s is None or s.state is not SendState.COMPUTING:
             return
         src, dst = self._map(s, src_block_ids, first_index)
-        self._checksum(s, src)
+        s.hash_sent(self.kv_cache, src)
         done = m.PrefillDone(
             request_id=key[0],
             attempt=key[1],
@@ -153,12 +156,8 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             checksums=s.checksums if s.order.checksums else None,
         )
         s.final, s.state = (src, dst, done), SendState.FINISHING
+        self._cancel_lapsed()
         self._events += self._progress(key, s)
-
-    def _checksum(self, s: _Send, src: list[int]) -> None:
-        """Hash the blocks about to be sent (finished: their step is done) if asked."""
-        if s.order.checksums:
-            s.checksums += block_checksums(self.kv_cache, src)
 
     def end(self, key: TransferKey, reason: str) -> bool:
         """The engine dropped the attempt; False if it has ended here already."""
@@ -191,7 +190,21 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         return src, o.dst_block_ids[start : start + len(src)]
 
     # -- polling ---------------------------------------------------------------------------
+    def _cancel_lapsed(self) -> None:
+        """Cancel the WRITEs in flight on every connection whose lease lapsed (see
+        `kv_transfer/prefill_send.py`); call before anything progresses NIXL."""
+        if not self.needs_lease or self.data is None:
+            return
+        now = self.clock()
+        for key, s in list(self._sends.items()):
+            if now >= self.control.lease_until(s.ident) and s.cancel_pending(self._data):
+                self.lapsed_cancels += 1
+                s.quiet_until = now + self.grace_s
+                if s.state is not SendState.ENDING:
+                    self._end(key, s, "the lease lapsed with WRITEs in flight (cancelled)")
+
     def poll(self) -> list[PrefillEvent]:
+        self._cancel_lapsed()
         events, self._events = self._events, []
         if self.data is not None:
             for agent, problem in self.data.progress_warmups():
@@ -209,7 +222,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
             busy = {s.ident for s in self._sends.values()}
             self.peers.expire(now, busy, {s.order.decode_agent for s in self._sends.values()})
         for key, s in list(self._sends.items()):
-            if now > s.deadline + self.grace_s:
+            if now > max(s.deadline + self.grace_s, s.quiet_until):
                 events += self._close(key, s, "the order's deadline and grace passed")
                 continue
             if now > s.deadline and not s.final_posted and s.state is not SendState.ENDING:
@@ -291,7 +304,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         if TransferState.FAILED in states and s.state is not SendState.ENDING:
             self._end(key, s, "a block WRITE to the decode node failed")
         if s.state is SendState.ENDING:
-            if TransferState.PENDING in states:
+            if TransferState.PENDING in states or self.clock() < s.quiet_until:
                 return []  # wait for in-flight writes; bounded by the deadline + grace
             self.control.reply(s.ident, s.reply)
             return self._close(key, s, s.reply.reason if hasattr(s.reply, "reason") else "aborted")
@@ -345,6 +358,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         progress thread nothing moves while the engine computes, so a WRITE posted after
         a step (the first to a peer waits for the connection) would otherwise complete,
         and the decode node hear of it, only after the NEXT step."""
+        self._cancel_lapsed()
         deadline = time.perf_counter() + timeout_s
         pending = [h for s in self._sends.values() for h in s.handles]
         delay = 1e-5

@@ -19,7 +19,7 @@ import httpx
 import yaml
 
 from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
-from tests.multihost.hosts import HostProcess, Hosts
+from tests.multihost.hosts import HostProcess, Hosts, faketime_env
 from tests.servers import ROOT, launcher_state
 
 SHIPPED = ROOT / "configs" / "multihost-ray.yaml"
@@ -45,8 +45,19 @@ def ray_cmd() -> list[str]:
 class MultiHostCluster:
     """The Ray cluster and `pdserve launch` on `hosts` (h1..h3); `stop()` ends all of it."""
 
-    def __init__(self, hosts: Hosts, run_root: Path, model: str, patch: dict | None = None):
+    def __init__(
+        self,
+        hosts: Hosts,
+        run_root: Path,
+        model: str,
+        patch: dict | None = None,
+        clock_offsets: dict[str, str] | None = None,
+    ):
+        """`clock_offsets`: host -> a libfaketime offset ("+5h") for every process of that
+        host's Ray worker (so its node processes too); `set_clock_offset` changes it for
+        the processes started after."""
         self.hosts, self.run_root = hosts, run_root
+        self.clock_offsets = dict(clock_offsets or {})
         self.ray: list[HostProcess] = []
         self.launcher: HostProcess | None = None
         self.redis: HostProcess | None = None
@@ -104,12 +115,16 @@ class MultiHostCluster:
         ))  # fmt: skip
         self._wait_ray_head()
         for host, resource in list(ROLES.items())[1:]:
+            env = self.env
+            if host in self.clock_offsets:
+                self.set_clock_offset(host, self.clock_offsets[host])
+                env = {**env, **faketime_env(self.clock_file(host))}
             self.ray.append(self.hosts.run(
                 host, [*ray_cmd(), *common, "--address", f"{head}:{RAY_PORT}",
                        "--node-ip-address", self.hosts.addr(host), "--num-cpus", "1",
                        "--resources", json.dumps({resource: 1}),
                        "--temp-dir", f"{temp}-{host}"],  # one filesystem: its own sockets
-                env=self.env, log=self.run_root / f"ray-{host}.log",
+                env=env, log=self.run_root / f"ray-{host}.log",
             ))  # fmt: skip
         self.redis = self.hosts.run("h1", [
             "redis-server", "--bind", head, "--port", str(self.redis_port), "--save", "",
@@ -119,6 +134,13 @@ class MultiHostCluster:
         self.launcher = self.hosts.run(
             "h1", cmd, env=self.env, cwd=ROOT, log=self.run_root / "launcher.out"
         )
+
+    def clock_file(self, host: str) -> Path:
+        return self.run_root / f"clock-{host}.faketime"
+
+    def set_clock_offset(self, host: str, offset: str) -> None:
+        """The clock offset of the processes started on `host` from now on."""
+        self.clock_file(host).write_text(offset + "\n")
 
     def _wait_ray_head(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s

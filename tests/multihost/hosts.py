@@ -46,6 +46,21 @@ def sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, check=check)
 
 
+def faketime_env(offset_file: Path) -> dict[str, str]:
+    """Environment that puts a process and everything it starts under libfaketime, its
+    clock off by the offset written in `offset_file` (e.g. "+5h"), read once per process
+    when it starts: rewriting the file shifts the processes started after, never the
+    clock of one already running (a host's clock is off, it does not jump)."""
+    libs = sorted(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"))
+    if not libs:
+        raise RuntimeError("libfaketime is missing (apt-get install faketime)")
+    return {
+        "LD_PRELOAD": str(libs[0]),
+        "FAKETIME_TIMESTAMP_FILE": str(offset_file),
+        "FAKETIME_CACHE_DURATION": str(10**9),  # read once: no jump in a running process
+    }
+
+
 def unavailable() -> str | None:
     """Why hosts cannot be made here (None when they can): root and `ip netns` are needed."""
     if os.geteuid() != 0:

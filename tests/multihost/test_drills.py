@@ -2,7 +2,8 @@
 
 One cluster for the module: h1 Ray head + Redis + `pdserve launch` + router, h2 the prefill
 node, h3 the decode node (the real default model, real NIXL over UCX/TCP on the veth
-links). Each drill runs the reference load (tests/multihost/load.py: greedy answers known
+links). h2's clock is 5 h ahead (libfaketime under its Ray worker), and drill 5 restarts
+its node 5 h behind. Each drill runs the reference load (tests/multihost/load.py: greedy answers known
 from transformers) through a fault, then checks: no answer differs from the reference, every
 request ended (an answer or a clear error) within its deadline, and every reachable node
 gets back to 0 KV blocks used or held with `check_integrity()` holding. The figures (sent,
@@ -14,15 +15,17 @@ link, Ray or node process is left.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.multihost.cluster import RAY_PORT, RAY_PORTS, WORKER_PORTS, MultiHostCluster
+from tests.multihost.checks import assert_log_collected, check_binds, clock_skew
+from tests.multihost.cluster import MultiHostCluster
 from tests.multihost.hosts import Hosts, leftovers
 from tests.multihost.load import CLIENT_DEADLINE_S, Load, Outcome, counts, references, send
 from tests.servers import alive
@@ -44,6 +47,7 @@ PATCH = {
     },
 }
 REPORT: list[dict] = []
+SKEW_H = 5  # the prefill host's clock offset, hours (ahead, then behind: test_5)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,8 @@ def cluster(tmp_path_factory):
     from pdserve.common.model_files import resolve_model
 
     hosts = Hosts(3).up()
-    c = MultiHostCluster(hosts, tmp_path_factory.mktemp("multihost"), MODEL, PATCH)
+    run_root = tmp_path_factory.mktemp("multihost")
+    c = MultiHostCluster(hosts, run_root, MODEL, PATCH, clock_offsets={"h2": f"+{SKEW_H}h"})
     try:
         t0 = time.monotonic()
         c.start()
@@ -167,53 +172,44 @@ def test_every_process_binds_its_own_host_address(cluster):
     loopback); any other process on its host's address or loopback, except Ray's own
     listeners that Ray 2.60 binds on every address (GCS, raylet, core workers and the driver,
     the autoscaler's metrics), which must be on the ports cluster.py pins for a firewall."""
-    c, hosts = cluster, cluster.hosts
+    c = cluster
     ours = {c.redis.pid, *(s["pid"] for s in c.state()["services"])}
-    ours |= {d for p in ours for d in _descendants(p)}
-    ray_ports = {RAY_PORT, *RAY_PORTS.values(), *range(WORKER_PORTS[0], WORKER_PORTS[1] + 1)}
-    seen, wrong, ray_any = {}, {}, {}
-    for h in hosts.names:
-        for line in hosts.check(h, ["ss", "-ltnupH"]).splitlines():
-            addr = line.split()[4]
-            pids = {int(p.split(",")[0]) for p in line.split("pid=")[1:]}
-            if pids & ours:
-                seen.setdefault(h, []).append(addr)
-                if not addr.startswith(hosts.addr(h) + ":"):
-                    wrong.setdefault(h, []).append(line)
-            elif addr.startswith((hosts.addr(h) + ":", "127.0.0.1:", "[::1]:")):
-                continue
-            elif all(_ray_process(p, c) for p in pids) and int(addr.rsplit(":", 1)[1]) in ray_ports:
-                ray_any.setdefault(h, []).append(addr)
-            else:
-                wrong.setdefault(h, []).append(line)
+    seen, wrong, ray_any = check_binds(c.hosts, ours, c.launcher.pid)
     assert not wrong, wrong
     # h1: redis, router; h2: HTTP, KV control, UCX; h3: HTTP, UCX.
     assert len(seen["h1"]) >= 2 and len(seen["h2"]) >= 3 and len(seen["h3"]) >= 2, seen
     print(f"\nRay listeners on every address: {ray_any}")
 
 
-def _ray_process(pid: int, c) -> bool:
-    """GCS, raylet, a Ray core worker (titled `ray::...`, or default_worker.py before it
-    takes its title), the autoscaler monitor, or the Ray driver (`pdserve launch`)."""
+def test_bind_check_reports_a_stray_wildcard_listener(cluster, tmp_path):
+    """The exception for Ray is narrow: a wildcard listener is reported when it is not
+    Ray's (even on a pinned port), or when it is a Ray worker's on a port not pinned."""
+    c, hosts = cluster, cluster.hosts
+    listen = "import socket,sys,time; s=socket.socket(); s.bind(('0.0.0.0',int(sys.argv[1]))); s.listen(); time.sleep(60)"
+    fake_ray = tmp_path / "workers" / "default_worker.py"  # looks like a Ray core worker
+    fake_ray.parent.mkdir()
+    fake_ray.write_text(listen)
+    strays = {  # (host, port): argv
+        ("h2", 10500): [sys.executable, "-c", listen, "10500"],  # a Ray port, not Ray
+        ("h3", 7777): [sys.executable, str(fake_ray), "7777"],  # Ray-like, port not pinned
+    }
+    procs = [hosts.run(h, argv) for (h, _), argv in strays.items()]
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return (
-        pid == c.launcher.pid
-        or Path(argv[0].decode()).name in ("gcs_server", "raylet")
-        or argv[0].startswith(b"ray::")
-        or any(
-            a.endswith((b"autoscaler/_private/monitor.py", b"workers/default_worker.py"))
-            for a in argv
-        )
-    )
-
-
-def _descendants(pid: int) -> set[int]:
-    from tests.servers import descendants
-
-    return descendants(pid)
+        deadline = time.monotonic() + 20
+        while True:
+            ours = {c.redis.pid, *(s["pid"] for s in c.state()["services"])}
+            _, wrong, _ = check_binds(hosts, ours, c.launcher.pid)
+            found = {(h, port) for (h, port) in strays if any(
+                f":{port} " in ln and f"pid={p.pid}," in ln
+                for ln in wrong.get(h, []) for p in procs)}  # fmt: skip
+            if found == set(strays):
+                break
+            assert time.monotonic() < deadline, (found, wrong)
+            time.sleep(0.3)
+        assert all("0.0.0.0" in ln or "*:" in ln for h in wrong for ln in wrong[h])
+    finally:
+        for p in procs:
+            p.stop(grace_s=1)
 
 
 def test_2_prefill_host_cut_mid_transfer_then_healed(cluster):
@@ -242,6 +238,8 @@ def test_2_prefill_host_cut_mid_transfer_then_healed(cluster):
     row = report("2 prefill host cut mid-transfer", outcomes, failed_over, wait_idle(c))
     assert failed_over > 0 and row["completed"] > 0
     assert c.service("prefill-0")["pid"] == pid  # served again, not restarted
+    # The failovers' log lines came back to the launcher from the decode host.
+    assert_log_collected(c, "decode-0", r"request \S+: remote prefill failed")
 
 
 def _until(fn, timeout_s: float):
@@ -310,6 +308,37 @@ def test_4_router_host_cut_from_redis(cluster):
     outcomes, failed_over = run_load(c, fault)
     row = report("4 router host cut from Redis", outcomes, failed_over, wait_idle(c))
     assert row["completed"] == row["sent"]  # nothing failed: the router knew its nodes
+
+
+def test_5_prefill_host_clock_hours_off(cluster):
+    """The prefill host's clock 5 h ahead (every drill so far ran so: its Ray worker, the
+    node actor and the node process are under libfaketime), then the node process
+    restarted by the launcher 5 h behind: through the router, every answer exact, every
+    request prefilled on that host, every block back."""
+    c = cluster
+    rows = []
+    for sign in ("+", "-"):
+        if sign == "-":
+            old = c.service("prefill-0")["pid"]
+            c.set_clock_offset("h2", f"-{SKEW_H}h")  # for the node process started next
+            os.kill(old, signal.SIGKILL)  # the launcher restarts it (same actor, same host)
+            deadline = time.monotonic() + 120
+            while not (
+                c.service("prefill-0")["pid"] != old and c.service("prefill-0")["state"] == "up"
+            ):
+                assert time.monotonic() < deadline, c.log("launcher.out")
+                time.sleep(0.5)
+            wait_serving(c, 60)
+        skew = clock_skew(c.service("prefill-0")["url"])
+        assert abs(skew - float(f"{sign}{SKEW_H}") * 3600) < 120, skew
+        orders = stat(c, "prefill-0", "pd_orders")
+        with httpx.Client(timeout=CLIENT_DEADLINE_S) as client:
+            outcomes = [send(client, c.router_url, r, s) for r in c.reqs for s in (0, 1)]
+        row = report(f"5 prefill host clock {sign}{SKEW_H} h", outcomes, 0, wait_idle(c))
+        assert row["completed"] == row["sent"]
+        assert stat(c, "prefill-0", "pd_orders") - orders == len(outcomes)  # all remote
+        rows.append(round(skew))
+    print(f"prefill host clock offsets seen (s): {rows}")
 
 
 def test_6_kv_link_capped(cluster):

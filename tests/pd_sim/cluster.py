@@ -21,6 +21,7 @@ from pdserve.kv_transfer.prefill_side import PrefillSide
 from pdserve.prefill.role import PrefillRole
 from tests.pd_sim.stub_model import StubRunner, expected_output, stub_arch
 from tests.pd_sim.world import (
+    CANCEL_WINDOW_S,
     Faults,
     SimData,
     SimDealerLink,
@@ -181,6 +182,7 @@ class Cluster:
 
     def step(self) -> None:
         self.world.advance(self.t.dt)
+        self._hold_unprogressed_writes()
         for o in self.decode.step():
             self._record(o)
         now = self.world.now
@@ -189,8 +191,26 @@ class Cluster:
                 self.pumps[addr].pump()
                 if self.hung_until.get(addr, 0) <= now:
                     assert core.step() == []
+                    for w in self.world.writes:  # it ran: its WRITEs move again
+                        w.held = w.held and w.plane.name != f"p{self.addrs.index(addr)}"
         self.steps += 1
         self.check_step()
+
+    def _hold_unprogressed_writes(self) -> None:
+        """A node's NIXL moves data only while its engine thread calls into it (the
+        connector runs no progress thread): a WRITE of a node that is stopped, hung or
+        dead moves no further than what the kernel already holds (`CANCEL_WINDOW_S`).
+        A dead node's lands by then; a stopped or hung node's is held until the node
+        runs again, and cancelling it then lands nothing more (see `SimData.release`)."""
+        now, names = self.world.now, {f"p{i}": a for i, a in enumerate(self.addrs)}
+        for w in self.world.writes:
+            addr = names.get(w.plane.name)
+            if addr is None or w.at <= now + CANCEL_WINDOW_S:
+                continue
+            if addr in self.dead:
+                w.at = now + CANCEL_WINDOW_S
+            elif max(self.stalled_until.get(addr, 0), self.hung_until.get(addr, 0)) > now:
+                w.at, w.held = w.at + self.t.dt, True
 
     def run_until_idle(self, max_s: float = 60.0) -> None:
         end = self.world.now + max_s
@@ -233,7 +253,8 @@ class Cluster:
 
     def check_step(self) -> None:
         for w in self.world.writes:  # a block is never reused while a WRITE may land in it
-            if w.peer.name == "d" and not self._owner_ok(w.key, w.dst):
+            # (a held WRITE cannot land before its sender runs: checked if it ever lands)
+            if w.peer.name == "d" and not w.held and not self._owner_ok(w.key, w.dst):
                 raise InvariantViolation(f"blocks {w.dst} reused under a WRITE of {w.key}")
         self.decode.check_integrity()
         for addr, core in self.prefills.items():
@@ -259,7 +280,7 @@ class Cluster:
                 continue  # fmt: skip
             pnow = self.clocks[i + 1]()
             for key, st in core.kv_role.connector._sends.items():
-                end = st.deadline + self.t.abort_grace_s / 2 + step
+                end = max(st.deadline + self.t.abort_grace_s / 2, st.quiet_until) + step
                 if pnow > end + 2 * slack:
                     raise InvariantViolation(f"prefill attempt {key} still {st.state} past {end}")
         # a request may queue behind blocks held by failed attempts: a looser overall bound

@@ -32,6 +32,7 @@ class Faults:
     ctl_delay: float = 0.02  # max control message delay (s)
     ctl_drop: float = 0.0  # probability a control message is lost
     write_delay: float = 0.05  # max WRITE latency (s)
+    write_floor: float = 0.0  # min WRITE latency (s): a slow link
     write_fail: float = 0.0  # probability a WRITE fails
     notif_delay: float = 0.01
     step_time: float = 0.0  # max time a prefill step's model execution takes (s)
@@ -196,6 +197,7 @@ class SimWrite:
     fails: bool
     key: tuple[str, int] | None = None  # the decode attempt it writes for (set by harness)
     cancelled: bool = False
+    held: bool = False  # its sender is not running: only its own release moves it
 
     def complete(self) -> None:
         if self.cancelled:
@@ -272,7 +274,7 @@ class SimData:
         h = TransferHandle(next(self._ids), peer, TransferStats(bytes=len(src), descriptors=1))
         fails = self.world.rng.random() < f.write_fail
         w = SimWrite(self, self.world.planes[peer], src, dst, notif, h, 0.0, fails)
-        w.at = self.world.now + self.world.delay(f.write_delay)
+        w.at = self.world.now + f.write_floor + self.world.delay(f.write_delay)
         self._inflight[h.id] = w
         self.world.writes.append(w)
         if self.world.on_post is not None:
@@ -286,8 +288,9 @@ class SimData:
         w = self._inflight.pop(handle.id)
         if handle.state is TransferState.PENDING:
             handle.state = TransferState.FAILED
-            # Cancelling is not instant: data already on the wire may still land shortly.
-            if self.world.rng.random() < 0.5:
+            # Cancelling is not instant: data already on the wire may still land shortly
+            # (not for a held WRITE: what the wire had landed while its sender was held).
+            if not w.held and self.world.rng.random() < 0.5:
                 w.at, w.notif = min(w.at, self.world.now + CANCEL_WINDOW_S), None
                 w.handle = TransferHandle(-1, w.handle.peer, w.handle.stats)  # sender let go
             else:

@@ -1,0 +1,76 @@
+"""A lapsed lease cancels the WRITEs it let through (issue 27): on a slow link a WRITE
+posted while the lease ran is still moving when the decode node fences the connection;
+the prefill side must cancel it when the lease lapses (its own monotonic clock), not let
+it land in blocks the decode node has since released and given to another request.
+
+Runs on the simulated cluster (tests/pd_sim: real roles, schedulers, KV managers and
+connector sides, an in-memory data plane whose cancelled WRITE may still land up to
+`CANCEL_WINDOW_S` later). `Cluster.check_step` fails the run the moment a block is reused
+while a WRITE into it may still land, and the stub model reads only KV equal to its true
+prefix, so the reused blocks' next owner decodes exactly only if nothing late landed.
+Hosts' clocks are offset by hours either way, with a rate error, to show that nothing
+compares two hosts' readings.
+"""
+
+import pytest
+
+from pdserve.kv_transfer.decode_side import RecvState
+from pdserve.kv_transfer.prefill_side import SendState
+from tests.pd_sim.cluster import Clocks, Cluster, Timing
+from tests.pd_sim.stub_model import expected_output
+from tests.pd_sim.world import Faults
+
+PROMPT = list(range(10, 50))  # 40 tokens = 10 blocks of 4
+SLOW_LINK_S = 30.0  # every WRITE takes this long: far beyond any lease plus grace
+HOURS = 3600.0
+
+
+def step_until(c: Cluster, cond, max_s: float = 20.0) -> None:
+    end = c.world.now + max_s
+    while not cond():
+        assert c.world.now < end, c.describe()
+        c.step()
+
+
+@pytest.mark.parametrize(
+    "prefill_clock",
+    [(0.0, 1.0), (-5 * HOURS, 1.004), (7 * HOURS, 0.996), (-1e6, 1.0)],
+    ids=["same", "5h-behind", "7h-ahead", "11d-behind"],
+)
+def test_a_lapsed_lease_cancels_writes_in_flight_so_none_lands_in_reused_blocks(
+    prefill_clock,
+):
+    # a long order ttl: the prefill node's own deadline would cancel far too late
+    t = Timing(transfer_timeout_s=120.0, abort_grace_s=1.0, peer_timeout_s=0.4)
+    c = Cluster(
+        faults=Faults(write_delay=0.0, write_floor=SLOW_LINK_S, ctl_delay=0.0),
+        timing=t,
+        num_prefill=1,
+        prefill_budget=8,
+        decode_blocks=14,  # 10 for "a", so "b" (10 blocks) must reuse a's blocks
+        clocks=Clocks([(2 * HOURS, 1.0), prefill_clock]),
+    )
+    side = c.prefills[c.addrs[0]].kv_role.connector
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
+    blocks = set(c.decode.kv.get_block_ids("a"))
+    c.abort("a")  # the prefill node answers only once its WRITEs ended: too late
+    step_until(c, lambda: c.dside.states().get(key) is RecvState.FENCED)
+    assert side.states()[key] is SendState.ENDING  # still waiting for its WRITEs
+    # the decode node stopped granting; the prefill node cancels once its lease lapsed
+    step_until(c, lambda: key not in side.states(), max_s=2 * t.peer_timeout_s + 1)
+    assert side.lapsed_cancels == 1
+    c.world.advance(0.2)  # past the sim's cancel window: what can land has landed
+    assert not [w for w in c.world.writes if w.key == key]  # nothing of "a" still moves
+    landed = c.world.landed
+    step_until(c, lambda: key not in c.decode.kv.holds)
+    other = list(range(100, 140))
+    c.submit("b", other, 3)  # takes a's released blocks
+    c.step()
+    assert blocks & set(c.decode.kv.get_block_ids("b"))
+    c.run_until_idle(max_s=SLOW_LINK_S * 3)
+    c.check_final()  # no block reused under a WRITE, pools at baseline
+    assert c.reqs["a"].finish == "abort"
+    assert c.reqs["b"].tokens == expected_output(other, 3)
+    assert c.world.landed >= landed  # b's own (slow) WRITEs landed; none of a's after
