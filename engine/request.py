@@ -138,6 +138,21 @@ class Request:
         return self._generator.manual_seed(position_seed(seed, self.num_tokens))
 
     @property
+    def generated_token_ids(self) -> list[int]:
+        """Every output token, those of a resumed request's earlier run included."""
+        k = self.sampling_params.resumed_tokens
+        if not k:
+            return self.output_token_ids
+        return self.all_token_ids[self.num_prompt_tokens - k :]
+
+    def set_grammar(self, grammar: Grammar) -> None:
+        """Attach the grammar state, replaying a resumed request's earlier output into it."""
+        k = self.sampling_params.resumed_tokens
+        for token in self.prompt_token_ids[len(self.prompt_token_ids) - k :] if k else ():
+            grammar.accept(token)
+        self.grammar = grammar
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 

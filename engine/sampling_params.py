@@ -59,6 +59,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # prefix-cache tenant: blocks hash from a root keyed by it (pdserve/common/block_hash.py),
     # so only requests with the same salt hit them, in the shared store too (its chunk keys)
     cache_salt: str = ""
+    # a migrated request's continuation (node/resume.py): the prompt's last
+    # `resumed_tokens` tokens are output already streamed (penalties and grammars see them)
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_sampling_values({name: getattr(self, name) for name in self.__struct_fields__})
