@@ -51,11 +51,12 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    ports = _ports(4)
     extra = {
         "model": {"name": MODEL, "block_size": 16},
         "router": {"decode_policy": "round_robin", "max_retries": 1},
-        "prefill": {"count": 1, "port": [_port()], "kv_port": [_port()], "num_blocks": 512},
-        "decode": {"count": 2, "port": [_port(), _port()], "num_blocks": 512},
+        "prefill": {"count": 1, "port": ports[:1], "kv_port": ports[1:2], "num_blocks": 512},
+        "decode": {"count": 2, "port": ports[2:], "num_blocks": 512},
     }
     c = Cluster(MODEL, tmp_path_factory.mktemp("migration"), extra)
     try:
@@ -66,10 +67,15 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
-def _port() -> int:
+def _ports(n: int) -> list[int]:
+    """n distinct free ports (two free_port calls may return the same one)."""
     from tests.servers import free_port
 
-    return free_port()
+    ports: list[int] = []
+    while len(ports) < n:
+        if (p := free_port()) not in ports:
+            ports.append(p)
+    return ports
 
 
 def wait_up(c: Cluster, timeout_s: float = 300) -> None:
