@@ -5,7 +5,9 @@
 1. the server keeps listening, but every new request (`/health` included, so the router
    and load balancers stop choosing this process) gets a 503 `draining` OpenAI-style body
    with `Connection: close`;
-2. requests already in flight run to their end, for at most `drain_timeout_s`;
+2. requests already in flight run to their end, for at most `drain_timeout_s` (a decode
+   node hands the router's streams back at once, to migrate: node/resume.py; the app
+   finds this middleware as `app.state.drain`);
 3. then uvicorn shuts down (closing, within 1 s, anything still open) and the process
    exits. A second signal skips the wait.
 """
@@ -63,6 +65,9 @@ def serve(
     import uvicorn
 
     drain = DrainMiddleware(app)
+    state = getattr(app, "state", None)
+    if state is not None:
+        state.drain = drain
     config = uvicorn.Config(
         drain,
         host=host,

@@ -57,10 +57,21 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class ResumeChoice(_Request):
+    """Extension (router migration): choice `index` goes on after `token_ids`, of which a
+    client has already received `text_chars` characters of text."""
+
+    index: int = Field(ge=0)
+    token_ids: list[int] = Field(default_factory=list)
+    text_chars: int = Field(0, ge=0)
+
+
 class KVTransferParams(_Request):
-    """Extension (PD): which prefill node computes this prompt's KV (a control address)."""
+    """Extension (PD): which prefill node computes this prompt's KV (a control address);
+    `resume`: the router's continuation of a migrated request (node/resume.py)."""
 
     prefill_node: str | None = None
+    resume: list[ResumeChoice] | None = None
 
 
 class _SamplingRequest(_TopRequest):

@@ -82,14 +82,20 @@ class AsyncLLM:
         params: SamplingParams,
         arrival: float,
         remote_prefill: str | None = None,
+        resumed: tuple[list[int], int] | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Stream the request's deltas; the last one has `finish_reason` set.
 
         `remote_prefill` (decode role) names the prefill node that computes the prompt's KV.
+        `resumed` (a migrated request's continuation, node/resume.py): the output tokens
+        already streamed and the characters of their text the client has; the text goes
+        on from there (a character split across the boundary, a stop string spanning it).
         Raises `RequestFailedError` if the engine fails the request.
         """
         queue = self.client.add_request(request_id, prompt_token_ids, params, remote_prefill)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer else None
+        if detok is not None and resumed is not None:
+            detok.resume(*resumed)
         stream = OutputStream(detok, params.logprobs)
         last_token_time: float | None = None
         finished = False

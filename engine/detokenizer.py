@@ -59,6 +59,15 @@ class IncrementalDetokenizer:
         self.sent = max(self.sent, end)
         return delta
 
+    def resume(self, token_ids: list[int], sent_chars: int) -> None:
+        """Continue another detokenizer's stream (a migrated request): it had these tokens
+        and had returned `sent_chars` characters. Both texts are prefixes of the same final
+        text, so the next `update` returns exactly what that one would have: a character
+        split across the boundary, or a stop string spanning it, is decided as one stream.
+        """
+        self.update(token_ids)
+        self.sent = sent_chars
+
     @property
     def output_text(self) -> str:
         """Everything returned so far."""

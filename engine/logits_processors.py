@@ -64,7 +64,7 @@ def _penalties(sub: torch.Tensor, reqs: list[Request]) -> None:
     freq = [r.sampling_params.frequency_penalty for r in reqs]
     pres = [r.sampling_params.presence_penalty for r in reqs]
     if any(freq) or any(pres):
-        ids = _padded([r.output_token_ids for r in reqs], vocab, dev)
+        ids = _padded([r.generated_token_ids for r in reqs], vocab, dev)
         counts = torch.zeros(k, vocab + 1, dtype=sub.dtype, device=dev)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=sub.dtype))
         counts = counts[:, :vocab]

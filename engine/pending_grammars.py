@@ -28,7 +28,7 @@ class PendingGrammars:
         """True if `req.grammar` is set now (a cached compile); else it waits here."""
         fut = self.compiler.submit(grammar)
         if fut.done():
-            req.grammar = self.compiler.instantiate(fut)  # raises a compile error
+            req.set_grammar(self.compiler.instantiate(fut))  # raises a compile error
             return True
         self._waits[req.request_id] = (req, fut, self.clock() + self.compiler.deadline_s)
         return False
@@ -45,7 +45,7 @@ class PendingGrammars:
             if fut.done():
                 del self._waits[rid]
                 try:
-                    req.grammar = self.compiler.instantiate(fut)
+                    req.set_grammar(self.compiler.instantiate(fut))
                 except Exception as e:  # InvalidRequestError, or llguidance's own
                     failed.append((rid, f"structured output: {e}"))
                     continue

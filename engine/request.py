@@ -16,6 +16,23 @@ if TYPE_CHECKING:
     from pdserve.engine.grammar import Grammar
 
 
+_MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection on 64-bit ints that scatters nearby inputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for the token at `position` (index in prompt + output) of a
+    request seeded with `seed` (unsigned 64-bit). Seeds s and s + 1 (choices of `n`) at
+    neighbouring positions get unrelated streams."""
+    return _mix64((seed ^ _mix64(position + 0x9E3779B97F4A7C15)) & _MASK64)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks held, a prefill node fills them
@@ -116,17 +133,36 @@ class Request:
         )
 
     def generator(self, device: torch.device) -> torch.Generator | None:
-        """The seeded generator, on the device sampling runs on (None if no seed is set).
+        """The generator for the token at position `num_tokens`, seeded from (seed, that
+        position); None if no seed is set.
 
-        Made on first use, on the logits' device: `torch.multinomial` on CUDA
-        probabilities rejects a CPU generator. The stream continues across steps.
+        The random stream is a function of the seed and the token's position, never of
+        how many steps this request has taken: a request resumed from its prompt plus a
+        generated prefix (router migration) draws the same token at each position as the
+        run it continues. One generator per request, re-seeded per draw, on the logits'
+        device (`torch.multinomial` on CUDA probabilities rejects a CPU generator).
         """
         seed = self.sampling_params.torch_seed
         if seed is None:
             return None
         if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device).manual_seed(seed)
-        return self._generator
+            self._generator = torch.Generator(device=device)
+        return self._generator.manual_seed(position_seed(seed, self.num_tokens))
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every output token, those of a resumed request's earlier run included."""
+        k = self.sampling_params.resumed_tokens
+        if not k:
+            return self.output_token_ids
+        return self.all_token_ids[self.num_prompt_tokens - k :]
+
+    def set_grammar(self, grammar: Grammar) -> None:
+        """Attach the grammar state, replaying a resumed request's earlier output into it."""
+        k = self.sampling_params.resumed_tokens
+        for token in self.prompt_token_ids[len(self.prompt_token_ids) - k :] if k else ():
+            grammar.accept(token)
+        self.grammar = grammar
 
     @property
     def num_tokens(self) -> int:

@@ -22,7 +22,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     `temperature` below `GREEDY_TEMPERATURE` (0 included) is greedy. `top_k=None`,
     `top_p=1.0` and `min_p=0.0` disable their filters. `seed` makes one request's sampling
-    reproducible regardless of its batch. `logprobs=True` returns the log-probability of
+    reproducible regardless of its batch: each token's draw is seeded from (seed, its
+    position), so a run resumed from a generated prefix continues it exactly. `logprobs=True` returns the log-probability of
     each sampled token (from the raw logits), with the `top_logprobs` most likely
     alternatives. `prompt_logprobs=k` (not None) returns each prompt token's logprob and
     its top k, computed in the prompt's own forward pass. `stop` strings are applied to
@@ -58,6 +59,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # prefix-cache tenant: blocks hash from a root keyed by it (pdserve/common/block_hash.py),
     # so only requests with the same salt hit them, in the shared store too (its chunk keys)
     cache_salt: str = ""
+    # a migrated request's continuation (node/resume.py): the prompt's last
+    # `resumed_tokens` tokens are output already streamed (penalties and grammars see them)
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_sampling_values({name: getattr(self, name) for name in self.__struct_fields__})

@@ -58,6 +58,7 @@ from pdserve.node.cluster_agent import ClusterAgent, ClusterOptions
 from pdserve.node.metrics import NodeMetrics
 from pdserve.node.openai_serving import ModelNotFoundError, OpenAIServing
 from pdserve.node.prefill_nodes import PrefillNodes
+from pdserve.node.resume import TOKEN_IDS_HEADER
 from pdserve.node.roles import build_kv
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ def build_app(
         serving: OpenAIServing = request.app.state.serving
         plan = await serving.plans.plan(body)  # compiles a schema off the event loop
         p = await serving.prepare_completion(body, trace_id(request.headers), plan)
+        p.emit_ids = request.headers.get(TOKEN_IDS_HEADER) == "1"
         return await _generate(
             request, body, p, responses.stream_completion, responses.completion_response
         )
@@ -215,6 +217,7 @@ def build_app(
         serving: OpenAIServing = request.app.state.serving
         plan = await serving.plans.plan(body)
         p = await serving.prepare_chat(body, trace_id(request.headers), plan)
+        p.emit_ids = request.headers.get(TOKEN_IDS_HEADER) == "1"
         return await _generate(request, body, p, responses.stream_chat, responses.chat_response)
 
     @app.post("/tokenize")
@@ -263,6 +266,7 @@ async def _exit_when_engine_dies(app: FastAPI, llm: AsyncLLM, agent: ClusterAgen
 async def _generate(request: Request, body, p, stream_fn, response_fn) -> Response:
     """Serve a prepared request: an SSE stream, or one JSON body (499 if the client left)."""
     serving: OpenAIServing = request.app.state.serving
+    p.drain = getattr(request.app.state, "drain", None)
     if body.stream:
         return AbortOnDisconnectResponse(
             stream_fn(serving, p, body.include_usage), media_type="text/event-stream"

@@ -29,6 +29,7 @@ from pdserve.engine.async_llm import RequestFailedError
 from pdserve.engine.outputs import RequestDelta, RequestOutput, TokenLogprobs
 from pdserve.node import structured_output as structured
 from pdserve.node.openai_serving import Choice, OpenAIServing, Prepared
+from pdserve.node.resume import ids_comment
 
 logger = logging.getLogger(__name__)
 
@@ -161,18 +162,18 @@ def chat_response(
 async def stream_completion(
     s: OpenAIServing, p: Prepared, include_usage: bool
 ) -> AsyncIterator[str]:
-    offsets = [0] * len(p.choices)
+    offsets = [c.text_chars for c in p.choices]  # a resumed choice's text goes on
     started = [False] * len(p.choices)
     plain = [TextChunk(False, p.request_id, s.model_name, c.index) for c in p.choices]
 
     def chunk(c: Choice, g: RequestOutput | RequestDelta) -> str | None:
-        text, lp = completion_piece(s, p, c, g, not started[c.index], offsets[c.index])
-        started[c.index] = True
-        offsets[c.index] += len(text)
+        text, lp = completion_piece(s, p, c, g, not started[c.slot], offsets[c.slot])
+        started[c.slot] = True
+        offsets[c.slot] += len(text)
         if not text and g.finish_reason is None and not (lp and lp.tokens):
             return None
         if lp is None:
-            return plain[c.index](text, g.finish_reason)
+            return plain[c.slot](text, g.finish_reason)
         return CompletionResponse(
             id=p.request_id,
             model=s.model_name,
@@ -204,15 +205,15 @@ async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> Asy
         finish = g.finish_reason
         calls = None
         if tooling:
-            texts[c.index] += g.text
+            texts[c.slot] += g.text
             if finish is not None:
-                calls = structured.tool_calls(p.plan, texts[c.index]) or None
+                calls = structured.tool_calls(p.plan, texts[c.slot]) or None
                 if calls:
                     finish = "tool_calls"
         if not text and finish is None and not g.logprobs:
             return None
         if g.logprobs is None and calls is None:
-            return plain[c.index](text, finish)
+            return plain[c.slot](text, finish)
         delta = DeltaMessage(content=text)
         if calls:
             delta.tool_calls = [
@@ -244,9 +245,14 @@ async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> Asy
             ],
         ).model_dump_json()
         for c in p.choices
+        if not p.resumed  # a continuation's client has its role chunks
     ]
     async for event in _sse(s, p, include_usage, chunk, usage_chunk, first=first):
         yield event
+
+
+class HandedOff(Exception):
+    """A draining node ends a router's stream, which the router moves to another node."""
 
 
 def with_timings(body_json: str, timings: dict | None) -> str:
@@ -262,15 +268,31 @@ async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_
     for f in first:
         yield f"data: {f}\n\n"
     gens = [RequestOutput() for _ in p.choices]
+    chars = [c.text_chars for c in p.choices]  # output text sent, per choice
+    running = len(p.choices)
     try:
         async with aclosing(s.deltas(p)) as deltas:
             async for c, delta in deltas:
-                gens[c.index].add(delta)
+                gens[c.slot].add(delta)
                 body = chunk(c, delta)  # reads the fields a RequestOutput of it would have
-                if body is not None:
-                    if delta.finish_reason is not None:
-                        body = with_timings(body, s.server_timings(gens[c.index]))
-                    yield f"data: {body}\n\n"
+                if body is not None and delta.finish_reason is not None:
+                    body = with_timings(body, s.server_timings(gens[c.slot]))
+                event = "" if body is None else f"data: {body}\n\n"
+                if p.emit_ids and (delta.token_ids or delta.finish_reason):
+                    chars[c.slot] += len(delta.text)
+                    finished = delta.finish_reason is not None
+                    comment = ids_comment(c.index, chars[c.slot], finished, delta.token_ids)
+                    event = comment + (event or "\n")
+                running -= delta.finish_reason is not None
+                if event:
+                    yield event
+                if running and p.emit_ids and p.drain is not None and p.drain.draining:
+                    raise HandedOff
+    except HandedOff:  # the router migrates it (router/migration.py)
+        logger.info("request %s: handed back to the router (draining)", p.request_id)
+        err = ErrorResponse(error=ErrorInfo(message="this node is draining", type="server_error",
+                                            code="draining"))  # fmt: skip
+        yield f"data: {err.model_dump_json()}\n\n"
     except RequestFailedError as e:
         logger.error("request %s failed: %s", p.request_id, e)
         code = "engine_dead" if s.llm.client.dead is not None else "engine_error"

@@ -40,6 +40,7 @@ from pdserve.node.grammar_plans import GrammarPlans
 from pdserve.node.logprobs_format import LogprobsFormatter
 from pdserve.node.metrics import NodeMetrics
 from pdserve.node.prefill_nodes import PrefillNodes
+from pdserve.node.resume import resume_choices
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class Choice:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt_text: str | None = None  # completions with echo: the prompt as sent
+    slot: int = 0  # position in `Prepared.choices` (== index unless resumed)
+    resumed: list[int] = field(default_factory=list)  # a migration's tokens already sent
+    text_chars: int = 0  # ... and the characters of text the client has of them
 
 
 @dataclass
@@ -71,6 +75,9 @@ class Prepared:
     drop_output: bool = False  # max_tokens=0 with echo: the prompt alone
     logprobs: bool = False
     plan: structured.Plan = field(default_factory=structured.Plan)
+    resumed: bool = False  # a migration's continuation (node/resume.py)
+    drain: object | None = None  # the node's DrainMiddleware (`.draining`), if it has one
+    emit_ids: bool = False  # each event carries its token ids for the router (node/resume.py)
 
 
 class OpenAIServing:
@@ -218,7 +225,7 @@ class OpenAIServing:
         for pi, ids in enumerate(prompts):
             for i in range(req.n):
                 index = pi * req.n + i
-                choices.append(Choice(index, f"{rid}-{index}", ids, _nth(params, i)))
+                choices.append(Choice(index, f"{rid}-{index}", ids, _nth(params, i), slot=index))
         logger.info(
             "request %s: %d choice(s), %s prompt tokens, max_tokens=%d, temperature=%s, "
             "stream=%s%s",
@@ -230,7 +237,11 @@ class OpenAIServing:
             req.stream,
             f", prefill on {prefill_node}" if prefill_node else "",
         )
-        return Prepared(rid, choices, arrival, prefill_node, plan=plan)
+        p = Prepared(rid, choices, arrival, prefill_node, plan=plan)
+        resume = req.kv_transfer_params.resume if req.kv_transfer_params else None
+        if resume:
+            resume_choices(p, resume, self.llm.validate_prompt)
+        return p
 
     def _check_token_ids(self, params: SamplingParams) -> None:
         vocab = self.llm.info.vocab_size if self.llm.info else None
@@ -251,8 +262,13 @@ class OpenAIServing:
         """One choice's deltas, with metrics observed along the way."""
         async with aclosing(
             self.llm.generate(
-                c.request_id, c.prompt_token_ids, c.params, p.arrival, p.remote_prefill
-            )
+                c.request_id,
+                c.prompt_token_ids,
+                c.params,
+                p.arrival,
+                p.remote_prefill,
+                (c.resumed, c.text_chars) if c.resumed else None,
+            )  # fmt: skip
         ) as gen:
             async for delta in gen:
                 self.metrics.observe_tokens(delta.ttft_s, delta.itl_s)
@@ -311,7 +327,7 @@ class OpenAIServing:
         gens = [RequestOutput() for _ in p.choices]
         async with aclosing(self.deltas(p)) as deltas:
             async for c, delta in deltas:
-                gens[c.index].add(delta)
+                gens[c.slot].add(delta)
         return gens
 
 

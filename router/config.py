@@ -40,6 +40,7 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     request_timeout_s: float = default(S, "request_timeout_s")
     max_retries: int = default(S, "max_retries")
+    max_migrations: int = default(S, "max_migrations")
     breaker_failures: int = default(S, "breaker_failures")
     breaker_cooldown_s: float = default(S, "breaker_cooldown_s")
     engine_stuck_after_s: float = default(S, "engine_stuck_after_s")

@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 0.1, 1.0)
 
+_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
 
 class RouterMetrics:
     def __init__(self) -> None:
@@ -39,6 +41,16 @@ class RouterMetrics:
         self.retries = Counter(
             "pdserve_router_retries", "Attempts retried on another node, by reason",
             ["reason"], registry=r,
+        )  # fmt: skip
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "Streams moved to another decode node mid-stream, by where the continuation's "
+            "KV came from (prefill_node, prefix_cache, local)", ["path"], registry=r,
+        )  # fmt: skip
+        self.migration_gap = Histogram(
+            "pdserve_router_migration_gap_seconds",
+            "Client-seen gap across a migration (last bytes before to first bytes after)",
+            ["path"], buckets=_GAP_BUCKETS, registry=r,
         )  # fmt: skip
         self.usable_nodes = Gauge(
             "pdserve_router_usable_nodes", "Nodes that may get new work, by role",

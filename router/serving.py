@@ -16,14 +16,13 @@ import asyncio
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from pdserve.api.chat_tools import template_tools
 from pdserve.api.http import error_response, until_disconnect
-from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse
+from pdserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.common.errors import InvalidRequestError
 from pdserve.common.off_loop import off_loop, text_size
 from pdserve.common.request_cost import meter_for
@@ -31,14 +30,11 @@ from pdserve.common.sampling_rules import INT32_MAX, check_sampling_values, chec
 from pdserve.router.client_watch import ClientWatch
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.migration import TOKEN_IDS_HEADER, StreamContext, StreamRelay
 from pdserve.router.relay import (
-    DONE,
-    NODE_ERRORS,
     AttemptFailed,
     NodeAnswer,
-    OpenStream,
     cached_tokens,
-    decode_event,
     encode_body,
     open_stream,
     send_json,
@@ -222,6 +218,12 @@ class RouterServing:
             else:
                 body.pop("kv_transfer_params", None)
             content = encode_body(body)
+            ctx = None
+            if req.stream:
+                headers[TOKEN_IDS_HEADER] = "1"
+                ctx = StreamContext(path, body, tokens, salt, rid, attempt, req.include_usage,
+                                    req.n, excluded, migratable=len(prompts) == 1 and
+                                    not getattr(req, "tools", None))  # fmt: skip
             logger.info(
                 "request %s attempt %d: %d tokens -> decode %s, prefill %s (predicted hit %d)",
                 rid, attempt, len(tokens), decision.decode.url,
@@ -229,7 +231,8 @@ class RouterServing:
                 decision.predicted_hit_tokens,
             )  # fmt: skip
             try:
-                return await self._attempt(decision, path, content, headers, req, route, request)
+                return await self._attempt(decision, path, content, headers, req, route, request,
+                                           ctx)  # fmt: skip
             except AttemptFailed as e:
                 last = e
                 if e.reason == "prefill_rejected":  # the decode node is fine; that pair is not
@@ -297,6 +300,7 @@ class RouterServing:
         req,
         route: str,
         request: Request,
+        ctx: StreamContext | None = None,
     ) -> Response:
         """One attempt. A client that disconnects before the answer (or, streaming, before
         the first token) cancels it, which closes the node connection: the node aborts."""
@@ -338,7 +342,8 @@ class RouterServing:
                 return Response(
                     opened.content, status_code=opened.status_code, media_type="application/json"
                 )
-            events = Relayed(self._relay(opened, req.include_usage, release, rid), opened, release)
+            relay = StreamRelay(self, ctx).relay(opened, release)
+            events = Relayed(relay, opened, release)
             release = None  # the relay releases from now on, even if never iterated
             return RelayResponse(
                 events, media_type="text/event-stream", headers={"X-Request-Id": rid}
@@ -346,42 +351,6 @@ class RouterServing:
         finally:
             if release is not None:
                 release.all()
-
-    async def _relay(
-        self, s: OpenStream, include_usage: bool, release: Release, rid: str
-    ) -> AsyncIterator[bytes]:
-        """The held events, then the rest of the node's stream (usage chunk kept only if the
-        client asked for it). Events that arrived together leave together (one write)."""
-        try:
-            kept = [e for e in s.held if self._keep(e, include_usage)]
-            if kept:
-                yield b"".join(kept)
-            async for data in s.rest:
-                kept = [e for e in s.splitter.feed(data) if self._keep(e, include_usage)]
-                if kept:
-                    yield b"".join(kept)
-        except NODE_ERRORS as e:
-            logger.warning("request %s: stream from %s broke: %s", rid, s.response.url, e)
-            err = ErrorResponse(
-                error=ErrorInfo(
-                    message=f"the node serving this request failed: {type(e).__name__}",
-                    type="server_error",
-                    code="upstream_error",
-                )
-            )
-            yield f"data: {err.model_dump_json()}\n\n".encode()
-            yield DONE
-        finally:
-            s.close()
-            release.all()
-
-    def _keep(self, event: bytes, include_usage: bool) -> bool:
-        chunk = decode_event(event)
-        if chunk is None or chunk.choices or chunk.usage is None:
-            return True
-        usage = chunk.usage.prompt_tokens_details
-        self.metrics.actual_hit_tokens.inc(usage.cached_tokens if usage else 0)
-        return include_usage
 
     def count(self, route: str, status: int) -> None:
         self.metrics.child(self.metrics.requests, route, str(status)).inc()

@@ -45,12 +45,12 @@ def test_seeded_generator_lives_on_the_logits_device():
     logits = torch.randn(1, 50)
     gen = req.generator(logits.device)
     assert gen is not None and gen.device == logits.device
-    # One stream per request: the next step continues it, it does not restart it.
-    torch.multinomial(logits.softmax(-1)[0], 1, generator=gen)
+    # One generator per request, re-seeded from (seed, position) on every draw: the same
+    # position draws the same token however many steps were taken before it.
+    first = torch.multinomial(logits.softmax(-1)[0], 1, generator=gen)
     again = req.generator(logits.device)
     assert again is gen
-    fresh = torch.Generator(device=logits.device).manual_seed(7)
-    assert not again.get_state().equal(fresh.get_state())
+    assert torch.multinomial(logits.softmax(-1)[0], 1, generator=again).equal(first)
     assert Request("u", [1], SamplingParams(temperature=1.0), 4).generator(logits.device) is None
     if torch.cuda.is_available():
         cuda_logits = logits.cuda()

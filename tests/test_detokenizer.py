@@ -122,3 +122,28 @@ def test_stop_found_in_last_batch_of_tokens(tokenizer):
     text = detok.update(ids[:5]) + detok.update(ids[5:], final=True)
     assert detok.stopped
     assert text == TEXT[: TEXT.index("fin.")]
+
+
+@pytest.mark.parametrize("stop", [None, ["Köln! 日"], ["🦜 na"]])
+def test_a_resumed_stream_goes_on_at_every_boundary(tokenizer, stop):
+    """A migrated request: the first node streamed k tokens (its client got their text),
+    a new detokenizer resumes from those k tokens and the characters sent; together they
+    send exactly the unbroken stream's text, whether the boundary splits a multibyte
+    character or falls inside a stop string."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    whole, whole_detok = stream(tokenizer, ids, stop)
+    want = "".join(whole)
+    for k in range(1, len(ids)):
+        first = IncrementalDetokenizer(tokenizer, stop)
+        sent = "".join(first.update([t]) for t in ids[:k])
+        if first.stopped:
+            break
+        second = IncrementalDetokenizer(tokenizer, stop)
+        second.resume(ids[:k], len(sent))
+        rest = []
+        for i, t in enumerate(ids[k:]):
+            rest.append(second.update([t], final=k + i == len(ids) - 1))
+            if second.stopped:
+                break
+        assert sent + "".join(rest) == want, f"boundary after token {k}"
+        assert second.stopped == whole_detok.stopped

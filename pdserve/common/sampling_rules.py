@@ -85,6 +85,7 @@ FIELD_RULES: dict[str, FloatRule | IntRule | IntListRule] = {
     "frequency_penalty": FloatRule(-2.0, 2.0),
     "repetition_penalty": FloatRule(0.0, 100.0, lo_open=True),
     "min_tokens": IntRule(0, INT32_MAX),
+    "resumed_tokens": IntRule(0, INT32_MAX),
 }
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_CACHE_SALT = 256

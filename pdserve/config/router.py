@@ -36,6 +36,12 @@ class RouterSettings(RequestCostSettings):
         allow_inf_nan=False,
     )
     max_retries: int = setting(1, "extra attempts on another node while nothing was streamed", ge=0)
+    max_migrations: int = setting(
+        2,
+        "times one stream may move to another decode node after its first token, when its "
+        "node fails (0: never; the client then gets an error event)",
+        ge=0,
+    )
     health_interval_s: float = setting(1.0, "how often nodes are probed", gt=0)
     request_timeout_s: float = setting(600.0, "whole request deadline", gt=0)
     breaker_failures: int = setting(

@@ -1,0 +1,269 @@
+"""Streams survive their decode node (router/migration.py), through real processes.
+
+One cluster for the module: `pdserve launch` with embedded Redis, the router, 1 prefill
+node and 2 decode nodes (the real SmolLM2, real NIXL, a cluster secret). The decode policy
+is round-robin, so the test places every stream on the same decode node (a short request
+goes to the other one between two streams); that node is SIGKILLed mid-stream. Each
+stream must end normally with exactly the text of an unfailed run: greedy ones equal to
+transformers, a seeded `n: 2` one equal to the same request on the healthy cluster, a
+JSON-schema one parsing and validating. Then a stream whose every decode node dies ends
+with a terminal error within its deadline (migration never loops).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.faults.harness import Cluster, wait_serving
+from tests.hf_reference import hf_greedy, load_hf
+
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
+pytest.importorskip("nixl")
+
+MODEL = "smollm2-135m-instruct"
+DECODES = ("decode-0", "decode-1")
+MAX_TOKENS = 96
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+SCHEMA = {  # long enough to be mid-document when its node dies
+    "type": "object",
+    "properties": {"cities": {"type": "array", "items": CITY, "minItems": 6, "maxItems": 6}},
+    "required": ["cities"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "The history of the printing press begins",
+    "Photosynthesis is the process by which",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    ports = _ports(4)
+    extra = {
+        "model": {"name": MODEL, "block_size": 16},
+        "router": {"decode_policy": "round_robin", "max_retries": 1},
+        "prefill": {"count": 1, "port": ports[:1], "kv_port": ports[1:2], "num_blocks": 512},
+        "decode": {"count": 2, "port": ports[2:], "num_blocks": 512},
+    }
+    c = Cluster(MODEL, tmp_path_factory.mktemp("migration"), extra)
+    try:
+        wait_up(c)
+        wait_serving(c.router_url, 180)
+        yield c
+    finally:
+        c.stop()
+
+
+def _ports(n: int) -> list[int]:
+    """n distinct free ports (two free_port calls may return the same one)."""
+    from tests.servers import free_port
+
+    ports: list[int] = []
+    while len(ports) < n:
+        if (p := free_port()) not in ports:
+            ports.append(p)
+    return ports
+
+
+def wait_up(c: Cluster, timeout_s: float = 300) -> None:
+    want = {"redis", "router", "prefill-0", *DECODES}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert c.proc.poll() is None, f"launcher exited:\n{c.output.read_text()}"
+        services = {s["name"]: s for s in c.state()["services"]}
+        if set(services) >= want and all(services[n]["state"] == "up" for n in want):
+            return
+        assert time.monotonic() < deadline, f"cluster not up in {timeout_s} s: {services}"
+        time.sleep(0.5)
+
+
+def selections(c: Cluster) -> dict[str, float]:
+    """Requests the router sent to each decode node (by service name)."""
+    text = httpx.get(f"{c.router_url}/metrics", timeout=10).text
+    out = {}
+    for name in DECODES:
+        key = f'pdserve_router_selections_total{{node="{c.service(name)["url"]}",role="decode"}}'
+        out[name] = sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(key))
+    return out
+
+
+def migrations(c: Cluster) -> float:
+    text = httpx.get(f"{c.router_url}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve_router_migrations_total{")
+    )
+
+
+class Stream(threading.Thread):
+    """One streamed request read to its end: text per choice, finish reasons, usage."""
+
+    def __init__(self, router: str, route: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = f"{router}/v1/{route}", {**body, "stream": True}
+        self.body["stream_options"] = {"include_usage": True}
+        self.chat = route == "chat/completions"
+        self.texts: dict[int, str] = {}
+        self.finish: dict[int, str] = {}
+        self.usage: dict | None = None
+        self.events = 0
+        self.error: str | None = None
+        self.done = False
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.url, json=self.body, timeout=120) as r:
+                self.started.set()
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    assert not line.startswith(":"), f"an internal line reached the client: {line}"
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        self.done = True
+                        break
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.error = chunk["error"]["message"]
+                        continue
+                    if chunk.get("usage"):
+                        self.usage = chunk["usage"]
+                    for ch in chunk["choices"]:
+                        piece = ch["delta"].get("content") if self.chat else ch["text"]
+                        self.texts[ch["index"]] = self.texts.get(ch["index"], "") + (piece or "")
+                        self.events += 1
+                        if ch["finish_reason"]:
+                            self.finish[ch["index"]] = ch["finish_reason"]
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = f"{type(e).__name__}: {e}"
+        finally:
+            self.started.set()
+
+
+def bodies(tok) -> list[tuple[str, dict]]:
+    greedy = [
+        ("completions", {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+                         "ignore_eos": True})
+        for p in PROMPTS
+    ]  # fmt: skip
+    seeded = ("completions", {"prompt": "Once upon a time, in a small village,", "n": 2,
+                              "max_tokens": MAX_TOKENS, "temperature": 0.9, "seed": 1234,
+                              "ignore_eos": True})  # fmt: skip
+    schema = ("chat/completions", {
+        "messages": [{"role": "user", "content": "List six cities and their populations as JSON."}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "city", "schema": SCHEMA}},
+        "max_tokens": 200, "temperature": 0,
+    })  # fmt: skip
+    return [schema, seeded, *greedy]
+
+
+def place_on_one_node(c: Cluster, reqs: list[tuple[str, dict]]) -> tuple[str, list[Stream]]:
+    """Start every stream on the same decode node (round-robin: a short request in
+    between goes to the other); returns that node's name and the streams."""
+    pad = {"prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+    before = selections(c)
+    assert httpx.post(f"{c.router_url}/v1/completions", json=pad, timeout=60).status_code == 200
+    time.sleep(0.1)  # counted on the router's next loop turn
+    after = selections(c)
+    other = next(n for n in DECODES if after[n] > before[n])
+    victim = next(n for n in DECODES if n != other)
+    streams = []
+    for route, body in reqs:
+        s = Stream(c.router_url, route, body)
+        s.start()
+        assert s.started.wait(240)
+        while s.events == 0 and s.is_alive():  # dispatched: the next one may go
+            time.sleep(0.02)
+        streams.append(s)
+        time.sleep(0.1)
+        assert selections(c)[victim] == after[victim] + len(streams), "placement failed"
+        r = httpx.post(f"{c.router_url}/v1/completions", json=pad, timeout=60)
+        assert r.status_code == 200
+    return victim, streams
+
+
+def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
+    c = cluster
+    hf = load_hf(_model_dir())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_model_dir())
+    reqs = bodies(tok)
+    # the unfailed run of the seeded n=2 request
+    ref = Stream(c.router_url, *reqs[1])
+    ref.run()
+    assert ref.error is None and len(ref.texts) == 2, ref.error
+    m0 = migrations(c)
+    victim, streams = place_on_one_node(c, reqs)
+    deadline = time.monotonic() + 120
+    while streams[-1].events < 3:  # every stream has sent text, none has ended
+        assert time.monotonic() < deadline and all(s.is_alive() for s in streams)
+        time.sleep(0.02)
+    assert not any(s.finish for s in streams)
+    os.killpg(c.service(victim)["pid"], signal.SIGKILL)
+    t_kill = time.monotonic()
+    for s in streams:
+        s.join(120)
+        assert not s.is_alive()
+        assert s.error is None and s.done, s.error
+    print(f"\nall streams ended {time.monotonic() - t_kill:.1f} s after the kill")
+    # greedy: transformers' text, token for token
+    for s, p in zip(streams[2:], PROMPTS):
+        ids = tok.encode(p, add_special_tokens=False)
+        want = tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+        assert s.texts == {0: want} and s.finish == {0: "length"}
+        assert s.usage["completion_tokens"] == MAX_TOKENS
+        assert s.usage["prompt_tokens"] == len(ids)
+    # seeded n=2: the unfailed run's two texts
+    seeded = streams[1]
+    assert seeded.texts == ref.texts and seeded.finish == {0: "length", 1: "length"}
+    assert seeded.usage["completion_tokens"] == 2 * MAX_TOKENS == ref.usage["completion_tokens"]
+    # JSON schema: a valid document
+    doc = json.loads(streams[0].texts[0])
+    jsonschema.validate(doc, SCHEMA)
+    assert streams[0].finish == {0: "stop"}
+    assert migrations(c) - m0 == 4
+    wait_up(c)  # the launcher restarts the killed node
+
+
+def test_every_decode_node_failing_ends_in_an_error(cluster):
+    """Both decode nodes die under one stream: one migration, then a terminal error event
+    and [DONE] well within the request's deadline (no loop)."""
+    c = cluster
+    wait_up(c)
+    wait_serving(c.router_url, 180)
+    body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    s = Stream(c.router_url, "completions", body)
+    t0 = time.monotonic()
+    s.start()
+    assert s.started.wait(240)
+    while s.events < 3 and s.is_alive():
+        time.sleep(0.02)
+    for name in DECODES:
+        os.killpg(c.service(name)["pid"], signal.SIGKILL)
+    s.join(60)
+    assert not s.is_alive() and s.done
+    assert s.error is not None and "failed" in s.error
+    assert time.monotonic() - t0 < 60
+
+
+def _model_dir() -> str:
+    from pdserve.common.model_files import resolve_model
+
+    return str(resolve_model(MODEL))
