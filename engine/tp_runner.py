@@ -22,6 +22,7 @@ decode and the compiled step are off under TP (they run whole layers with no all
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -59,10 +60,10 @@ class TPRank(ModelRunner):
         world = config.tensor_parallel_size
         self.shard = Shard(arch, rank, world)
         device = torch.device(config.model.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", rank)
+        if device.type == "cuda":  # rank r: the GPU r after the node's own
+            device = torch.device("cuda", (device.index or 0) + rank)
             torch.cuda.set_device(device)
-            config = _with_device(config, f"cuda:{rank}")
+            config = _with_device(config, str(device))
         self.config = config
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the node's ranks talk on loopback
         torch.set_num_threads(max(1, config.threads // world))
@@ -112,18 +113,19 @@ class TPRunner(TPRank):
         store = os.path.join(self._dir, "store")
         ctx = mp.get_context("spawn")
         self.workers, self.pipes = [], []
-        for rank in range(1, world):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=_worker_main,
-                args=(config, arch, model_dir, num_blocks, rank, store, theirs),
-                name=f"pdserve-tp-rank{rank}",
-                daemon=True,
-            )
-            p.start()
-            theirs.close()
-            self.workers.append(p)
-            self.pipes.append(ours)
+        with _may_have_children():
+            for rank in range(1, world):
+                ours, theirs = ctx.Pipe()
+                p = ctx.Process(
+                    target=_worker_main,
+                    args=(config, arch, model_dir, num_blocks, rank, store, theirs, os.getpid()),
+                    name=f"pdserve-tp-rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                theirs.close()
+                self.workers.append(p)
+                self.pipes.append(ours)
         self._finalizer = weakref.finalize(self, _stop, self.pipes, self.workers, self._dir)
         try:
             super().__init__(config, arch, model_dir, num_blocks, 0, store)
@@ -243,8 +245,27 @@ def _with_device(config: EngineConfig, device: str) -> EngineConfig:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
 
 
-def _worker_main(config, arch, model_dir, num_blocks, rank, store, conn) -> None:
+@contextlib.contextmanager
+def _may_have_children():
+    """The node's engine process is a daemon (engine/core_client.py), which
+    multiprocessing forbids to start children; its workers die with it anyway (each sets
+    PDEATHSIG, and as daemons they are terminated when it exits), so the flag is lifted
+    while they start."""
+    config = mp.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
+
+
+def _worker_main(config, arch, model_dir, num_blocks, rank, store, conn, parent) -> None:
+    from pdserve.engine.core_proc import _die_with_parent
+
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s: %(message)s")
+    _die_with_parent(parent)
     try:
         runner = TPRank(config, arch, model_dir, num_blocks, rank, store)
     except BaseException as e:  # the leader raises it at start

@@ -95,3 +95,40 @@ def test_tp_default_model_three_ranks_equals_hf():
             assert out.token_ids == hf_greedy(hf, prompt, 6)
     finally:
         llm.engine.runner.close()
+
+
+def test_tensor_parallel_size_from_flag_refused_in_yaml_and_ray_reservation(tmp_path):
+    import argparse
+
+    from pdserve.cluster.config_file import ConfigFileError, load_config
+    from pdserve.cluster.ray_launcher import ray_options
+    from pdserve.cluster.schema import NodeGroup
+    from pdserve.node.cli import add_arguments, engine_config_from_args, resolve_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def engine_config(argv):
+        return engine_config_from_args(resolve_settings(parser.parse_args(argv)))
+
+    assert engine_config(["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    assert engine_config([]).tensor_parallel_size == 1
+    with pytest.raises(ConfigError) as err:
+        engine_config(["--tensor-parallel-size", "0"])
+    assert err.value.field == "tensor_parallel_size"
+    # PD nodes run one rank for now: a YAML asking for more is refused at load, by field
+    path = tmp_path / "tp.yaml"
+    path.write_text(
+        "model: {name: smollm2-135m-instruct}\nrouter: {port: 9000}\n"
+        "prefill: {port: 9101, kv_port: 9201, connector: {kind: nixl}}\n"
+        "decode: {port: 9301, tensor_parallel_size: 2, connector: {kind: nixl}}\n"
+    )
+    with pytest.raises(ConfigFileError, match="decode.tensor_parallel_size"):
+        load_config(path)
+    # the Ray launcher reserves a CPU per rank of a CPU node, a GPU per rank of a CUDA one
+    cpu = ray_options(NodeGroup(port=1, tensor_parallel_size=3))
+    gpu = ray_options(
+        NodeGroup(port=1, tensor_parallel_size=2, device="cuda:0", ray={"num_cpus": 4})
+    )
+    assert (cpu["num_cpus"], cpu["num_gpus"]) == (3, 0)
+    assert (gpu["num_cpus"], gpu["num_gpus"]) == (4, 2)
