@@ -4,15 +4,19 @@ CPU over gloo, greedy output token for token equal to transformers."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 
 from pdserve.common.errors import ConfigError
+from pdserve.engine import tp_runner
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from tests.conftest import make_tiny_llama
 from tests.hf_reference import hf_greedy, load_hf
 
+COLLECTIVE_S = 8.0  # rank 0's collective timeout in these tests (the default is 120 s)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
@@ -40,15 +44,19 @@ def tp_llm(request, tmp_path_factory):
         num_attention_heads=4,
     )
     # 40 blocks of 4 tokens: four 30-token prompts growing by 12 do not all fit (preemption)
-    llm = LLM(
-        path,
-        block_size=4,
-        num_blocks=40,
-        max_num_batched_tokens=32,
-        max_num_seqs=8,
-        tensor_parallel_size=2,
-        num_threads=2,
-    )
+    timeout, tp_runner.COLLECTIVE_TIMEOUT_S = tp_runner.COLLECTIVE_TIMEOUT_S, COLLECTIVE_S
+    try:
+        llm = LLM(
+            path,
+            block_size=4,
+            num_blocks=40,
+            max_num_batched_tokens=32,
+            max_num_seqs=8,
+            tensor_parallel_size=2,
+            num_threads=2,
+        )
+    finally:
+        tp_runner.COLLECTIVE_TIMEOUT_S = timeout
     yield llm, load_hf(path), kv
     pids = llm.engine.runner.worker_pids
     llm.engine.runner.close()
@@ -79,6 +87,22 @@ def test_tp2_greedy_equals_hf_single_batched_chunked_prefix_preempted(tp_llm):
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, prompt, 12), f"prompt {prompt[:3]}"
     llm.engine.check_integrity()
+
+
+def test_a_hung_worker_fails_the_step_after_the_collective_timeout(tp_llm):
+    llm, _, kv = tp_llm
+    if kv != 1:
+        pytest.skip("once is enough (it ends the engine)")
+    (worker,) = llm.engine.runner.worker_pids
+    os.kill(worker, signal.SIGSTOP)  # alive, its sockets open, silent
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate([[1, 2, 3]], GREEDY)
+        waited = time.monotonic() - t0
+        assert COLLECTIVE_S - 1 <= waited <= COLLECTIVE_S + 30, waited
+    finally:
+        os.kill(worker, signal.SIGKILL)
 
 
 def test_tp_default_model_three_ranks_equals_hf():
