@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -135,11 +136,14 @@ class Comm:
             self.pg = dist.ProcessGroupNCCL(store, rank, world, opts)
         else:
             self.pg = dist.ProcessGroupGloo(store, rank, world, timeout)
-        self.reduced = 0  # all-reduces run (the step's share of them is a benchmark figure)
+        # all-reduces run, and the seconds spent in them (benchmarks/engine_throughput.py)
+        self.reduced = 0
         self.reduce_s = 0.0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         self.pg.allreduce([t]).wait()
+        self.reduce_s += time.perf_counter() - t0  # waiting for the slowest rank included
         self.reduced += 1
         return t
 
