@@ -151,6 +151,8 @@ def main() -> None:
                     help="B needs ~380 MB in fp32; less leaves memory to a shared box")  # fmt: skip
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--out", default="results/engine_throughput.json")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks per step (engine/tp_runner.py); --threads are split over them")  # fmt: skip
     args = ap.parse_args()
     peer_version = peer_error = None
     if args.peer == "vllm":
@@ -179,13 +181,17 @@ def main() -> None:
                 max_num_batched_tokens=4096,
                 kv_cache_bytes=args.kv_cache_bytes,
                 enforce_eager=mode == "eager",
+                tensor_parallel_size=args.tensor_parallel_size,
             )
+            comm = getattr(llm.engine.runner, "comm", None)  # a TP node's collectives
             start_s = round(time.perf_counter() - t0, 1)
             vocab = llm.engine.vocab_size
             for w in args.workloads.split(","):
                 n, plen, new = WORKLOADS[w]
                 prompts = make_prompts(n, plen, vocab, seed=ord(w))
-                eng = statistics.median(time_engine(llm, prompts, new, args.repeats))
+                reduce_s = comm.reduce_s if comm is not None else 0.0
+                times = time_engine(llm, prompts, new, args.repeats)
+                eng = statistics.median(times)
                 row = {
                     "workload": w,
                     "dtype": dtype,
@@ -197,6 +203,9 @@ def main() -> None:
                     "metric": "prompt_tok_s" if new == 1 else "output_tok_s",
                     "engine_tok_s": round(tokens_per_s(eng, n, plen, new), 1),
                 }
+                if comm is not None:  # rank 0's time in all-reduces (incl. waiting for peers)
+                    row["tensor_parallel_size"] = args.tensor_parallel_size
+                    row["allreduce_share"] = round((comm.reduce_s - reduce_s) / sum(times), 3)
                 if hf is not None:
                     if w not in hf_tok_s:
                         hft = statistics.median(time_hf(hf, prompts, new, args.repeats))
@@ -205,6 +214,8 @@ def main() -> None:
                     row["ratio_vs_hf"] = round(row["engine_tok_s"] / row["hf_tok_s"], 2)
                 print(json.dumps(row), flush=True)
                 results.append(row)
+            if comm is not None:
+                llm.engine.runner.close()
             del llm
         del hf
         if args.peer == "vllm":

@@ -14,6 +14,8 @@ still says what passed; `status` is passed, failed or skipped, and a skip says w
   engine_bf16     Triton vs torch kernels on the first step's logits, bf16
   engine_seeded   temperature > 0 with a seed on CUDA: reproducible, seed-dependent
   engine_memory   peak GPU memory while loading bf16 weights vs their size
+  engine_tp2      one node of two ranks (cuda:0 + cuda:1 over NCCL; needs 2 GPUs, else
+                  skipped): greedy tokens equal to transformers' and to TP 1, decode tok/s
   pytest          tests/test_kernels.py, tests/test_engine_triton.py and
                   tests/test_cuda_path.py with the kernels compiled
   pd_nixl         prefill and decode as two processes on the GPU over NIXL: output equal
@@ -168,12 +170,13 @@ def main() -> int:
             env[mod] = f"missing: {e}"
     report = Report(Path(args.out), env)
 
-    from benchmarks import _gpu_engine, _gpu_kernels, _gpu_pd
+    from benchmarks import _gpu_engine, _gpu_kernels, _gpu_pd, _gpu_tp
 
     ctx = {"cuda": cuda, "device": "cuda" if cuda else "cpu", "root": ROOT,
            "peak_tbps": args.peak_tbps, "workdir": Path(tempfile.mkdtemp(prefix="gpu_check_"))}  # fmt: skip
     sections = [
         *_gpu_engine.sections(ctx),
+        *_gpu_tp.sections(ctx),
         ("pytest", lambda: run_pytest(cuda)),
         *_gpu_pd.sections(ctx),
         *_gpu_kernels.sections(ctx),

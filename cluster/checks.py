@@ -31,6 +31,10 @@ def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Pro
                 ((role, "connector", "kind"), "must match the prefill group's connector kind")
             )
     problems += _backend_problems(cfg, role, group)
+    if group.tensor_parallel_size > 1 and group.count > 0:  # engine/tp_runner.py
+        problems.append(
+            ((role, "tensor_parallel_size"), "PD nodes run one rank for now (colocated only)")
+        )
     if role == "prefill" and group.kv_port is None and group.count > 0:
         problems.append(((role, "kv_port"), "prefill nodes need a KV control port"))
     for key in ("host", "port", "kv_port", "device"):

@@ -187,6 +187,19 @@ class RayHandle:
             return f"(log unavailable: {e}; collected:)\n{copied}"
 
 
+def ray_options(group) -> dict:
+    """The Ray resources one node of `group` reserves: its `ray` section, and at least one
+    CPU (or GPU, on CUDA) per tensor-parallel rank."""
+    r, tp = group.ray, group.tensor_parallel_size
+    devices = group.device if isinstance(group.device, list) else [group.device]
+    cuda = any(d.startswith("cuda") for d in devices)
+    return dict(
+        num_cpus=r.num_cpus if cuda else max(r.num_cpus, tp),
+        num_gpus=max(r.num_gpus, tp) if cuda else r.num_gpus,
+        resources=dict(r.resources),
+    )
+
+
 def place_nodes(
     cfg: ClusterConfig, config_text: str, redis_password: str | None = None
 ) -> dict[str, tuple[object, dict]]:
@@ -201,8 +214,7 @@ def place_nodes(
     remote = ray.remote(NodeActor)
     actors = {}
     for node in cluster_nodes(cfg):
-        r = node.group.ray
-        options = dict(num_cpus=r.num_cpus, num_gpus=r.num_gpus, resources=dict(r.resources))
+        options = ray_options(node.group)
         actors[node.name] = remote.options(name=None, **options).remote(config_text, env)
     placed = {}
     for name, actor in actors.items():
@@ -211,7 +223,7 @@ def place_nodes(
         except ray.exceptions.GetTimeoutError:
             group = cfg.prefill if name.startswith("prefill") else cfg.decode
             raise LaunchError(
-                f"{name}: no Ray node offers {group.ray.model_dump()} within "
+                f"{name}: no Ray node offers {ray_options(group)} within "
                 f"{PLACEMENT_TIMEOUT_S:.0f} s (see `ray status`)"
             ) from None
     return placed

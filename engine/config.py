@@ -230,10 +230,16 @@ class EngineConfig:
     # kv_transfer.connector (the transfer of a PD node) and kv_store.backend (load + save).
     kv_backends: tuple[KVBackendConfig, ...] = ()
     num_threads: int | None = None  # torch threads; None: one per core
+    # ranks of this node's tensor-parallel group (engine/tp_runner.py); 1: one device
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads", f"must be >= 1, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(
+                "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}"
+            )
         self._check_backends()
         transfer = next((b for b in self.backends if "transfer" in b.roles), None)
         pd_lmcache = transfer is not None and transfer.kind == "lmcache"

@@ -109,6 +109,11 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.kv.pool.record_events = cc.kv_events
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        if runner_factory is None and config.tensor_parallel_size > 1:
+            from pdserve.engine.tp_runner import TPRunner, refuse_unsupported
+
+            refuse_unsupported(config)
+            runner_factory = TPRunner
         self.runner = (runner_factory or ModelRunner)(config, arch, str(self.model_dir), num_blocks)
         self.requests: dict[str, Request] = {}
         self.grammars = PendingGrammars(

@@ -14,9 +14,7 @@ The process is started with the 'spawn' context and receives only plain data (th
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import queue
 import signal
 import threading
@@ -27,6 +25,7 @@ from collections.abc import Callable
 import zmq
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.parent_death import die_with_parent
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.kv_role import KVRole
@@ -55,7 +54,6 @@ KVFactory = Callable[[EngineConfig], tuple[KVRole | None, KVStore | None]]
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
 _WAKE_ADDRESS = "inproc://engine-wake"
 _IDLE_SAFETY_POLL_MS = 200  # an idle PD node still steps its role this often
 _MAX_BACKOFF_MS = 8  # longest wait between polls while a transfer is pending
@@ -78,7 +76,7 @@ def run_engine_core(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     proc = EngineCoreProc(config, addresses, kv_factory)
     proc.run()
     # Everything was closed in order in `run`, the NIXL agent included (destroyed by
@@ -88,23 +86,6 @@ def run_engine_core(
     # loaded box died by SIGABRT, "terminate called without an active exception"; an
     # `os._exit(0)` hid it. Not reproduced since: 38 of 38 normal exits were clean on a
     # loaded box, 8 before and 30 after destroying the agent in `close`.)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        logger.debug("prctl unavailable; relying on the parent watchdog")
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
 class EngineCoreProc:

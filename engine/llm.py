@@ -39,6 +39,7 @@ class LLM:
         kv_layout: str = "layer_major",  # or "block_major" (engine/kv_tensor.py)
         batched_decode: bool = True,  # CPU fp32/bf16: engine/models/fused_decode.py
         kv_populate: bool = True,  # CPU: fault the KV cache in at start (CacheConfig.kv_populate)
+        tensor_parallel_size: int = 1,  # ranks executing each step (engine/tp_runner.py)
     ):
         config = EngineConfig(
             model=ModelConfig(
@@ -62,6 +63,7 @@ class LLM:
             ),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
             num_threads=num_threads,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = EngineCore(config)
         self.tokenizer = load_tokenizer(self.engine.model_dir)

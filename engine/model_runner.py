@@ -104,15 +104,11 @@ class ModelRunner:
             # its kernels on GPU 0 with pointers into GPU 1). `execute` also guards it.
             torch.cuda.set_device(self.device)
         torch.manual_seed(mc.seed)
-        model = build_model(arch, ops, self.device, self.dtype)
-        if self.device.type == "cpu":  # empty storage on huge pages, the weights load into it
-            hugepages.move_parameters(model, keep_values=False)
-        load_model_weights(model, model_dir)
-        model.init_rope(self.device)  # fp32
+        model = self._load_model(arch, ops, model_dir)
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.single_device:
             # the batched forward's packed weights only where a step can have > 8 rows
             batch = mc.batched_decode and config.scheduler.max_num_seqs > GEMV_MAX_ROWS
             model.fused_decode = FusedDecode.build(model, batch=batch)
@@ -146,8 +142,21 @@ class ModelRunner:
         )
         if self.device.type == "cuda":
             self.warm_up()
-        if mc.compiled:
+        if mc.compiled and self.single_device:
             self._compile(config, mc.max_model_len or arch.max_position_embeddings)
+
+    # False for a rank of a tensor-parallel node (engine/tp_runner.py): the fused native
+    # decode and the compiled step run a whole layer stack with no all-reduce in it.
+    single_device = True
+
+    def _load_model(self, arch: ModelArch, ops: ModuleType, model_dir: str) -> torch.nn.Module:
+        """The model on this runner's device with its weights loaded and RoPE table built."""
+        model = build_model(arch, ops, self.device, self.dtype)
+        if self.device.type == "cpu":  # empty storage on huge pages, the weights load into it
+            hugepages.move_parameters(model, keep_values=False)
+        load_model_weights(model, model_dir)
+        model.init_rope(self.device)  # fp32
+        return model
 
     def _populate_kv(self, wanted: bool) -> str:
         """CPU: fault the KV cache's pages in now (`cache.kv_populate`), so that the first

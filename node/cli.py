@@ -189,6 +189,7 @@ def engine_config(s: NodeSettings) -> EngineConfig:
         ),
         kv_backends=parse_backends(sv.kv_backend, _redis(sv.redis_url)),
         num_threads=s.compute.num_threads,
+        tensor_parallel_size=s.compute.tensor_parallel_size,
     )
 
 

@@ -71,6 +71,13 @@ class ComputeSettings(Settings):
 
     device: str = setting("cpu", "`cpu` or `cuda:N`")
     num_threads: int | None = setting(None, "engine torch threads per node", ge=1)
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks that run each step of a node together (tensor parallelism: one process per "
+        "rank; CPU: the node's threads split over them, gloo; CUDA: one GPU each from "
+        "`device` on, NCCL); must divide the attention heads; colocated nodes only for now",
+        ge=1,
+    )
 
 
 class CacheSettings(Settings):
