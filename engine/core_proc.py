@@ -57,6 +57,12 @@ logger = logging.getLogger(__name__)
 _WAKE_ADDRESS = "inproc://engine-wake"
 _IDLE_SAFETY_POLL_MS = 200  # an idle PD node still steps its role this often
 _MAX_BACKOFF_MS = 8  # longest wait between polls while a transfer is pending
+# While the engine holds requests but its steps produce nothing (all of them wait on
+# something outside, e.g. a prompt's KV), it still sends an empty batch this often: the
+# node's progress count (/v1/node `engine.steps`) then shows a live loop, and a router
+# takes the node for stuck only when the loop itself stops (a waiting state has its own
+# deadline, `kv_transfer.transfer_timeout_s`).
+_PROGRESS_EVERY_S = 1.0
 
 
 def run_engine_core(
@@ -103,6 +109,7 @@ class EngineCoreProc:
         self._wake = self.ctx.socket(zmq.PULL)
         self._wake.bind(_WAKE_ADDRESS)
         self._backoff_ms = 1
+        self._last_batch_at = time.monotonic()
         # Start the output thread first so a load failure can still be reported.
         self._out_thread = threading.Thread(target=self._send_outputs, name="engine-output")
         self._out_thread.start()
@@ -169,7 +176,13 @@ class EngineCoreProc:
         """Queue a step's outputs, with the prefix-cache events it caused (if recorded)."""
         pool = self.core.kv.pool
         events = pool.take_events() if pool.record_events else None
-        if outs or (events is not None and (events.stored or events.evicted or events.store_saved)):
+        now = time.monotonic()
+        if (
+            outs
+            or (events is not None and (events.stored or events.evicted or events.store_saved))
+            or (self.core.has_unfinished and now - self._last_batch_at >= _PROGRESS_EVERY_S)
+        ):
+            self._last_batch_at = now
             batch = OutputBatch(outputs=outs, stats=self.core.stats())
             if events is not None:
                 batch.kv_stored, batch.kv_evicted = events.stored, events.evicted

@@ -164,8 +164,9 @@ def build_app(
     @app.get("/v1/node")
     async def node_info(request: Request) -> Response:
         """This node's registry record (role, urls, model, block size, epoch, load) and
-        its engine's progress, `engine: {steps, busy}` (output batches received so far;
-        whether it holds unfinished requests): a router takes a busy engine whose steps do
+        its engine's progress, `engine: {steps, busy}` (output batches received so far,
+        at least one a second while its loop runs with work; whether it holds unfinished
+        requests): a router takes a busy engine whose steps do
         not advance for stuck. A dead engine: 503 `engine_dead`."""
         client = request.app.state.llm.client
         if client.dead is not None:
