@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from pdserve.common.errors import InvalidRequestError
+from pdserve.common.model_files import existing_model_dir
 from pdserve.common.sampling_rules import check_token_ids
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core_client import EngineCoreClient
@@ -44,8 +46,23 @@ class AsyncLLM:
         self.info: Ready | None = None
 
     async def start(self) -> None:
-        self.info = await self.client.start()
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.info.model_dir)
+        # The tokenizer (~3 s, most of it importing transformers) loads while the engine
+        # process starts, from the model directory where it is known before the engine
+        # says (a converted model; a first conversion happens in the engine).
+        early_dir = existing_model_dir(self.config.model.name)
+        early = None
+        if early_dir is not None:
+            early = asyncio.create_task(asyncio.to_thread(load_tokenizer, early_dir))
+        try:
+            self.info = await self.client.start()
+        except BaseException:
+            if early is not None:
+                early.cancel()
+            raise
+        if early is not None and Path(self.info.model_dir) == early_dir:
+            self.tokenizer = await early
+        else:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.info.model_dir)
 
     async def shutdown(self) -> None:
         await self.client.shutdown()

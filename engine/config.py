@@ -91,8 +91,9 @@ class CacheConfig:
     # Report blocks entering/leaving the prefix cache with each output batch (KV index).
     kv_events: bool = False
     kv_layout: str = default(KVFormatSettings, "kv_layout")  # layer_major | block_major
-    # CPU: fault the whole KV cache in at start (kernels/hugepages.populate), not block by
-    # block on the request path; `PDSERVE_KV_POPULATE=0` turns it off process-wide.
+    # CPU: fault the KV cache in on a thread from the start, lowest blocks first
+    # (kernels/fault_in.py), not block by block on the request path;
+    # `PDSERVE_KV_POPULATE=0` turns it off process-wide.
     kv_populate: bool = default(CacheSettings, "kv_populate")
 
     def __post_init__(self) -> None:

@@ -38,7 +38,7 @@ class LLM:
         compile_cache_dir: str | None = None,  # None: <pdserve cache dir>/compile
         kv_layout: str = "layer_major",  # or "block_major" (engine/kv_tensor.py)
         batched_decode: bool = True,  # CPU fp32/bf16: engine/models/fused_decode.py
-        kv_populate: bool = True,  # CPU: fault the KV cache in at start (CacheConfig.kv_populate)
+        kv_populate: bool = True,  # CPU: fault the KV cache in on a thread (kernels/fault_in.py)
         tensor_parallel_size: int = 1,  # ranks executing each step (engine/tp_runner.py)
     ):
         config = EngineConfig(

@@ -35,6 +35,7 @@ from pdserve.engine.step_plan import StepPlan, plan_step
 from pdserve.engine.warmup import warm_up_kernels
 from pdserve.engine.weights import load_model_weights
 from pdserve.kernels import hugepages
+from pdserve.kernels.fault_in import BackgroundFault
 from pdserve.kernels.ops import GEMV_MAX_ROWS, default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,26 @@ class ModelRunner:
             # its kernels on GPU 0 with pointers into GPU 1). `execute` also guards it.
             torch.cuda.set_device(self.device)
         torch.manual_seed(mc.seed)
+        # The KV cache first: on CPU its pages fault in on a thread while the model loads
+        # and packs, and on after the engine is ready (kernels/fault_in.py).
+        local = self._local_arch(arch)
+        self.kv_layout = config.cache.kv_layout
+        self.kv_cache = allocate_kv_cache(
+            self.kv_layout,
+            local.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            local.num_key_value_heads,
+            local.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv_fault: BackgroundFault | None = None
+        populated = self._populate_kv(config.cache.kv_populate)
+        t0 = time.perf_counter()
         model = self._load_model(arch, ops, model_dir)
+        self.load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
@@ -114,19 +134,10 @@ class ModelRunner:
             model.fused_decode = FusedDecode.build(model, batch=batch)
             fused = "one native call" if model.fused_decode is not None else "op by op"
             logger.info("decode steps of <= %d rows: %s", GEMV_MAX_ROWS, fused)
+        self.pack_s = time.perf_counter() - t0
+        logger.info("model weights loaded in %.1f s, packed in %.1f s", self.load_s, self.pack_s)
         attn = model.model.layers[0].self_attn
-        self.kv_layout = config.cache.kv_layout
-        self.kv_cache = allocate_kv_cache(
-            self.kv_layout,
-            arch.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            attn.num_kv_heads,
-            attn.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        populated = self._populate_kv(config.cache.kv_populate)
+        assert (attn.num_kv_heads, attn.head_dim) == tuple(self.kv_cache.shape[4:])
         # Recorded after each step's forward pass: its KV writes are done once it is.
         self._step_done = torch.cuda.Event() if self.device.type == "cuda" else None
         logger.info(
@@ -158,18 +169,26 @@ class ModelRunner:
         model.init_rope(self.device)  # fp32
         return model
 
+    def _local_arch(self, arch: ModelArch) -> ModelArch:
+        """The shape of this runner's own model (a tensor-parallel rank: its shard's)."""
+        return arch
+
     def _populate_kv(self, wanted: bool) -> str:
-        """CPU: fault the KV cache's pages in now (`cache.kv_populate`), so that the first
+        """CPU: fault the KV cache's pages in (`cache.kv_populate`), so that the first
         requests' KV writes do not each pay page faults, which in a VM can cost seconds per
-        GiB (kernels/hugepages.populate). Returns what the start log says about it."""
+        GiB: on a thread, lowest blocks first (kernels/fault_in.py), where the kernel has
+        MADV_POPULATE_WRITE; else zero-filled now. Returns what the start log says."""
         if self.device.type != "cpu" or not wanted:
             return ""
         if os.environ.get("PDSERVE_KV_POPULATE", "1") == "0":
             return ", not populated (PDSERVE_KV_POPULATE=0)"
+        fault = BackgroundFault(self.kv_cache)
+        if fault.start():
+            self.kv_fault = fault
+            return ", faulting in on a thread"
         t0 = time.perf_counter()
-        if not hugepages.populate(self.kv_cache):
-            self.kv_cache.zero_()  # no MADV_POPULATE_WRITE here: writing faults them in too
-        return f", populated in {time.perf_counter() - t0:.1f} s"
+        self.kv_cache.zero_()  # no MADV_POPULATE_WRITE here: writing faults them in too
+        return f", zero-filled in {time.perf_counter() - t0:.1f} s"
 
     def _compile(self, config: EngineConfig, max_model_len: int) -> None:
         """Compile the decode step per batch bucket and warm it up (or load it from the

@@ -71,6 +71,9 @@ class TPRank(ModelRunner):
         self.comm = Comm(store_path, rank, world, device, COLLECTIVE_TIMEOUT_S)
         super().__init__(config, arch, model_dir, num_blocks)
 
+    def _local_arch(self, arch: ModelArch) -> ModelArch:
+        return self.shard.local_arch()
+
     def _load_model(self, arch: ModelArch, ops, model_dir: str) -> torch.nn.Module:
         model = build_model(self.shard.local_arch(), ops, self.device, self.dtype)
         parallelize(model, self.shard, self.comm)

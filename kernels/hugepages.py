@@ -88,12 +88,23 @@ def populate(t: torch.Tensor) -> bool:
     per GiB of long-free memory). A lazily faulted KV cache pays that on the request path,
     block by block, as the first requests arrive (docs/benchmarks-history.md, "KV cache
     populated at start")."""
-    if not t.is_cpu or t.numel() == 0 or os.uname().sysname != "Linux":
+    if not t.is_cpu or t.numel() == 0:
+        return False
+    return populate_span(*page_span(t))
+
+
+def populate_span(address: int, length: int) -> bool:
+    """`populate` for the pages under [address, address + length): whole pages, so a span's
+    edges may take in a neighbour's page (populating never changes a value). Releases the
+    GIL while the kernel works (a ctypes call)."""
+    if os.uname().sysname != "Linux" or length <= 0:
         return False
     libc = _libc()
     if libc is None:
         return False
-    start, length = page_span(t)
+    page = mmap.PAGESIZE
+    start = address - address % page
+    length = (address + length - start + page - 1) // page * page
     return libc.madvise(start, length, MADV_POPULATE_WRITE) == 0
 
 

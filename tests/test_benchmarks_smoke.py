@@ -168,6 +168,21 @@ def test_launch_startup(tiny_model, tmp_path):
     assert one["cpu_s_to_first_answer"] > 0
 
 
+def test_node_start(tiny_model, tmp_path):
+    out = tmp_path / "ns.json"
+    run("node_start", "--model", tiny_model, "--runs", "1", "--kv-cache-bytes", KV_BYTES,
+        "--threads", "1", "--out", str(out))  # fmt: skip
+    report = read(out)
+    background, lazy = report["runs"]
+    assert (background["mode"], lazy["mode"]) == ("background", "lazy")
+    for r in (background, lazy):
+        assert 0 < r["healthy_s"] < r["burst_done_at_s"] and r["burst_ttft_s"]["max"] > 0
+        assert r["split_s"]["load_s"] is not None and r["split_s"]["pack_s"] is not None
+        assert r["node_rss_mib"]["engine"] > 0 and r["node_rss_mib"]["http"] > 0
+    assert background["split_s"]["kv_fault_s"] is not None  # the thread logged its end
+    assert background["kv_faulted_in_at_s"] > 0 and lazy["kv_faulted_in_at_s"] is None
+
+
 def test_kv_checksum(tmp_path):
     """Hash throughput of the candidates and of the in-place block checksums (issue 30);
     the TTFT half (four nodes) is skipped here for CI time: run by hand, its figures are

@@ -44,7 +44,11 @@ def test_a_node_waiting_for_kv_shows_progress_and_an_idle_one_none(tiny_llama_di
         answers: list[httpx.Response] = []
         sender = threading.Thread(
             target=lambda: answers.append(
-                httpx.post(f"{durl}/v1/completions", json=BODY | {"prompt": list(range(50, 90))}, timeout=120)
+                httpx.post(
+                    f"{durl}/v1/completions",
+                    json=BODY | {"prompt": list(range(50, 90))},
+                    timeout=120,
+                )
             )
         )
         try:

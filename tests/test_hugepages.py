@@ -69,14 +69,17 @@ def test_memory_outlives_the_mapping_object_and_is_huge():
 
 
 def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
-    """(resident, total) pages of t's storage, by mincore(2)."""
+    """(resident, total) pages under t's elements (t: contiguous, or a permuted view of a
+    contiguous tensor), by mincore(2)."""
     import ctypes
     import mmap
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    start, length = hugepages.page_span(t)
-    pages = length // mmap.PAGESIZE
+    page = mmap.PAGESIZE  # the tensor's own bytes (its storage may hold alignment slack)
+    start = t.data_ptr() - t.data_ptr() % page
+    length = (t.data_ptr() + t.numel() * t.element_size() - start + page - 1) // page * page
+    pages = length // page
     vec = ctypes.create_string_buffer(pages)
     assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
     return sum(b & 1 for b in vec.raw), pages
@@ -108,7 +111,9 @@ def test_engine_populates_its_kv_cache_unless_told_not_to(tiny_llama_dir, monkey
     outs = {}
     for populate in (True, False):
         llm = LLM(tiny_llama_dir, kv_populate=populate, **kw)
-        kv = llm.engine.runner.kv_cache
+        kv, fault = llm.engine.runner.kv_cache, llm.engine.runner.kv_fault
+        if populate and fault is not None:  # faulting in on a thread (kernels/fault_in.py)
+            assert fault.wait(60) and fault.error is None and fault.seconds is not None
         resident, pages = _resident_pages(kv)
         if populate:
             assert resident == pages

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from pdserve.common import model_files
-from pdserve.common.model_files import BUILTIN_MODELS, default_cache_dir, resolve_model
+from pdserve.common.model_files import (
+    BUILTIN_MODELS,
+    default_cache_dir,
+    existing_model_dir,
+    resolve_model,
+)
 
 BUILTIN = "smollm2-135m-instruct"
 
@@ -168,3 +173,24 @@ def test_gguf_cache_key_follows_file_changes(fake_gguf: Path, tmp_path: Path, mo
     os.utime(fake_gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert resolve_model(str(fake_gguf), tmp_path / "c") != first
     assert len(calls) == 2
+
+
+def test_existing_model_dir_never_converts(fake_gguf: Path, tmp_path: Path, monkeypatch) -> None:
+    """What a node's HTTP process uses to load the tokenizer while its engine starts: the
+    directory `resolve_model` gives, only where nothing needs converting."""
+    calls: list[Path] = []
+    monkeypatch.setattr(model_files, "_convert", _fake_convert(calls))
+    cache = tmp_path / "c"
+    assert existing_model_dir(str(fake_gguf), cache) is None  # not converted yet
+    assert not calls and not (cache / "models").exists()  # and nothing was done
+    converted = resolve_model(str(fake_gguf), cache)
+    assert existing_model_dir(str(fake_gguf), cache) == converted
+    assert existing_model_dir(str(converted)) == converted  # a model directory
+    assert existing_model_dir(str(tmp_path / "nowhere")) is None
+    assert existing_model_dir("no-such-builtin") is None
+    assert len(calls) == 1
+
+
+@pytest.mark.slow
+def test_existing_model_dir_of_the_builtin_is_its_conversion(smollm2_dir: Path) -> None:
+    assert existing_model_dir(BUILTIN) == smollm2_dir

@@ -96,6 +96,29 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike | None = None)
     )
 
 
+def existing_model_dir(
+    name_or_path: str, cache_dir: str | os.PathLike | None = None
+) -> Path | None:
+    """What `resolve_model` returns, where that needs no conversion (a model directory, or
+    a GGUF converted before); else None. Never converts, never raises."""
+    try:
+        models = Path(cache_dir or default_cache_dir()).expanduser().resolve() / "models"
+        path = Path(name_or_path).expanduser()
+        if name_or_path in BUILTIN_MODELS:
+            gguf = BUILTIN_MODELS[name_or_path].gguf_path()
+            out = models / f"{name_or_path}-{_short_hash(gguf.name, gguf.stat().st_size)}"
+        elif path.is_dir():
+            out = path.resolve()
+        elif path.is_file() and path.suffix == ".gguf":
+            st = path.stat()
+            out = models / f"{path.stem}-{_short_hash(path.name, st.st_size, st.st_mtime_ns)}"
+        else:
+            return None
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return out if (out / "config.json").is_file() else None
+
+
 def _short_hash(*parts: object) -> str:
     return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:12]
 

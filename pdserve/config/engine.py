@@ -92,8 +92,9 @@ class CacheSettings(Settings):
     )
     kv_populate: bool = setting(
         True,
-        "CPU: fault the whole KV cache in at start (seconds per GiB in some VMs), so the "
-        "first requests do not pay page faults; false: a faster start",
+        "CPU: fault the KV cache in from a thread (seconds per GiB in some VMs), lowest "
+        "blocks first, while the model loads and on after the node is ready, so the first "
+        "requests do not pay page faults; false: each page faults in at its first write",
     )
 
 
