@@ -21,6 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("pdserve.cluster.launch_cli", "launch a whole cluster from one YAML file"),
     "config": ("pdserve.cluster.config_cli", "check a cluster config file, or print its reference"),
     "status": ("pdserve.cluster.status", "show a running cluster (processes, health, registry)"),
+    "restart": (
+        "pdserve.cluster.restart_cli",
+        "restart a launched cluster's nodes one at a time, their streams moved elsewhere",
+    ),
     "router": (
         "pdserve.router.cli",
         "the cluster's front door: OpenAI API over prefill/decode nodes",

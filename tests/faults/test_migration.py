@@ -267,3 +267,65 @@ def _model_dir() -> str:
     from pdserve.common.model_files import resolve_model
 
     return str(resolve_model(MODEL))
+
+
+def test_rolling_restart_of_both_decode_nodes_drops_nothing(cluster):
+    """`pdserve restart decode` under a steady load (short streamed and buffered requests,
+    and two long greedy streams): each decode node in turn drains, handing its router
+    streams back to the router, which moves them to the other one; the launcher starts it
+    again; the next goes only once the router has the first back. Nothing fails, the long
+    streams end equal to transformers, and each node is back in seconds (its drain does not
+    wait for the long streams)."""
+    import subprocess
+    import sys
+
+    from tests.faults.harness import Load
+    from tests.servers import ROOT
+
+    c = cluster
+    wait_up(c)
+    wait_serving(c.router_url, 180)
+    hf = load_hf(_model_dir())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_model_dir())
+    long = [
+        Stream(c.router_url, "completions", {"prompt": p, "max_tokens": MAX_TOKENS,
+                                             "temperature": 0, "ignore_eos": True})
+        for p in PROMPTS
+    ]  # fmt: skip
+    m0 = migrations(c)
+    load = Load([c.router_url], clients=3, seed=7).start()
+    for s in long:
+        s.start()
+    deadline = time.monotonic() + 120
+    while any(s.events < 3 for s in long):
+        assert time.monotonic() < deadline and all(s.is_alive() for s in long)
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pdserve", "restart", "decode", "--run-dir", str(c.run_root),
+         "--cluster", c.config["cluster"], "--timeout-s", "240"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    took = time.monotonic() - t0
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(f"\n{done.stdout}rolling restart of 2 decode nodes under load: {took:.1f} s")
+    time.sleep(2.0)  # the load goes on over the restarted nodes
+    load.stop()
+    summary = load.summary()
+    assert set(summary) == {"ok"} and summary["ok"] > 10, summary
+    for s, p in zip(long, PROMPTS):
+        s.join(120)
+        assert not s.is_alive() and s.error is None and s.done, s.error
+        ids = tok.encode(p, add_special_tokens=False)
+        want = tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+        assert s.texts == {0: want} and s.finish == {0: "length"}
+    assert migrations(c) - m0 >= 1  # a drained node's streams moved
+    # ... handed back by the draining node (an error event with code "draining"), not cut
+    # off when its drain timed out
+    router_log = open(c.service("router")["log"]).read()
+    assert "this node is draining" in router_log, router_log[-3000:]
+    for name in DECODES:  # each exited well before a long stream's end
+        exited = [ln for ln in done.stdout.splitlines() if f"{name}: exited after" in ln]
+        assert exited and float(exited[0].split("after ")[1].split(" s")[0]) < 10, done.stdout
