@@ -2,14 +2,14 @@
 
 NAME is a node (`decode-0`) or a group (`decode`: every `decode-<i>`). The launcher's state
 comes from the newest cluster.json under `--run-dir` (or the `--cluster` one). Each node in
-turn gets SIGTERM on its process group, and drains: no new requests, and every stream that
+turn gets SIGTERM, and drains: no new requests, and every stream that
 came through the router is handed back to it, which moves the stream to another decode
 node (router/migration.py); the launcher's supervisor then starts it again. The next node
 is restarted only once this one is back: healthy in the launcher's view with a new pid and,
 where the router answers `/cluster`, registered there again with a new epoch, healthy and
 with its breaker closed, so that a group always keeps a node to take the streams. A node
 that is not back within `--timeout-s` stops the restart with an error (the others are left
-as they are). Local launcher only: a Ray-launched node's pid belongs to another host.
+as they are); one still starting when its turn comes is waited for first. Local launcher only: a Ray-launched node's pid belongs to another host.
 """
 
 from __future__ import annotations
@@ -75,16 +75,36 @@ class Watch:
             return None
 
 
-def restart_one(watch: Watch, svc: dict, timeout_s: float, say) -> float:
+def wait_serving(watch: Watch, name: str, timeout_s: float, say) -> dict:
+    """The node's service once it is up in the launcher's view and, where the router
+    answers, healthy there with its breaker closed (a node still starting is waited for)."""
+    deadline = time.monotonic() + timeout_s
+    said = False
+    while True:
+        svc = watch.service(name)
+        if svc["state"] == "failed":
+            raise SystemExit(f"pdserve restart: {name} has failed; see {svc['log']}")
+        if svc["state"] == "up" and svc["pid"]:
+            seen = watch.router_view(svc["url"])
+            if seen is None or (seen.get("healthy") and seen.get("breaker") == "closed"):
+                return svc
+        if time.monotonic() > deadline:
+            raise SystemExit(f"pdserve restart: {name} not serving after {timeout_s:g} s")
+        if not said:
+            say(f"[restart] {name}: waiting for it to serve first ({svc['state']})")
+            said = True
+        time.sleep(0.2)
+
+
+def restart_one(watch: Watch, name: str, timeout_s: float, say) -> float:
     """SIGTERM one node and wait until it serves again; its seconds."""
-    name, old_pid = svc["name"], svc["pid"]
-    if svc["state"] != "up" or not old_pid:
-        raise SystemExit(f"pdserve restart: {name} is {svc['state']}, not up: not restarting")
+    svc = wait_serving(watch, name, timeout_s, say)
+    old_pid = svc["pid"]
     before = watch.router_view(svc["url"]) or {}
     t0 = time.monotonic()
     say(f"[restart] {name}: SIGTERM to pid {old_pid} (draining)")
     try:
-        os.killpg(old_pid, signal.SIGTERM)
+        os.kill(old_pid, signal.SIGTERM)  # the node drains, then stops what it started
     except ProcessLookupError:
         pass  # it exited on its own just now: the supervisor brings it back all the same
     deadline = t0 + timeout_s
@@ -128,5 +148,9 @@ def run(args: argparse.Namespace) -> None:
     targets = chosen(state["services"], args.names)
     t0 = time.monotonic()
     for svc in targets:
-        restart_one(watch, watch.service(svc["name"]), args.timeout_s, print)
+        # the others of its kind serve first: they take its streams and its requests
+        for other in state["services"]:
+            if other["kind"] == svc["kind"] and other["name"] != svc["name"]:
+                wait_serving(watch, other["name"], args.timeout_s, print)
+        restart_one(watch, svc["name"], args.timeout_s, print)
     print(f"[restart] {len(targets)} node(s) restarted in {time.monotonic() - t0:.1f} s")

@@ -81,7 +81,11 @@ def run_engine_core(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
+    # The frontend decides when we stop: Ctrl-C, and a SIGTERM sent to the node's whole
+    # process group or cgroup (a launcher's, systemd's), reach it too, and it drains its
+    # requests before it stops us. We die with it anyway (SIGKILL on its death).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent_pid)
     proc = EngineCoreProc(config, addresses, kv_factory)
     proc.run()

@@ -27,6 +27,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import time
 import weakref
@@ -267,6 +268,8 @@ def _may_have_children():
 
 def _worker_main(config, arch, model_dir, num_blocks, rank, store, conn, parent) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s: %(message)s")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the leader stops us (see core_proc)
+        signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent)
     try:
         runner = TPRank(config, arch, model_dir, num_blocks, rank, store)
