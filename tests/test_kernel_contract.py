@@ -1,5 +1,5 @@
-"""The kernel contract's shape: the engine imports `pdserve.kernels.ops` only (hugepages, a
-memory utility, aside); each C++ source has its wrapper of the same name and its entry
+"""The kernel contract's shape: the engine imports `pdserve.kernels.ops` only (hugepages and
+fault_in, memory utilities, aside); each C++ source has its wrapper of the same name and its entry
 points declared in kernels/native.py; every op set offers every op of the reference."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pdserve.kernels import cpu_ops, native
 from pdserve.kernels import reference as ref
 
 ROOT = Path(__file__).resolve().parent.parent
-ALLOWED = {"pdserve.kernels.ops", "pdserve.kernels.hugepages"}
+# the contract, and two memory utilities (huge pages; the KV cache's background fault-in)
+ALLOWED = {"pdserve.kernels.ops", "pdserve.kernels.hugepages", "pdserve.kernels.fault_in"}
 
 
 def _kernel_imports(path: Path) -> set[str]:
