@@ -40,6 +40,7 @@ from pdserve.engine.messages import (
     OutputBatch,
     OutputCodec,
     Ready,
+    RequestState,
     Shutdown,
     UtilityResult,
 )
@@ -164,6 +165,11 @@ class EngineCoreClient:
         return q
 
     @property
+    def open_request_ids(self) -> list[str]:
+        """Requests given to the engine whose outputs this process still waits for."""
+        return list(self._queues)
+
+    @property
     def num_open(self) -> int:
         """Requests given to the engine and not yet finished: the work it holds."""
         return len(self._queues)
@@ -182,7 +188,12 @@ class EngineCoreClient:
 
     async def check_integrity(self) -> str | None:
         """None when the engine's KV invariants hold, else the violation."""
-        return (await self._call(CheckIntegrity(call_id=next(self._call_ids)))).error
+        return (await self.debug_state())[0]
+
+    async def debug_state(self) -> tuple[str | None, list[RequestState]]:
+        """(the violated KV invariant or None, every unfinished request of the engine)."""
+        result = await self._call(CheckIntegrity(call_id=next(self._call_ids)))
+        return result.error, result.requests or []
 
     async def get_cached_hashes(self) -> list[bytes]:
         """Every block hash in the engine's prefix cache now."""

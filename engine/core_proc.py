@@ -263,7 +263,14 @@ class EngineCoreProc:
                 core.check_integrity()
             except Exception as e:  # BlockPoolError, or a KV role's own invariant
                 error = f"{type(e).__name__}: {e}"
-            self.outputs.put(UtilityResult(call_id=msg.call_id, stats=core.stats(), error=error))
+            self.outputs.put(
+                UtilityResult(
+                    call_id=msg.call_id,
+                    stats=core.stats(),
+                    error=error,
+                    requests=core.scheduler.describe(),
+                )
+            )
         elif isinstance(msg, GetCachedHashes):
             hashes = core.kv.pool.cached_hashes()
             self.outputs.put(

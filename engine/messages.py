@@ -77,10 +77,25 @@ class OutputBatch(msgspec.Struct, tag=True, kw_only=True):
     kv_store_saved: list[bytes] = msgspec.field(default_factory=list)
 
 
+class RequestState(msgspec.Struct, kw_only=True):
+    """One unfinished request of the engine, as `/debug/engine` shows it."""
+
+    request_id: str
+    queue: str  # running | waiting | waiting_for_kv | loading_from_store
+    status: str
+    prompt_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    max_tokens: int | None
+    age_s: float
+    remote_prefill: str | None = None
+
+
 class UtilityResult(msgspec.Struct, tag=True, kw_only=True):
     call_id: int
     stats: EngineStats | None = None
     error: str | None = None  # CheckIntegrity: the violated invariant, None when it holds
+    requests: list[RequestState] | None = None  # CheckIntegrity: every unfinished request
     cached_hashes: list[bytes] | None = None  # GetCachedHashes
 
 

@@ -24,11 +24,13 @@ front, where it finds them as a local prefix hit.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.messages import RequestState
 from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampled
@@ -80,6 +82,31 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote_waiting or self.store_loading)
+
+    def describe(self) -> list[RequestState]:
+        """Every unfinished request and where it is (for `/debug/engine`)."""
+        now = time.monotonic()
+        queues = (
+            ("running", self.running),
+            ("waiting", self.waiting),
+            ("waiting_for_kv", self.remote_waiting.values()),
+            ("loading_from_store", self.store_loading.values()),
+        )
+        return [
+            RequestState(
+                request_id=r.request_id,
+                queue=queue,
+                status=r.status.name.lower(),
+                prompt_tokens=r.num_prompt_tokens,
+                computed_tokens=r.num_computed_tokens,
+                output_tokens=len(r.output_token_ids),
+                max_tokens=r.sampling_params.max_tokens,
+                age_s=round(now - r.arrival_time, 3),
+                remote_prefill=r.remote_prefill,
+            )
+            for queue, requests in queues
+            for r in requests
+        ]
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -194,12 +194,15 @@ def build_app(
     @app.get("/debug/engine")
     async def debug_engine(request: Request) -> JSONResponse:
         llm: AsyncLLM = request.app.state.llm
-        violation = await llm.check_integrity()
+        violation, requests = await llm.client.debug_state()
         stats = await llm.get_stats()
         return JSONResponse(
             {
                 "stats": {f: getattr(stats, f) for f in stats.__struct_fields__},
                 "integrity": {"ok": violation is None, "error": violation},
+                # every request the engine holds, and those this process still streams
+                "requests": msgspec.to_builtins(requests),
+                "open_here": sorted(llm.client.open_request_ids),
             }
         )
 

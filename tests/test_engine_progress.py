@@ -59,8 +59,16 @@ def test_a_node_waiting_for_kv_shows_progress_and_an_idle_one_none(tiny_llama_di
                 engine = httpx.get(f"{durl}/v1/node", timeout=5).json()["engine"]
                 seen.append((time.monotonic() - t0, engine["steps"], engine["busy"]))
                 time.sleep(0.2)
+            # /debug/engine names the request and where it waits, in both processes
+            debug = httpx.get(f"{durl}/debug/engine", timeout=5).json()
         finally:
             signal_tree(pproc.pid, signal.SIGCONT)
+        (held,) = debug["requests"]
+        assert held["queue"] == "waiting_for_kv" and held["remote_prefill"] == ctl, held
+        assert held["prompt_tokens"] == 40 and held["output_tokens"] == 0
+        assert held["max_tokens"] == 4 and held["age_s"] > 4.0
+        assert [rid.split("-")[0] for rid in debug["open_here"]] == ["cmpl"], debug
+        assert held["request_id"].startswith(debug["open_here"][0])
         sender.join(120)
         assert answers and answers[0].status_code == 200, answers
         waiting = [(t, steps) for t, steps, busy in seen if busy and t > 0.5]
