@@ -9,7 +9,10 @@ is restarted only once this one is back: healthy in the launcher's view with a n
 where the router answers `/cluster`, registered there again with a new epoch, healthy and
 with its breaker closed, so that a group always keeps a node to take the streams. A node
 that is not back within `--timeout-s` stops the restart with an error (the others are left
-as they are); one still starting when its turn comes is waited for first. Local launcher only: a Ray-launched node's pid belongs to another host.
+as they are); one still starting when its turn comes is waited for first. The only node of
+its kind is refused (nothing would take its streams) unless `--force`. Each restart is one
+of the supervisor's restarts (`launcher.restart`): with restarts off, or at
+`max_restarts`, the node stays down, and the command says so. Local launcher only: a Ray-launched node's pid belongs to another host.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", default="runs", help="where the launcher's cluster.json is")
     p.add_argument("--cluster", default=None, help="cluster name (default: the newest run)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="per node, to be back")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="restart a node that is the only one of its kind (its streams and requests fail)",
+    )
 
 
 def chosen(services: list[dict], names: list[str]) -> list[dict]:
@@ -148,6 +156,14 @@ def run(args: argparse.Namespace) -> None:
     targets = chosen(state["services"], args.names)
     t0 = time.monotonic()
     for svc in targets:
+        peers = [
+            s for s in state["services"] if s["kind"] == svc["kind"] and s["name"] != svc["name"]
+        ]
+        if not peers and not args.force:
+            raise SystemExit(
+                f"pdserve restart: {svc['name']} is the only {svc['kind']} node: nothing "
+                "would take its streams (--force restarts it anyway)"
+            )
         # the others of its kind serve first: they take its streams and its requests
         for other in state["services"]:
             if other["kind"] == svc["kind"] and other["name"] != svc["name"]:

@@ -57,11 +57,14 @@ class AsyncLLM:
             self.info = await self.client.start()
         except BaseException:
             if early is not None:
+                early.add_done_callback(lambda t: t.cancelled() or t.exception())
                 early.cancel()
             raise
         if early is not None and Path(self.info.model_dir) == early_dir:
             self.tokenizer = await early
         else:
+            if early is not None:  # not the engine's directory: its outcome is dropped
+                early.add_done_callback(lambda t: t.cancelled() or t.exception())
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.info.model_dir)
 
     async def shutdown(self) -> None:

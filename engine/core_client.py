@@ -129,11 +129,8 @@ class EngineCoreClient:
         if self.proc is not None and self.proc.is_alive():
             self._send(Shutdown())
             await asyncio.to_thread(self.proc.join, timeout_s)
-            if self.proc.is_alive():
-                logger.warning("engine did not stop in %.0f s; terminating it", timeout_s)
-                self.proc.terminate()
-                await asyncio.to_thread(self.proc.join, 2.0)
-            if self.proc.is_alive():
+            if self.proc.is_alive():  # it ignores SIGTERM (engine/core_proc.py)
+                logger.warning("engine did not stop in %.0f s; killing it", timeout_s)
                 self.proc.kill()
                 await asyncio.to_thread(self.proc.join, 2.0)
         self._ctx.destroy(linger=0)

@@ -81,13 +81,13 @@ def run_engine_core(
     logging.basicConfig(
         level=log_level, format="%(asctime)s %(levelname)s [engine] %(name)s: %(message)s"
     )
-    # The frontend decides when we stop: Ctrl-C, and a SIGTERM sent to the node's whole
-    # process group or cgroup (a launcher's, systemd's), reach it too, and it drains its
-    # requests before it stops us. We die with it anyway (SIGKILL on its death).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop
     die_with_parent(parent_pid)
     proc = EngineCoreProc(config, addresses, kv_factory)
+    # Loaded: a SIGTERM sent to the node's whole process group or cgroup (a launcher's
+    # stop, systemd's) now reaches us too, and the node drains its requests before it
+    # stops us. (While loading, it still ends us: a node stopped while it starts exits.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     proc.run()
     # Everything was closed in order in `run`, the NIXL agent included (destroyed by
     # `NixlTransport.close` on this thread), so the interpreter's normal teardown is left
@@ -268,7 +268,7 @@ class EngineCoreProc:
                     call_id=msg.call_id,
                     stats=core.stats(),
                     error=error,
-                    requests=core.scheduler.describe(),
+                    requests=core.scheduler.describe(core.grammars.requests()),
                 )
             )
         elif isinstance(msg, GetCachedHashes):

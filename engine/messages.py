@@ -81,7 +81,7 @@ class RequestState(msgspec.Struct, kw_only=True):
     """One unfinished request of the engine, as `/debug/engine` shows it."""
 
     request_id: str
-    queue: str  # running | waiting | waiting_for_kv | loading_from_store
+    queue: str  # compiling_grammar | running | waiting | waiting_for_kv | loading_from_store
     status: str
     prompt_tokens: int
     computed_tokens: int

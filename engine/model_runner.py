@@ -122,7 +122,12 @@ class ModelRunner:
         self.kv_fault: BackgroundFault | None = None
         populated = self._populate_kv(config.cache.kv_populate)
         t0 = time.perf_counter()
-        model = self._load_model(arch, ops, model_dir)
+        try:
+            model = self._load_model(arch, ops, model_dir)
+        except BaseException:
+            if self.kv_fault is not None:  # no engine: let the cache go
+                self.kv_fault.stop()
+            raise
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         if mc.cpu_onednn and onednn_available(self.device, self.dtype):

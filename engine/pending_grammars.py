@@ -24,6 +24,9 @@ class PendingGrammars:
     def __len__(self) -> int:
         return len(self._waits)
 
+    def requests(self) -> list[Request]:
+        return [req for req, _, _ in self._waits.values()]
+
     def start(self, req: Request, grammar: str) -> bool:
         """True if `req.grammar` is set now (a cached compile); else it waits here."""
         fut = self.compiler.submit(grammar)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import SchedulerConfig
@@ -83,10 +84,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.remote_waiting or self.store_loading)
 
-    def describe(self) -> list[RequestState]:
-        """Every unfinished request and where it is (for `/debug/engine`)."""
+    def describe(self, compiling: Iterable[Request] = ()) -> list[RequestState]:
+        """Every unfinished request and where it is (for `/debug/engine`); `compiling`:
+        those not here yet, waiting for their grammar."""
         now = time.monotonic()
         queues = (
+            ("compiling_grammar", compiling),
             ("running", self.running),
             ("waiting", self.waiting),
             ("waiting_for_kv", self.remote_waiting.values()),

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import make_tiny_llama
 from tests.servers import ROOT
@@ -179,8 +180,12 @@ def test_node_start(tiny_model, tmp_path):
         assert 0 < r["healthy_s"] < r["burst_done_at_s"] and r["burst_ttft_s"]["max"] > 0
         assert r["split_s"]["load_s"] is not None and r["split_s"]["pack_s"] is not None
         assert r["node_rss_mib"]["engine"] > 0 and r["node_rss_mib"]["http"] > 0
-    assert background["split_s"]["kv_fault_s"] is not None  # the thread logged its end
-    assert background["kv_faulted_in_at_s"] > 0 and lazy["kv_faulted_in_at_s"] is None
+    assert lazy["kv_faulted_in_at_s"] is None
+    from pdserve.kernels.hugepages import populate
+
+    if populate(torch.zeros(1 << 20)):  # MADV_POPULATE_WRITE here: the thread ran
+        assert background["split_s"]["kv_fault_s"] is not None  # and logged its end
+        assert background["kv_faulted_in_at_s"] > 0
 
 
 def test_kv_checksum(tmp_path):

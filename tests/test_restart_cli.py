@@ -56,3 +56,7 @@ def test_no_cluster_and_a_ray_cluster_are_refused(tmp_path):
     (run / "cluster.json").write_text(json.dumps(state | {"services": SERVICES[:1]}))
     done = restart("decode", "--run-dir", str(tmp_path))
     assert done.returncode == 1 and "no node or group 'decode' (nodes: none)" in done.stderr
+    # the only node of its kind: nothing would take its streams
+    (run / "cluster.json").write_text(json.dumps(state | {"services": SERVICES[:3]}))
+    done = restart("prefill", "--run-dir", str(tmp_path))
+    assert done.returncode == 1 and "prefill-0 is the only prefill node" in done.stderr
