@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.servers import descendants, free_port  # noqa: E402
+from tests.servers import descendants, free_port, wait_healthy  # noqa: E402
 
 BURST, PROMPT_TOKENS, OUT_TOKENS = 16, 128, 16
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
@@ -99,17 +99,10 @@ def one_run(mode: str, seed: int, args) -> dict:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"node exited with {proc.returncode}; log {log}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 600:
-                raise RuntimeError(f"not healthy in 600 s; log {log}")
-            time.sleep(0.05)
+        try:
+            wait_healthy(url, proc, timeout_s=600, poll_s=0.05)
+        except AssertionError as e:
+            raise RuntimeError(f"{e}; log {log}") from None
         healthy_s = time.monotonic() - t0
         ttfts = asyncio.run(burst(url, seed))
         burst_end_s = time.monotonic() - t0

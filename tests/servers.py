@@ -97,7 +97,9 @@ def launch_server(
     return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, cwd=ROOT)
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+def wait_healthy(
+    url: str, proc: subprocess.Popen, timeout_s: float = 300, poll_s: float = 0.5
+) -> None:
     """Wait for the server's /health; one that is not healthy in time is killed (with its
     children), so that a failed fixture leaves no server behind for the rest of the run."""
     deadline = time.monotonic() + timeout_s
@@ -111,7 +113,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> No
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
 
 
 def start_server(args: list[str], command: str = "serve") -> tuple[str, subprocess.Popen]:
