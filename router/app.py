@@ -55,6 +55,7 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
         app.state.view, app.state.membership, app.state.metrics = view, membership, metrics
         app.state.serving = RouterServing(config, Selector(config, view, membership), tok, metrics)
         await membership.start()
+        watch = asyncio.create_task(app.state.serving.watch.run(), name="stream-watch")
         # What startup made (modules, schemas, the tokenizer) lives as long as the process:
         # out of the collector's sight, so that an occasional full collection does not walk
         # it (~0.1 s every ~2,000 requests before, a latency spike for the requests it hit).
@@ -69,6 +70,7 @@ def build_app(config: RouterConfig, tokenizer: RouterTokenizer | None = None) ->
         try:
             yield
         finally:
+            watch.cancel()
             await membership.stop()
             await view.aclose()
 

@@ -41,6 +41,8 @@ class RouterConfig:
     request_timeout_s: float = default(S, "request_timeout_s")
     max_retries: int = default(S, "max_retries")
     max_migrations: int = default(S, "max_migrations")
+    migrate_buffered: bool = default(S, "migrate_buffered")
+    migrate_silent_after_s: float = default(S, "migrate_silent_after_s")
     breaker_failures: int = default(S, "breaker_failures")
     breaker_cooldown_s: float = default(S, "breaker_cooldown_s")
     engine_stuck_after_s: float = default(S, "engine_stuck_after_s")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from pdserve.api.protocol import ErrorInfo, ErrorResponse
+from pdserve.router.nodes import NodeState
 from pdserve.router.relay import (
     DONE,
     NODE_ERRORS,
@@ -84,15 +85,24 @@ class StreamRelay:
         self.migrations = 0
         self.done = False  # `[DONE]` seen
         self.error: bytes | None = None  # the error event that ended a node's stream
+        # what router/stream_watch.py looks at: the node stream being read, its node, and
+        # when its last bytes came
+        self.reading: OpenStream | None = None
+        self.node: NodeState | None = None
+        self.last_read = self.start
 
     async def relay(self, s: OpenStream, release: Release) -> AsyncIterator[bytes]:
         """The held events, then the rest of the node's stream, across migrations. Events
         that arrived together leave together (one write)."""
         gap_from: float | None = None
         path = ""
+        watch = self.serving.watch
+        watch.relays.add(self)
         try:
             while True:
                 failure = "ended the stream early"
+                self.reading, self.node = s, release.d.decode
+                self.last_read = time.monotonic()
                 try:
                     for events in _reads(s):
                         out = self._pass(events)
@@ -106,6 +116,7 @@ class StreamRelay:
                             break
                     else:
                         async for data in s.rest:
+                            self.last_read = time.monotonic()
                             out = self._pass(s.splitter.feed(data))
                             if out:
                                 if gap_from is not None:
@@ -117,6 +128,7 @@ class StreamRelay:
                                 break
                 except NODE_ERRORS as e:
                     failure = f"broke: {type(e).__name__}: {e}"
+                self.reading = None
                 if self.done:
                     return
                 node = release.d.decode
@@ -139,6 +151,7 @@ class StreamRelay:
                 s, release, path = nxt
                 self.error = None
         finally:
+            watch.relays.discard(self)
             s.close()
             release.all()
 

@@ -137,6 +137,17 @@ class NodeResponse:
             self._finished = True
             self._conn.transport.close()
 
+    def abort(self, error: Exception) -> None:
+        """Fail this answer now: a pending or later read raises `error`, and the
+        connection is dropped at once (no wait for its write buffer: the node may be gone)."""
+        if not self._finished:
+            self._finished = True
+            conn = self._conn
+            if conn.error is None:
+                conn.error = error
+            conn.transport.abort()
+            conn._wake()
+
 
 class _Conn(asyncio.Protocol):
     def __init__(self) -> None:

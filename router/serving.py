@@ -27,6 +27,7 @@ from pdserve.common.errors import InvalidRequestError
 from pdserve.common.off_loop import off_loop, text_size
 from pdserve.common.request_cost import meter_for
 from pdserve.common.sampling_rules import INT32_MAX, check_sampling_values, check_token_ids
+from pdserve.router.buffered import collect
 from pdserve.router.client_watch import ClientWatch
 from pdserve.router.config import RouterConfig
 from pdserve.router.metrics import RouterMetrics
@@ -41,6 +42,7 @@ from pdserve.router.relay import (
 )
 from pdserve.router.request_ids import RequestIds
 from pdserve.router.selector import Decision, Selector
+from pdserve.router.stream_watch import StreamWatch
 from pdserve.router.streamed import WATCH, Relayed, RelayResponse, Release
 from pdserve.router.token_budget import TokenBudget, client_key
 from pdserve.router.tokenizer import RouterTokenizer
@@ -74,6 +76,7 @@ class RouterServing:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.request_id = RequestIds()
+        self.watch = StreamWatch(config.migrate_silent_after_s)  # run by the app's lifespan
         self.budget = TokenBudget(
             config.prompt_tokens_per_minute_per_key, config.max_prompt_tokens_per_request
         )
@@ -184,6 +187,10 @@ class RouterServing:
         first = self.selector.begin(tokens, set(), salt)
         try:
             body, path = self._node_body(route, req, prompts, limits)
+            via_stream = self._via_stream(req, prompts)
+            if via_stream:  # router/buffered.py
+                body["stream"] = True
+                body["stream_options"] = {"include_usage": True}
             if salt:
                 body["cache_salt"] = salt
             if self.budget.enabled:  # after the checks: a refused request is not charged
@@ -219,10 +226,11 @@ class RouterServing:
                 body.pop("kv_transfer_params", None)
             content = encode_body(body)
             ctx = None
-            if req.stream:
+            if req.stream or via_stream:
                 headers[TOKEN_IDS_HEADER] = "1"
-                ctx = StreamContext(path, body, tokens, salt, rid, attempt, req.include_usage,
-                                    req.n, excluded, migratable=len(prompts) == 1 and
+                ctx = StreamContext(path, body, tokens, salt, rid, attempt,
+                                    req.include_usage or via_stream, req.n, excluded,
+                                    migratable=len(prompts) == 1 and
                                     not getattr(req, "tools", None))  # fmt: skip
             logger.info(
                 "request %s attempt %d: %d tokens -> decode %s, prefill %s (predicted hit %d)",
@@ -252,6 +260,17 @@ class RouterServing:
         if last is not None:
             return error_response(502, str(last), "server_error", code="upstream_error")
         raise NoNodeError("no healthy decode node is available")
+
+    def _via_stream(self, req, prompts: list[list[int]]) -> bool:
+        """A non-streamed request the node serves as a stream, so it migrates
+        (router/buffered.py): one prompt, no tools, no echo."""
+        return (
+            not req.stream
+            and self.config.migrate_buffered
+            and len(prompts) == 1
+            and not getattr(req, "tools", None)
+            and not getattr(req, "echo", False)
+        )
 
     def cache_salt(self, req, scope) -> str:
         """The request's `cache_salt`; with `cache_salt_per_client`, a digest of the client
@@ -320,7 +339,7 @@ class RouterServing:
             d.prefill.prefill_blocks += d.prompt_blocks
         release = Release(d)
         try:
-            if not req.stream:
+            if ctx is None:  # a buffered request that does not migrate
                 resp = await guarded(send_json(node, path, body, headers))
                 if resp is None:
                     return Response(status_code=499)
@@ -345,6 +364,15 @@ class RouterServing:
             relay = StreamRelay(self, ctx).relay(opened, release)
             events = Relayed(relay, opened, release)
             release = None  # the relay releases from now on, even if never iterated
+            if not req.stream:  # buffered: the whole answer, read from the stream
+                try:
+                    got = await guarded(collect(events, route == "chat"))
+                finally:
+                    await events.aclose()
+                if got is None:
+                    return Response(status_code=499)
+                return Response(got[1], status_code=got[0], media_type="application/json",
+                                headers={"X-Request-Id": rid})  # fmt: skip
             return RelayResponse(
                 events, media_type="text/event-stream", headers={"X-Request-Id": rid}
             )

@@ -42,6 +42,18 @@ class RouterSettings(RequestCostSettings):
         "node fails (0: never; the client then gets an error event)",
         ge=0,
     )
+    migrate_buffered: bool = setting(
+        True,
+        "serve non-streamed requests from the decode node as streams, so that they migrate "
+        "like streams when their node fails (false: retried from the start, max_retries)",
+    )
+    migrate_silent_after_s: float = setting(
+        3.0,
+        "a stream silent this long on a decode node out of service (failed health probe, "
+        "open breaker, stuck engine) is cut and moves to another decode node",
+        gt=0,
+        allow_inf_nan=False,
+    )
     health_interval_s: float = setting(1.0, "how often nodes are probed", gt=0)
     request_timeout_s: float = setting(600.0, "whole request deadline", gt=0)
     breaker_failures: int = setting(

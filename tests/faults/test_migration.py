@@ -155,6 +155,31 @@ class Stream(threading.Thread):
             self.started.set()
 
 
+class Buffered(threading.Thread):
+    """One non-streamed request (the router serves it from the node as a stream, so it
+    migrates too: router/buffered.py): its status and JSON body."""
+
+    def __init__(self, router: str, route: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = f"{router}/v1/{route}", body
+        self.status: int | None = None
+        self.answer: dict | None = None
+        self.error: str | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        self.started.set()
+        try:
+            r = httpx.post(self.url, json=self.body, timeout=120)
+            self.status, self.answer = r.status_code, r.json()
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.error = f"{type(e).__name__}: {e}"
+
+
+BUFFERED = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1, "stream": False}  # fmt: skip
+
+
 def bodies(tok) -> list[tuple[str, dict]]:
     greedy = [
         ("completions", {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -185,10 +210,15 @@ def place_on_one_node(c: Cluster, reqs: list[tuple[str, dict]]) -> tuple[str, li
     victim = next(n for n in DECODES if n != other)
     streams = []
     for route, body in reqs:
-        s = Stream(c.router_url, route, body)
+        s = (Buffered if body.get("stream") is False else Stream)(c.router_url, route, body)
         s.start()
         assert s.started.wait(240)
-        while s.events == 0 and s.is_alive():  # dispatched: the next one may go
+        if isinstance(s, Buffered):  # dispatched: counted by the router
+            deadline = time.monotonic() + 60
+            while selections(c)[victim] < after[victim] + len(streams) + 1:
+                assert time.monotonic() < deadline and s.is_alive(), "placement failed"
+                time.sleep(0.02)
+        while isinstance(s, Stream) and s.events == 0 and s.is_alive():  # dispatched
             time.sleep(0.02)
         streams.append(s)
         time.sleep(0.1)
@@ -210,19 +240,33 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     ref.run()
     assert ref.error is None and len(ref.texts) == 2, ref.error
     m0 = migrations(c)
-    victim, streams = place_on_one_node(c, reqs)
+    # the buffered request goes second to last: still generating when its node dies
+    victim, placed = place_on_one_node(c, [*reqs[:-1], ("completions", BUFFERED), reqs[-1]])
+    buffered = placed.pop(-2)
+    streams = placed
     deadline = time.monotonic() + 120
     while streams[-1].events < 3:  # every stream has sent text, none has ended
-        assert time.monotonic() < deadline and all(s.is_alive() for s in streams)
+        assert time.monotonic() < deadline and all(s.is_alive() for s in placed)
         time.sleep(0.02)
-    assert not any(s.finish for s in streams)
+    assert not any(s.finish for s in streams) and buffered.is_alive()
     os.killpg(c.service(victim)["pid"], signal.SIGKILL)
     t_kill = time.monotonic()
     for s in streams:
         s.join(120)
         assert not s.is_alive()
         assert s.error is None and s.done, s.error
-    print(f"\nall streams ended {time.monotonic() - t_kill:.1f} s after the kill")
+    buffered.join(120)
+    print(f"\nall requests ended {time.monotonic() - t_kill:.1f} s after the kill")
+    # buffered: one answer, transformers' text, every token's logprob once
+    ids = tok.encode(PROMPTS[0], add_special_tokens=False)
+    want = tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+    assert buffered.status == 200, (buffered.status, buffered.answer, buffered.error)
+    choice = buffered.answer["choices"][0]
+    assert choice["text"] == want and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["token_logprobs"]) == MAX_TOKENS
+    assert "".join(choice["logprobs"]["tokens"]) == want
+    assert buffered.answer["usage"]["completion_tokens"] == MAX_TOKENS
+    assert buffered.answer["usage"]["prompt_tokens"] == len(ids)
     # greedy: transformers' text, token for token
     for s, p in zip(streams[2:], PROMPTS):
         ids = tok.encode(p, add_special_tokens=False)
@@ -238,8 +282,49 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     doc = json.loads(streams[0].texts[0])
     jsonschema.validate(doc, SCHEMA)
     assert streams[0].finish == {0: "stop"}
-    assert migrations(c) - m0 == 4
+    assert migrations(c) - m0 == 5  # the buffered request's too
     wait_up(c)  # the launcher restarts the killed node
+
+
+def test_a_frozen_decode_node_s_streams_move_without_waiting_for_a_read_deadline(cluster):
+    """SIGSTOP (a hung host, or one cut off without a reset) leaves the connections open:
+    the streams just stop. The router's probes fail, and each stream silent for
+    `migrate_silent_after_s` (3 s) moves (router/stream_watch.py), long before the read
+    deadline (`request_timeout_s`, 600 s); both end equal to transformers."""
+    c = cluster
+    wait_up(c)
+    wait_serving(c.router_url, 180)
+    hf = load_hf(_model_dir())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(_model_dir())
+    reqs = [("completions", {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+                             "ignore_eos": True}) for p in PROMPTS]  # fmt: skip
+    m0 = migrations(c)
+    victim, streams = place_on_one_node(c, reqs)
+    deadline = time.monotonic() + 120
+    while streams[-1].events < 3:
+        assert time.monotonic() < deadline and all(s.is_alive() for s in streams)
+        time.sleep(0.02)
+    pgid = c.service(victim)["pid"]
+    os.killpg(pgid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        for s in streams:
+            s.join(90)
+            assert not s.is_alive() and s.error is None and s.done, s.error
+        took = time.monotonic() - t_stop
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    print(f"\nstreams of the frozen node ended {took:.1f} s after its SIGSTOP")
+    for s, p in zip(streams, PROMPTS):
+        ids = tok.encode(p, add_special_tokens=False)
+        want = tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+        assert s.texts == {0: want} and s.finish == {0: "length"}
+    assert migrations(c) - m0 == 2
+    router_log = open(c.service("router")["log"]).read()
+    assert "moving the stream" in router_log, router_log[-3000:]
+    wait_up(c)
 
 
 def test_every_decode_node_failing_ends_in_an_error(cluster):
