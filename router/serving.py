@@ -186,11 +186,8 @@ class RouterServing:
         salt = self.cache_salt(req, request.scope)  # the KV index is read under it
         first = self.selector.begin(tokens, set(), salt)
         try:
-            body, path = self._node_body(route, req, prompts, limits)
-            via_stream = self._via_stream(req, prompts)
-            if via_stream:  # router/buffered.py
-                body["stream"] = True
-                body["stream_options"] = {"include_usage": True}
+            via_stream = self._via_stream(req, prompts)  # router/buffered.py
+            body, path = self._node_body(route, req, prompts, limits, via_stream)
             if salt:
                 body["cache_salt"] = salt
             if self.budget.enabled:  # after the checks: a refused request is not charged
@@ -282,7 +279,9 @@ class RouterServing:
         h.update(b"\0" + salt.encode())
         return h.hexdigest()
 
-    def _node_body(self, route: str, req, prompts: list[list[int]], limits) -> tuple[dict, str]:
+    def _node_body(
+        self, route: str, req, prompts: list[list[int]], limits, via_stream: bool
+    ) -> tuple[dict, str]:
         """The sampling checks, then the body for the node (its prompt as token ids; the
         client's prompt/messages are neither dumped nor walked: a long prompt made both
         cost more than the rest of the request) and the node's path."""
@@ -294,7 +293,8 @@ class RouterServing:
             body["prompt_token_ids"] = prompts[0]
         else:
             body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
-        if req.stream:
+        if req.stream or via_stream:  # via_stream: a buffered request, asked as a stream
+            body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         return body, "/v1/chat/completions" if route == "chat" else "/v1/completions"
 
