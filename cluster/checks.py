@@ -31,10 +31,8 @@ def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Pro
                 ((role, "connector", "kind"), "must match the prefill group's connector kind")
             )
     problems += _backend_problems(cfg, role, group)
-    if group.tensor_parallel_size > 1 and group.count > 0:  # engine/tp_runner.py
-        problems.append(
-            ((role, "tensor_parallel_size"), "PD nodes run one rank for now (colocated only)")
-        )
+    if group.tensor_parallel_size > 1 and group.count > 0:
+        problems += _tp_problems(cfg, role, group, needs_connector)
     if role == "prefill" and group.kv_port is None and group.count > 0:
         problems.append(((role, "kv_port"), "prefill nodes need a KV control port"))
     for key in ("host", "port", "kv_port", "device"):
@@ -56,6 +54,23 @@ def _group_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Pro
     if "auto" in hosts and cfg.launcher.kind != "ray":
         problems.append(((role, "host"), "'auto' needs launcher.kind: ray"))
     return problems
+
+
+def _tp_problems(cfg: ClusterConfig, role: str, group: NodeGroup, pd: bool) -> list[Problem]:
+    """What a tensor-parallel group cannot run yet (engine/tp_runner.refuse_unsupported)."""
+    key = (role, "tensor_parallel_size")
+    if cfg.kv_store.backend is not None or any(
+        "transfer" not in b.roles for b in group.kv_backends or []
+    ):
+        return [(key, "a node with tensor_parallel_size > 1 has no KV store (yet)")]
+    if not pd:
+        return []
+    if group.connector is not None and group.connector.kind != "nixl":
+        return [((role, "connector", "kind"), "a PD group with tensor_parallel_size > 1: nixl")]
+    devices = group.device if isinstance(group.device, list) else [group.device]
+    if any(d != "cpu" for d in devices):
+        return [(key, "a PD group with tensor_parallel_size > 1 runs on cpu (for now)")]
+    return []
 
 
 def _backend_problems(cfg: ClusterConfig, role: str, group: NodeGroup) -> list[Problem]:

@@ -71,7 +71,7 @@ class DecodeRole:
         self._block_bytes = kv_bytes_per_block(
             core.arch, cfg.cache.block_size, cfg.model.torch_dtype
         )
-        self.connector.register_kv_cache(core.kv_cache)
+        self.connector.register_kv_cache(core.kv_ranks or core.kv_cache)
         self.connector.vocab_size = core.arch.vocab_size
         if poison_enabled():
             self.poison = PoisonAudit(core.kv_cache)

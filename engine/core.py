@@ -330,6 +330,11 @@ class EngineCore:
         """The model's KV cache tensors (`EngineHandle`: what a role's connector registers)."""
         return self.runner.kv_cache
 
+    @property
+    def kv_ranks(self):
+        """A tensor-parallel CPU node's every rank's KV cache (`KVRanks`); None for one device."""
+        return getattr(self.runner, "kv_ranks", None)
+
     def wait_step_done(self) -> None:
         """Block until the last step's kernels finished writing the KV cache."""
         self.runner.wait_step_done()

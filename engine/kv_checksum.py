@@ -17,17 +17,23 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from pdserve.engine.kv_tensor import KVRanks
+
 _GATHER_BLOCKS = 64  # CUDA: blocks copied to the host per batch (bounds the host buffer)
 
 
 def block_checksums(
-    kv_cache: torch.Tensor, block_ids: list[int], rows: list[int] | None = None
+    kv_cache: torch.Tensor | KVRanks, block_ids: list[int], rows: list[int] | None = None
 ) -> list[int]:
     """xxh3_64 of each of `block_ids` in `kv_cache` (`[L, 2, N, bs, Hkv, D]`); `rows[i]`:
     hash only the first `rows[i]` token rows of block i (a prompt's partly filled last
     block; None: whole blocks)."""
     if not block_ids:
         return []
+    if isinstance(kv_cache, KVRanks):  # a tensor-parallel node: every rank's heads
+        if len(kv_cache.caches) > 1:
+            return _ranked(kv_cache, block_ids, rows)
+        kv_cache = kv_cache.caches[0]
     if kv_cache.device.type != "cpu":
         return _gathered(kv_cache, block_ids, rows)
     raw = kv_cache.view(torch.uint8).numpy()  # [L, 2, N, bs, Hkv, D * itemsize], no copy
@@ -39,6 +45,21 @@ def block_checksums(
         for layer in range(num_layers):
             h.update(raw[layer, 0, b, :r])
             h.update(raw[layer, 1, b, :r])
+        out.append(h.intdigest())
+    return out
+
+
+def _ranked(ranks: KVRanks, block_ids: list[int], rows: list[int] | None) -> list[int]:
+    """The same checksums from a tensor-parallel node's rank caches: each block's rows
+    gathered into the one-device order (`KVRanks.logical_block`, a copy) and hashed."""
+    num_layers, full = ranks.caches[0].shape[0], ranks.caches[0].shape[3]
+    out = []
+    for i, b in enumerate(block_ids):
+        r = full if rows is None else rows[i]
+        h = xxhash.xxh3_64()
+        for layer in range(num_layers):
+            for kv in (0, 1):
+                h.update(_host_bytes(ranks.logical_block(layer, kv, b, r)))
         out.append(h.intdigest())
     return out
 

@@ -43,6 +43,11 @@ class EngineHandle(Protocol):
         """The model's KV cache tensors (what a connector registers)."""
         ...
 
+    @property
+    def kv_ranks(self) -> Any:
+        """A tensor-parallel CPU node's every rank's KV cache (`KVRanks`); None for one device."""
+        ...
+
     def wait_step_done(self) -> None:
         """Block until the last step's kernels finished writing the KV cache."""
         ...

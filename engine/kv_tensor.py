@@ -19,6 +19,8 @@ What differs is the storage behind it (`cache.kv_layout`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.kernels import hugepages
@@ -57,3 +59,64 @@ def allocate_kv_cache(
 def layout_of(kv_cache: torch.Tensor) -> str:
     """`layer_major` for a contiguous cache, `block_major` for the permuted view."""
     return LAYER_MAJOR if kv_cache.is_contiguous() else BLOCK_MAJOR
+
+
+def shared_kv_cache(
+    layout: str,
+    path: str,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The `[L, 2, N, bs, Hkv, D]` KV cache stored in the shared file `path` (MAP_SHARED),
+    in `layout` order: a tensor-parallel rank's cache, which its node's engine process maps
+    too (engine/tp_runner.py), so that one NIXL agent there moves every rank's blocks."""
+    if layout not in (LAYER_MAJOR, BLOCK_MAJOR):
+        raise ValueError(f"unknown KV cache layout {layout!r}")
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    numel = num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim
+    flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    if layout == LAYER_MAJOR:
+        return flat.view(shape)
+    return flat.view(num_blocks, num_layers, 2, *shape[3:]).permute(1, 2, 0, 3, 4, 5)
+
+
+@dataclass(frozen=True)
+class KVRanks:
+    """A tensor-parallel node's KV cache as the connector sees it: one tensor per rank, rank
+    r holding the model's KV heads `[head_starts[r], head_starts[r] + caches[r].shape[4])`
+    of `total_heads` (ranks share heads when there are fewer KV heads than ranks). Every
+    rank has the same blocks: block b of the node is block b of each rank."""
+
+    caches: tuple[torch.Tensor, ...]
+    head_starts: tuple[int, ...]
+    total_heads: int
+
+    def __post_init__(self) -> None:
+        if len(self.caches) != len(self.head_starts) or not self.caches:
+            raise ValueError("one head start per rank cache, at least one rank")
+        for c, s in zip(self.caches, self.head_starts):
+            if (
+                c.shape[:4] != self.caches[0].shape[:4]
+                or not 0 <= s <= self.total_heads - c.shape[4]
+            ):
+                raise ValueError(f"rank cache {tuple(c.shape)} at head {s} does not fit")
+
+    @property
+    def distinct(self) -> list[int]:
+        """The ranks that together hold every KV head once, in head order."""
+        seen, out = set(), []
+        for r in sorted(range(len(self.caches)), key=lambda r: self.head_starts[r]):
+            if self.head_starts[r] not in seen:
+                seen.add(self.head_starts[r])
+                out.append(r)
+        return out
+
+    def logical_block(self, layer: int, kv: int, block: int, rows: int) -> torch.Tensor:
+        """`[rows, total_heads, D]`: the first `rows` token rows of a block of one layer's K
+        or V, every head, as one single-device node would hold it (a copy)."""
+        parts = [self.caches[r][layer, kv, block, :rows] for r in self.distinct]
+        return torch.cat(parts, dim=1)

@@ -109,16 +109,7 @@ class ModelRunner:
         # and packs, and on after the engine is ready (kernels/fault_in.py).
         local = self._local_arch(arch)
         self.kv_layout = config.cache.kv_layout
-        self.kv_cache = allocate_kv_cache(
-            self.kv_layout,
-            local.num_hidden_layers,
-            num_blocks,
-            self.block_size,
-            local.num_key_value_heads,
-            local.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.kv_cache = self._allocate_kv(local, num_blocks)
         self.kv_fault: BackgroundFault | None = None
         populated = self._populate_kv(config.cache.kv_populate)
         t0 = time.perf_counter()
@@ -173,6 +164,19 @@ class ModelRunner:
         load_model_weights(model, model_dir)
         model.init_rope(self.device)  # fp32
         return model
+
+    def _allocate_kv(self, local: ModelArch, num_blocks: int) -> torch.Tensor:
+        """This runner's zeroed KV cache (a tensor-parallel rank: in shared memory)."""
+        return allocate_kv_cache(
+            self.kv_layout,
+            local.num_hidden_layers,
+            num_blocks,
+            self.block_size,
+            local.num_key_value_heads,
+            local.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     def _local_arch(self, arch: ModelArch) -> ModelArch:
         """The shape of this runner's own model (a tensor-parallel rank: its shard's)."""

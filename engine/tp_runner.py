@@ -39,6 +39,7 @@ from pdserve.common.errors import ConfigError
 from pdserve.common.parent_death import die_with_parent
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_tensor import KVRanks, shared_kv_cache
 from pdserve.engine.model_arch import ModelArch
 from pdserve.engine.model_runner import ModelRunner, build_model
 from pdserve.engine.step_plan import StepPlan
@@ -58,8 +59,11 @@ class TPRank(ModelRunner):
 
     single_device = False
 
-    def __init__(self, config, arch, model_dir, num_blocks, rank: int, store_path: str):
+    def __init__(
+        self, config, arch, model_dir, num_blocks, rank: int, store_path: str, kv_path: str = ""
+    ):
         world = config.tensor_parallel_size
+        self._kv_path = kv_path  # CPU: this rank's KV cache file, mapped by rank 0 too
         self.shard = Shard(arch, rank, world)
         device = torch.device(config.model.device)
         if device.type == "cuda":  # rank r: the GPU r after the node's own
@@ -74,6 +78,14 @@ class TPRank(ModelRunner):
 
     def _local_arch(self, arch: ModelArch) -> ModelArch:
         return self.shard.local_arch()
+
+    def _allocate_kv(self, local: ModelArch, num_blocks: int) -> torch.Tensor:
+        if not self._kv_path:
+            return super()._allocate_kv(local, num_blocks)
+        return shared_kv_cache(
+            self.kv_layout, self._kv_path, local.num_hidden_layers, num_blocks,
+            self.block_size, local.num_key_value_heads, local.head_dim, self.dtype,
+        )  # fmt: skip
 
     def _load_model(self, arch: ModelArch, ops, model_dir: str) -> torch.nn.Module:
         model = build_model(self.shard.local_arch(), ops, self.device, self.dtype)
@@ -116,14 +128,18 @@ class TPRunner(TPRank):
         check_divides(arch, world)
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         store = os.path.join(self._dir, "store")
+        self._kv_fds = _kv_files(config, arch, num_blocks)
+        paths = [f"/proc/{os.getpid()}/fd/{fd}" for fd in self._kv_fds] or [""] * world
+        self._arch, self._num_blocks, self._ranks = arch, num_blocks, None
         ctx = mp.get_context("spawn")
         self.workers, self.pipes = [], []
         with _may_have_children():
             for rank in range(1, world):
                 ours, theirs = ctx.Pipe()
+                args = (config, arch, model_dir, num_blocks, rank, store, paths[rank])
                 p = ctx.Process(
                     target=_worker_main,
-                    args=(config, arch, model_dir, num_blocks, rank, store, theirs, os.getpid()),
+                    args=(*args, theirs, os.getpid()),
                     name=f"pdserve-tp-rank{rank}",
                     daemon=True,
                 )
@@ -131,9 +147,11 @@ class TPRunner(TPRank):
                 theirs.close()
                 self.workers.append(p)
                 self.pipes.append(ours)
-        self._finalizer = weakref.finalize(self, _stop, self.pipes, self.workers, self._dir)
+        self._finalizer = weakref.finalize(
+            self, _stop, self.pipes, self.workers, self._dir, self._kv_fds
+        )
         try:
-            super().__init__(config, arch, model_dir, num_blocks, 0, store)
+            super().__init__(config, arch, model_dir, num_blocks, 0, store, paths[0])
             self._wait_ready()
         except BaseException:
             self.close()
@@ -169,6 +187,19 @@ class TPRunner(TPRank):
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.workers]
+
+    @property
+    def kv_ranks(self) -> KVRanks | None:
+        """Every rank's KV cache, mapped here (CPU; None on CUDA, where each rank's cache
+        is on its own device): what a PD node's connector registers and moves."""
+        if self._ranks is None and self._kv_fds:
+            world = len(self._kv_fds)
+            caches = [self.kv_cache] + [
+                _map_rank(self, r, f"/proc/self/fd/{self._kv_fds[r]}") for r in range(1, world)
+            ]
+            starts = [Shard(self._arch, r, world).kv_head_start for r in range(world)]
+            self._ranks = KVRanks(tuple(caches), tuple(starts), self._arch.num_key_value_heads)
+        return self._ranks
 
 
 class _Leader:
@@ -266,13 +297,13 @@ def _may_have_children():
             config["daemon"] = daemon
 
 
-def _worker_main(config, arch, model_dir, num_blocks, rank, store, conn, parent) -> None:
+def _worker_main(config, arch, model_dir, num_blocks, rank, store, kv_path, conn, parent) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):  # the leader stops us (see core_proc)
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(parent)
     try:
-        runner = TPRank(config, arch, model_dir, num_blocks, rank, store)
+        runner = TPRank(config, arch, model_dir, num_blocks, rank, store, kv_path)
     except BaseException as e:  # the leader raises it at start
         conn.send_bytes(f"{type(e).__name__}: {e}".encode())
         return
@@ -284,7 +315,31 @@ def _worker_main(config, arch, model_dir, num_blocks, rank, store, conn, parent)
         os._exit(1)
 
 
-def _stop(pipes, workers, tmpdir: str) -> None:
+def _kv_files(config: EngineConfig, arch: ModelArch, num_blocks: int) -> list[int]:
+    """CPU: one zero-filled shared-memory file (memfd) per rank, sized for its KV cache;
+    rank r maps `/proc/<engine pid>/fd/<fd r>`. CUDA: none (each rank allocates its own)."""
+    if torch.device(config.model.device).type != "cpu":
+        return []
+    world, fds = config.tensor_parallel_size, []
+    itemsize = torch.empty((), dtype=config.model.torch_dtype).element_size()
+    for rank in range(world):
+        local = Shard(arch, rank, world).local_arch()
+        n = local.num_hidden_layers * 2 * num_blocks * config.cache.block_size
+        fd = os.memfd_create(f"pdserve-tp-kv{rank}")
+        os.ftruncate(fd, n * local.num_key_value_heads * local.head_dim * itemsize)
+        fds.append(fd)
+    return fds
+
+
+def _map_rank(runner: TPRank, rank: int, path: str) -> torch.Tensor:
+    local = Shard(runner.shard.arch, rank, runner.shard.world).local_arch()
+    return shared_kv_cache(
+        runner.kv_layout, path, local.num_hidden_layers, runner.kv_cache.shape[2],
+        runner.block_size, local.num_key_value_heads, local.head_dim, runner.dtype,
+    )  # fmt: skip
+
+
+def _stop(pipes, workers, tmpdir: str, kv_fds: list[int]) -> None:
     stop = np.array([_STOP] + [0] * (_HEADER - 1), np.int64).tobytes()
     for conn in pipes:
         try:
@@ -298,15 +353,29 @@ def _stop(pipes, workers, tmpdir: str) -> None:
             p.kill()
             p.join(timeout=5)
     shutil.rmtree(tmpdir, ignore_errors=True)
+    for fd in kv_fds:  # the mappings stay valid; the memory goes with the last of them
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def refuse_unsupported(config: EngineConfig) -> None:
-    """What a TP node does not run yet: a PD role or a KV store (their connectors
-    register one rank's KV cache)."""
-    if config.tensor_parallel_size > 1 and (
-        config.kv_transfer.role != "colocated" or config.has_prefix_store
-    ):
+    """What a TP node does not run yet: a KV store (its connector registers one rank's
+    cache), or a PD role with LMCache or on CUDA (a PD TP node's one NIXL agent moves every
+    rank's blocks through the ranks' shared-memory caches, a CPU node's)."""
+    if config.tensor_parallel_size <= 1:
+        return
+    if config.has_prefix_store:
         raise ConfigError(
-            "tensor_parallel_size",
-            "a node with tensor_parallel_size > 1 runs colocated without a KV store (for now)",
+            "tensor_parallel_size", "a node with tensor_parallel_size > 1 has no KV store (yet)"
+        )
+    if config.kv_transfer.role == "colocated":
+        return
+    if config.kv_transfer.connector != "nixl":
+        raise ConfigError(
+            "kv_transfer.connector",
+            "a PD node with tensor_parallel_size > 1 moves its KV through NIXL only",
+        )
+    if torch.device(config.model.device).type != "cpu":
+        raise ConfigError(
+            "tensor_parallel_size", "a PD node with tensor_parallel_size > 1 runs on CPU (for now)"
         )

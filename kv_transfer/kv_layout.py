@@ -21,6 +21,10 @@ compute those addresses on a *remote* node, and is sent with the node's NIXL met
 consecutive; `block_descs` turns runs into one (addr, len, dev) descriptor per
 (layer, kv, run) (layer-major) or per run (block-major, all layers; per block for a
 subset of layers), which is what the transport hands to NIXL.
+
+A tensor-parallel node has one such tensor per rank, each holding some KV heads
+(`KVRanks`; one `KVLayout` per rank, `kv_head_start`): `rank_descs` plans a WRITE between
+nodes of any two TP sizes (docs/architecture.md, "PD between TP sizes").
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import msgspec
 import numpy as np
 import torch
 
-from pdserve.engine.kv_tensor import BLOCK_MAJOR, allocate_kv_cache
+from pdserve.engine.kv_tensor import BLOCK_MAJOR, KVRanks, allocate_kv_cache
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -46,7 +50,7 @@ _DTYPES: dict[torch.dtype, str] = {
 _SHAPE_FIELDS = (
     "num_layers",
     "block_size",
-    "num_kv_heads",
+    "total_kv_heads",
     "head_dim",
     "dtype",
     "itemsize",
@@ -82,6 +86,20 @@ class KVLayout(msgspec.Struct, frozen=True):
     device_id: int  # CUDA device index; 0 for DRAM
     base_addr: int  # address of kv_cache[0, 0, 0]
     block_major: bool = False  # storage [N, L, 2, ...]: a block's layers are contiguous
+    # A rank of a tensor-parallel node holds KV heads [kv_head_start, + num_kv_heads) of
+    # the model's `model_kv_heads` (0: a one-device node, which holds them all).
+    kv_head_start: int = 0
+    model_kv_heads: int = 0
+    tp_size: int = 1
+
+    @property
+    def total_kv_heads(self) -> int:
+        """The model's KV heads (this layout holds `num_kv_heads` of them)."""
+        return self.model_kv_heads or self.num_kv_heads
+
+    @property
+    def head_range(self) -> tuple[int, int]:
+        return self.kv_head_start, self.kv_head_start + self.num_kv_heads
 
     @property
     def block_bytes(self) -> int:
@@ -101,6 +119,19 @@ class KVLayout(msgspec.Struct, frozen=True):
     @property
     def total_bytes(self) -> int:
         return self.num_layers * 2 * self.plane_bytes
+
+    @classmethod
+    def of_ranks(cls, kv: torch.Tensor | KVRanks) -> list[KVLayout]:
+        """One layout per rank of a node's KV cache (one for a one-device node's tensor)."""
+        if not isinstance(kv, KVRanks):
+            return [cls.from_tensor(kv)]
+        tp = len(kv.caches)
+        return [
+            msgspec.structs.replace(
+                cls.from_tensor(c), kv_head_start=s, model_kv_heads=kv.total_heads, tp_size=tp
+            )
+            for c, s in zip(kv.caches, kv.head_starts)
+        ]
 
     @classmethod
     def from_tensor(cls, kv_cache: torch.Tensor) -> KVLayout:
@@ -152,6 +183,8 @@ class KVLayout(msgspec.Struct, frozen=True):
         ]
         if same_storage and self.block_major != other.block_major:
             diff.append("prefill and decode nodes need the same cache.kv_layout (--kv-layout)")
+        if diff and self.tp_size * other.tp_size > 1:
+            diff.append(f"tensor_parallel_size: ours {self.tp_size}, peer's {other.tp_size}")
         if diff:
             raise ValueError("incompatible KV layouts (" + "; ".join(diff) + ")")
 
@@ -258,3 +291,95 @@ def coalesce(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndar
     local[:, 1] = lengths
     remote[:, 1] = lengths
     return local, remote
+
+
+def rank_descs(
+    src: list[KVLayout], dst: list[KVLayout], layers: range, runs: BlockRuns
+) -> tuple[np.ndarray, np.ndarray]:
+    """Descriptors (src rows, dst rows) that WRITE `runs` of blocks from a node whose ranks
+    are `src` into one whose ranks are `dst` (one layout each for a one-device node).
+
+    Each dst rank gets every KV head it holds from one src rank that holds it. Where the
+    two ranks hold exactly the same heads, whole blocks move (`block_descs`); otherwise a
+    block's rows interleave the heads of both (`[bs, Hkv, D]`), so each (block, layer, K/V,
+    token row) is one descriptor of the shared heads (`head_row_descs`). A replicated KV
+    head (fewer heads than ranks) is read from one src rank and written to every dst rank
+    that holds it.
+    """
+    local, remote = [], []
+    src_blocks = dst_blocks = None
+    for d in dst:
+        need = set(range(*d.head_range))
+        for s in src:
+            a, b = max(d.head_range[0], s.head_range[0]), min(d.head_range[1], s.head_range[1])
+            if a >= b or not need.intersection(range(a, b)):
+                continue
+            need.difference_update(range(a, b))
+            if s.head_range == d.head_range:
+                local.append(block_descs(s, layers, runs.src_starts, runs.lengths))
+                remote.append(block_descs(d, layers, runs.dst_starts, runs.lengths))
+                continue
+            if src_blocks is None:
+                src_blocks, dst_blocks = (
+                    _expand(runs.src_starts, runs.lengths),
+                    _expand(runs.dst_starts, runs.lengths),
+                )
+            local.append(head_row_descs(s, layers, src_blocks, a - s.kv_head_start, b - a))
+            remote.append(head_row_descs(d, layers, dst_blocks, a - d.kv_head_start, b - a))
+        if need:
+            raise ValueError(
+                f"no rank of TP {src[0].tp_size} holds KV heads {sorted(need)} of a TP "
+                f"{d.tp_size} rank"
+            )
+    return np.concatenate(local), np.concatenate(remote)
+
+
+def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    if starts.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+
+
+def head_row_descs(
+    layout: KVLayout, layers: range, blocks: np.ndarray, head: int, heads: int
+) -> np.ndarray:
+    """One descriptor per (block, layer, K/V, token row) in that order: heads
+    `[head, head + heads)` of the row, counted from `layout`'s first head."""
+    if not 0 <= head < head + heads <= layout.num_kv_heads:
+        raise ValueError(f"heads [{head}, {head + heads}) outside 0..{layout.num_kv_heads}")
+    head_bytes = layout.head_dim * layout.itemsize
+    planes = np.array([layer * 2 + kv for layer in layers for kv in (0, 1)], dtype=np.uint64)
+    b = blocks.astype(np.uint64)[:, None]
+    bb = np.uint64(layout.block_bytes)
+    if layout.block_major:
+        base = b * np.uint64(layout.stride_bytes) + planes[None, :] * bb
+    else:
+        base = planes[None, :] * np.uint64(layout.plane_bytes) + b * bb
+    rows = np.arange(layout.block_size, dtype=np.uint64) * np.uint64(
+        layout.num_kv_heads * head_bytes
+    )
+    addr = base[:, :, None] + rows[None, None, :] + np.uint64(layout.base_addr + head * head_bytes)
+    descs = np.empty((addr.size, 3), dtype=np.uint64)
+    descs[:, 0] = addr.reshape(-1)
+    descs[:, 1] = heads * head_bytes
+    descs[:, 2] = layout.device_id
+    return descs
+
+
+def check_ranks(ours: KVLayout, peer: list[KVLayout]) -> None:
+    """Raise ValueError unless a peer's rank layouts (from its metadata: untrusted) describe
+    one node whose blocks are ours: each rank compatible with ours, its heads inside the
+    model's, the same blocks on every rank, every head held by some rank."""
+    if not peer or len(peer) != peer[0].tp_size or len(peer) > 1024:
+        raise ValueError(f"peer announces {len(peer)} rank layouts for TP {peer[0].tp_size}")
+    held: set[int] = set()
+    for r in peer:
+        ours.check_compatible(r)
+        start, end = r.head_range
+        if r.tp_size != peer[0].tp_size or r.num_blocks != peer[0].num_blocks:
+            raise ValueError("peer's ranks differ in TP size or number of blocks")
+        if start < 0 or r.num_kv_heads < 1 or end > r.total_kv_heads:
+            raise ValueError(f"peer rank holds KV heads [{start}, {end}) of {r.total_kv_heads}")
+        held.update(range(start, end))
+    if len(held) != ours.total_kv_heads:
+        raise ValueError(f"peer's ranks hold {len(held)} of the {ours.total_kv_heads} KV heads")

@@ -32,7 +32,9 @@ def corrupt_enabled() -> bool:
 
 
 def flip_bytes(kv_cache: torch.Tensor, block_id: int) -> None:
-    """Invert the first 8 bytes of `block_id`'s K rows in layer 0 (the test hook)."""
+    """Invert the first 8 bytes of `block_id`'s K rows in layer 0 (the test hook; a
+    tensor-parallel node's: in rank 0's cache)."""
+    kv_cache = getattr(kv_cache, "caches", (kv_cache,))[0]
     raw = kv_cache[0, 0, block_id].view(torch.uint8).reshape(-1)
     raw[:8].bitwise_xor_(0xFF)
 

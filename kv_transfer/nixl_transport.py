@@ -60,7 +60,15 @@ import numpy as np
 import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
-from pdserve.kv_transfer.kv_layout import KVLayout, block_descs, coalesce, merge_runs, storage_of
+from pdserve.engine.kv_tensor import KVRanks
+from pdserve.kv_transfer.kv_layout import (
+    KVLayout,
+    check_ranks,
+    coalesce,
+    merge_runs,
+    rank_descs,
+    storage_of,
+)
 from pdserve.kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
 from pdserve.kv_transfer.nixl_warmup import WARMUP_TIMEOUT_S, PeerWarmups
 from pdserve.kv_transfer.transfer_types import (
@@ -99,8 +107,10 @@ class NixlTransport:
         `warmup_timeout_s` bounds each new peer's connection warm-up (`add_peer`).
         """
         self.name = name
-        self.layout = KVLayout.from_tensor(kv_cache)
+        self.ranks = KVLayout.of_ranks(kv_cache)  # a tensor-parallel node: one per rank
+        self.layout = self.ranks[0]
         self._kv_cache = kv_cache  # keep the registered memory alive
+        caches = kv_cache.caches if isinstance(kv_cache, KVRanks) else (kv_cache,)
         # No NIXL listen thread: peers' metadata arrives only inside sealed control frames
         # (kv_transfer/prefill_side.py), never on a socket of NIXL's own.
         self._agent_config = nixl_agent_config(
@@ -109,9 +119,9 @@ class NixlTransport:
         self._agent = nixl_agent(name, self._agent_config)
         for backend in backends:
             self._agent.create_backend(backend, dict(backend_params or {}))
-        self._reg = self._agent.register_memory(storage_of(kv_cache))
+        self._reg = [self._agent.register_memory(storage_of(c)) for c in caches]
         self._warmups = PeerWarmups(
-            self._agent, name, self.layout, kv_cache.device, warmup_timeout_s
+            self._agent, name, self.layout, caches[0].device, warmup_timeout_s
         )
         self._codec = msgspec.msgpack.Encoder()
         self._peers: dict[str, PeerMetadata] = {}
@@ -135,7 +145,7 @@ class NixlTransport:
         w = self._warmups
         md = PeerMetadata(
             self.name, self._agent.get_agent_metadata(), self.layout, w.scratch_addr,
-            w.scratch_bytes,
+            w.scratch_bytes, tuple(self.ranks) if len(self.ranks) > 1 else (),
         )  # fmt: skip
         return self._codec.encode(md)
 
@@ -153,7 +163,7 @@ class NixlTransport:
         md = msgspec.msgpack.decode(metadata, type=PeerMetadata)
         if md.agent_name == self.name:
             raise ValueError(f"peer has our own agent name {self.name!r}")
-        self.layout.check_compatible(md.layout)
+        check_ranks(self.layout, md.rank_layouts)
         known = self._peers.get(md.agent_name)
         if known == md:
             return md.agent_name
@@ -233,8 +243,9 @@ class NixlTransport:
         self.layout.check_layers(layers)
 
         runs = merge_runs(src, dst)
-        local_descs = block_descs(self.layout, layers, runs.src_starts, runs.lengths)
-        remote_descs = block_descs(remote, layers, runs.dst_starts, runs.lengths)
+        local_descs, remote_descs = rank_descs(
+            self.ranks, self._peers[peer].rank_layouts, layers, runs
+        )
         local_descs, remote_descs = coalesce(local_descs, remote_descs)
         stats = TransferStats(
             bytes=int(local_descs[:, 1].sum()), descriptors=int(local_descs.shape[0])
@@ -335,7 +346,7 @@ class NixlTransport:
     @property
     def registered_memory(self) -> str:
         """The memory type NIXL registered the KV tensor as: "DRAM_SEG" or "VRAM_SEG"."""
-        return self._reg.getType().name
+        return self._reg[0].getType().name
 
     @property
     def num_inflight(self) -> int:
@@ -356,7 +367,8 @@ class NixlTransport:
             self.remove_peer(peer)
         self._requests.release_parked()
         self._warmups.close()
-        self._agent.deregister_memory(self._reg)
+        for reg in self._reg:
+            self._agent.deregister_memory(reg)
         # Destroy the agent (its UCX workers and threads) here, on the owner's thread, not
         # whenever the interpreter's teardown gets to it beside other native destructors.
         self._reg = None

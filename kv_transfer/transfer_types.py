@@ -58,6 +58,12 @@ class PeerMetadata(msgspec.Struct, frozen=True):
     # WRITEs into (kv_transfer/nixl_warmup.py); 0 = none.
     scratch_addr: int = 0
     scratch_bytes: int = 0
+    # Every rank's layout of a tensor-parallel node (`layout` is rank 0's); () for one device.
+    ranks: tuple[KVLayout, ...] = ()
+
+    @property
+    def rank_layouts(self) -> list[KVLayout]:
+        return list(self.ranks) or [self.layout]
 
 
 class TransferHandle:

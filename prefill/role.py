@@ -61,7 +61,7 @@ class PrefillRole:
         self.bytes_sent = 0
 
     def attach(self, core: EngineHandle) -> None:
-        self.connector.register_kv_cache(core.kv_cache)
+        self.connector.register_kv_cache(core.kv_ranks or core.kv_cache)
 
     def stats(self) -> dict[str, int]:
         return {"pd_orders": self.num_orders, "kv_bytes_sent": self.bytes_sent}

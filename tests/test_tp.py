@@ -140,14 +140,21 @@ def test_tensor_parallel_size_from_flag_refused_in_yaml_and_ray_reservation(tmp_
     with pytest.raises(ConfigError) as err:
         engine_config(["--tensor-parallel-size", "0"])
     assert err.value.field == "tensor_parallel_size"
-    # PD nodes run one rank for now: a YAML asking for more is refused at load, by field
+    # a PD group of TP 2 on CPU over NIXL loads; on CUDA or over LMCache it is refused
     path = tmp_path / "tp.yaml"
-    path.write_text(
+    base = (
         "model: {name: smollm2-135m-instruct}\nrouter: {port: 9000}\n"
-        "prefill: {port: 9101, kv_port: 9201, connector: {kind: nixl}}\n"
-        "decode: {port: 9301, tensor_parallel_size: 2, connector: {kind: nixl}}\n"
+        "prefill: {port: 9101, kv_port: 9201, connector: {kind: %s}}\n"
+        "decode: {port: 9301, tensor_parallel_size: 2, connector: {kind: %s}%s}\n"
+        "redis: embedded\n"
     )
+    path.write_text(base % ("nixl", "nixl", ""))
+    assert load_config(path).decode.tensor_parallel_size == 2
+    path.write_text(base % ("nixl", "nixl", ", device: cuda:0"))
     with pytest.raises(ConfigFileError, match="decode.tensor_parallel_size"):
+        load_config(path)
+    path.write_text(base % ("lmcache", "lmcache", ""))
+    with pytest.raises(ConfigFileError, match="decode.connector.kind"):
         load_config(path)
     # the Ray launcher reserves a CPU per rank of a CPU node, a GPU per rank of a CUDA one
     cpu = ray_options(NodeGroup(port=1, tensor_parallel_size=3))

@@ -75,7 +75,8 @@ class ComputeSettings(Settings):
         1,
         "ranks that run each step of a node together (tensor parallelism: one process per "
         "rank; CPU: the node's threads split over them, gloo; CUDA: one GPU each from "
-        "`device` on, NCCL); must divide the attention heads; colocated nodes only for now",
+        "`device` on, NCCL); must divide the attention heads; PD nodes: CPU and NIXL only, "
+        "any TP on either side",
         ge=1,
     )
 
