@@ -23,8 +23,8 @@ consecutive; `block_descs` turns runs into one (addr, len, dev) descriptor per
 subset of layers), which is what the transport hands to NIXL.
 
 A tensor-parallel node has one such tensor per rank, each holding some KV heads
-(`KVRanks`; one `KVLayout` per rank, `kv_head_start`): `rank_descs` plans a WRITE between
-nodes of any two TP sizes (docs/architecture.md, "PD between TP sizes").
+(`KVRanks`; one `KVLayout` per rank, `kv_head_start`): kv_transfer/tp_staging.py plans a
+WRITE between nodes of any two TP sizes (docs/architecture.md, "PD between TP sizes").
 """
 
 from __future__ import annotations
@@ -291,79 +291,6 @@ def coalesce(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndar
     local[:, 1] = lengths
     remote[:, 1] = lengths
     return local, remote
-
-
-def rank_descs(
-    src: list[KVLayout], dst: list[KVLayout], layers: range, runs: BlockRuns
-) -> tuple[np.ndarray, np.ndarray]:
-    """Descriptors (src rows, dst rows) that WRITE `runs` of blocks from a node whose ranks
-    are `src` into one whose ranks are `dst` (one layout each for a one-device node).
-
-    Each dst rank gets every KV head it holds from one src rank that holds it. Where the
-    two ranks hold exactly the same heads, whole blocks move (`block_descs`); otherwise a
-    block's rows interleave the heads of both (`[bs, Hkv, D]`), so each (block, layer, K/V,
-    token row) is one descriptor of the shared heads (`head_row_descs`). A replicated KV
-    head (fewer heads than ranks) is read from one src rank and written to every dst rank
-    that holds it.
-    """
-    local, remote = [], []
-    src_blocks = dst_blocks = None
-    for d in dst:
-        need = set(range(*d.head_range))
-        for s in src:
-            a, b = max(d.head_range[0], s.head_range[0]), min(d.head_range[1], s.head_range[1])
-            if a >= b or not need.intersection(range(a, b)):
-                continue
-            need.difference_update(range(a, b))
-            if s.head_range == d.head_range:
-                local.append(block_descs(s, layers, runs.src_starts, runs.lengths))
-                remote.append(block_descs(d, layers, runs.dst_starts, runs.lengths))
-                continue
-            if src_blocks is None:
-                src_blocks, dst_blocks = (
-                    _expand(runs.src_starts, runs.lengths),
-                    _expand(runs.dst_starts, runs.lengths),
-                )
-            local.append(head_row_descs(s, layers, src_blocks, a - s.kv_head_start, b - a))
-            remote.append(head_row_descs(d, layers, dst_blocks, a - d.kv_head_start, b - a))
-        if need:
-            raise ValueError(
-                f"no rank of TP {src[0].tp_size} holds KV heads {sorted(need)} of a TP "
-                f"{d.tp_size} rank"
-            )
-    return np.concatenate(local), np.concatenate(remote)
-
-
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    if starts.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-
-
-def head_row_descs(
-    layout: KVLayout, layers: range, blocks: np.ndarray, head: int, heads: int
-) -> np.ndarray:
-    """One descriptor per (block, layer, K/V, token row) in that order: heads
-    `[head, head + heads)` of the row, counted from `layout`'s first head."""
-    if not 0 <= head < head + heads <= layout.num_kv_heads:
-        raise ValueError(f"heads [{head}, {head + heads}) outside 0..{layout.num_kv_heads}")
-    head_bytes = layout.head_dim * layout.itemsize
-    planes = np.array([layer * 2 + kv for layer in layers for kv in (0, 1)], dtype=np.uint64)
-    b = blocks.astype(np.uint64)[:, None]
-    bb = np.uint64(layout.block_bytes)
-    if layout.block_major:
-        base = b * np.uint64(layout.stride_bytes) + planes[None, :] * bb
-    else:
-        base = planes[None, :] * np.uint64(layout.plane_bytes) + b * bb
-    rows = np.arange(layout.block_size, dtype=np.uint64) * np.uint64(
-        layout.num_kv_heads * head_bytes
-    )
-    addr = base[:, :, None] + rows[None, None, :] + np.uint64(layout.base_addr + head * head_bytes)
-    descs = np.empty((addr.size, 3), dtype=np.uint64)
-    descs[:, 0] = addr.reshape(-1)
-    descs[:, 1] = heads * head_bytes
-    descs[:, 2] = layout.device_id
-    return descs
 
 
 def check_ranks(ours: KVLayout, peer: list[KVLayout]) -> None:

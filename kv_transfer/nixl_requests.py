@@ -46,15 +46,18 @@ class InFlight:
     ref: weakref.ref[TransferHandle]
     peer: str
     t0: float
+    staged: object = None  # what the request reads (kv_transfer/tp_staging.py): freed with it
 
 
 class RequestTable:
     """Posted transfers by handle id, their totals, and the requests NIXL would not free."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, free_staged=lambda staged: None) -> None:
         self.owner = owner  # the agent name, for log lines
         self._inflight: dict[int, InFlight] = {}
-        self._parked: list[nixl_xfer_handle] = []  # releases NIXL refused; retried on close
+        # releases NIXL refused, with what their requests read; retried on close
+        self._parked: list[tuple[nixl_xfer_handle, object]] = []
+        self._free_staged = free_staged  # called once NIXL no longer reads it
         self._next_id = 0
         self._released = 0
         self.totals = TransportStats()
@@ -82,17 +85,15 @@ class RequestTable:
             self.totals.seconds += handle.stats.seconds
             return
         self.totals.failed += 1
-        if rec.xfer is not None:  # cancel (if still running) and free the request
-            self._release_xfer(rec.xfer)
-            rec.xfer = None
+        self._release(rec)  # cancel (if still running) and free the request
 
     def release(self, handle: TransferHandle) -> None:
         """Free the handle's NIXL request; a PENDING transfer is cancelled (ends FAILED)."""
         rec = self.record(handle)
         if handle.state is TransferState.PENDING:
             self.finish(handle, rec, TransferState.FAILED)
-        elif rec.xfer is not None:
-            rec.xfer.release()
+        else:
+            self._release(rec)
         del self._inflight[handle.id]
         handle.released = True
         self._released += 1
@@ -109,15 +110,13 @@ class RequestTable:
         """Cancel what is pending and free every in-flight NIXL request (handles stay)."""
         self.fail_pending()
         for rec in self._inflight.values():
-            if rec.xfer is not None:
-                self._release_xfer(rec.xfer)
-            rec.xfer = None
+            self._release(rec)
 
     def release_parked(self) -> None:
         """Retry the releases NIXL refused before."""
-        for xfer in self._parked:
-            self._release_xfer(xfer)
-        self._parked.clear()
+        parked, self._parked = self._parked, []
+        for xfer, staged in parked:
+            self._release_xfer(xfer, staged)
 
     @property
     def stats(self) -> TransportStats:
@@ -141,10 +140,19 @@ class RequestTable:
         if t.done + t.failed > self._next_id:
             raise RuntimeError(f"{t.done} done + {t.failed} failed > {self._next_id} posted")
 
-    def _release_xfer(self, xfer: nixl_xfer_handle) -> None:
+    def _release(self, rec: InFlight) -> None:
+        xfer, staged, rec.xfer, rec.staged = rec.xfer, rec.staged, None, None
+        if xfer is not None:
+            self._release_xfer(xfer, staged)
+        elif staged is not None:  # never posted
+            self._free_staged(staged)
+
+    def _release_xfer(self, xfer: nixl_xfer_handle, staged: object = None) -> None:
         try:
             xfer.release()
         except NIXL_ERRORS as e:
             logger.warning("nixl transport %s: NIXL kept a request (%s); parked", self.owner, e)
-            if xfer not in self._parked:
-                self._parked.append(xfer)
+            self._parked.append((xfer, staged))
+            return
+        if staged is not None:
+            self._free_staged(staged)

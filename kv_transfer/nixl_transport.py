@@ -61,16 +61,10 @@ import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
 from pdserve.engine.kv_tensor import KVRanks
-from pdserve.kv_transfer.kv_layout import (
-    KVLayout,
-    check_ranks,
-    coalesce,
-    merge_runs,
-    rank_descs,
-    storage_of,
-)
+from pdserve.kv_transfer.kv_layout import KVLayout, check_ranks, coalesce, storage_of
 from pdserve.kv_transfer.nixl_requests import NIXL_ERRORS, RequestTable
 from pdserve.kv_transfer.nixl_warmup import WARMUP_TIMEOUT_S, PeerWarmups
+from pdserve.kv_transfer.tp_staging import StagingPool, write_descs
 from pdserve.kv_transfer.transfer_types import (
     PeerMetadata,
     TransferHandle,
@@ -110,7 +104,9 @@ class NixlTransport:
         self.ranks = KVLayout.of_ranks(kv_cache)  # a tensor-parallel node: one per rank
         self.layout = self.ranks[0]
         self._kv_cache = kv_cache  # keep the registered memory alive
-        caches = kv_cache.caches if isinstance(kv_cache, KVRanks) else (kv_cache,)
+        if not isinstance(kv_cache, KVRanks):  # one device: one rank holding every head
+            kv_cache = KVRanks((kv_cache,), (0,), kv_cache.shape[4])
+        self._kv_ranks, caches = kv_cache, kv_cache.caches
         # No NIXL listen thread: peers' metadata arrives only inside sealed control frames
         # (kv_transfer/prefill_side.py), never on a socket of NIXL's own.
         self._agent_config = nixl_agent_config(
@@ -125,7 +121,9 @@ class NixlTransport:
         )
         self._codec = msgspec.msgpack.Encoder()
         self._peers: dict[str, PeerMetadata] = {}
-        self._requests = RequestTable(name)
+        self._requests = RequestTable(name, self._free_staged)
+        self._staging = StagingPool(self._agent.register_memory, self._agent.deregister_memory)
+        self.staged_writes = 0  # WRITEs from staging buffers, in all
         self._notifs: dict[str, list[bytes]] = {}  # received while connecting, not yet read
         self._closed = False
         logger.info(
@@ -242,15 +240,18 @@ class NixlTransport:
         layers = range(self.layout.num_layers) if layers is None else layers
         self.layout.check_layers(layers)
 
-        runs = merge_runs(src, dst)
-        local_descs, remote_descs = rank_descs(
-            self.ranks, self._peers[peer].rank_layouts, layers, runs
-        )
+        local_descs, remote_descs, staged = write_descs(
+            self._kv_ranks, self.ranks, self._peers[peer].rank_layouts, layers, src, dst,
+            self._staging.take,
+        )  # fmt: skip
         local_descs, remote_descs = coalesce(local_descs, remote_descs)
         stats = TransferStats(
             bytes=int(local_descs[:, 1].sum()), descriptors=int(local_descs.shape[0])
         )
         handle, rec = self._requests.open(peer, stats)
+        if staged:  # staging buffers (kv_transfer/tp_staging.py): given back with the request
+            rec.staged = staged
+            self.staged_writes += 1
         try:
             rec.xfer = self._agent.initialize_xfer(
                 "WRITE",
@@ -268,6 +269,15 @@ class NixlTransport:
         elif status == "ERR":
             self._requests.finish(handle, rec, TransferState.FAILED)
         return handle
+
+    def _free_staged(self, staged: list[int]) -> None:
+        for key in staged:
+            self._staging.give(key)
+
+    @property
+    def num_staged(self) -> int:
+        """Staging buffers held by transfers whose requests are not freed yet."""
+        return self._staging.num_busy
 
     def poll(self, handle: TransferHandle) -> TransferState:
         """Current state of `handle`; a dead peer shows as FAILED, never as an exception."""
@@ -367,6 +377,7 @@ class NixlTransport:
             self.remove_peer(peer)
         self._requests.release_parked()
         self._warmups.close()
+        self._staging.close()
         for reg in self._reg:
             self._agent.deregister_memory(reg)
         # Destroy the agent (its UCX workers and threads) here, on the owner's thread, not

@@ -1,7 +1,7 @@
 """PD between engines of different tensor-parallel sizes (real NIXL, real TP ranks over gloo).
 
 The prefill engine of TP a computes a prompt's KV in its ranks' caches; its one NIXL agent
-WRITEs each KV head into every decode rank that holds it (kv_transfer/kv_layout.rank_descs);
+WRITEs each KV head into every decode rank that holds it (kv_transfer/tp_staging.py);
 the decode engine of TP b then generates. Greedy tokens must equal transformers, every
 block must pass its one-device checksum, and both engines end with no block used.
 Tiny random Llamas: 2 KV heads (sharded over 2 ranks) and 1 KV head (replicated).
