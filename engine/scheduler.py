@@ -7,7 +7,8 @@ gives every scheduled request some new tokens under one budget
 chunked prefill needs the rest of its prompt), then waiting requests in arrival order,
 whose prompts may be cut into chunks. When the pool cannot hold a running request's next
 tokens, the most recently admitted running request is preempted: its blocks are freed and
-it goes back to the front of the waiting queue, to be recomputed (prefix cache permitting).
+it goes back to the front of the waiting queue, to be recomputed here (prefix cache
+permitting), also when its prompt's KV had come from a prefill node.
 
 PD (decode role): a waiting request with `remote_prefill` set is admitted only when the
 pool can hold its whole prompt; it gets blocks for the part its own prefix cache lacks and
@@ -281,6 +282,9 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        # Recomputed here, even if its prompt's KV came from a prefill node: an order
+        # carries the prompt alone, never the tokens generated since (their KV would not come)
+        req.remote_prefill = None
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 

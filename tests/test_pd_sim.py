@@ -63,3 +63,28 @@ def test_an_order_unread_during_a_prefill_stall_counts_as_prefill_queue():
     assert c.reqs["r0"].finish == "length" and len(done) == 1
     queue, _ = done[0].prefill_node_s
     assert 0.25 <= queue <= 0.5, queue  # ~the stall, minus the order's own (<= 20 ms) trip
+
+
+def test_a_preempted_request_whose_kv_came_from_a_prefill_node_is_recomputed_here():
+    """A running request whose prompt KV landed from a prefill node, then preempted (the
+    decode pool ran out), is recomputed on the decode node. Ordering it from the prefill
+    node again sent the prompt alone while its blocks covered the tokens generated since:
+    the KV of those positions never came, and the request went on over garbage (the stub
+    model's KV check), or the order was refused and counted as a failure. Without a
+    prefix cache nothing of it is left after the preemption (with one, a cached prefix
+    leaves a suffix short enough to prefill here, unless it was evicted)."""
+    c = Cluster(
+        seed=0,
+        faults=Faults(ctl_delay=0.0, write_delay=0.0, notif_delay=0.0),
+        num_prefill=1,
+        decode_blocks=5,  # a (2 blocks, growing to 5) and b (3 blocks) do not fit together
+        prefill_budget=64,
+        decode_caching=False,
+    )
+    c.submit("a", list(range(10, 18)), max_tokens=12)
+    c.submit("b", list(range(30, 39)), max_tokens=3)
+    c.run_until_idle()
+    c.check_final()  # every token exact
+    assert c.decode.scheduler.num_preemptions == 1
+    assert c.drole.num_remote_prefills == 2 and c.drole.num_failures == 0
+    assert {r: t.finish for r, t in c.reqs.items()} == {"a": "length", "b": "length"}

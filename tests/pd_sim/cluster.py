@@ -70,10 +70,10 @@ class Tracked:
     ended_at: float | None = None
 
 
-def _config(name: str, num_blocks: int, budget: int) -> EngineConfig:
+def _config(name: str, num_blocks: int, budget: int, caching: bool = True) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(name),
-        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, local_prefill_max_tokens=4),
         num_threads=1,
     )
@@ -91,6 +91,7 @@ class Cluster:
         prefill_budget: int = 8,
         prefill_locally: bool = True,
         clocks: Clocks | None = None,
+        decode_caching: bool = True,
     ):
         self.world = w = World(seed, faults)
         self.t = t = timing or Timing()
@@ -143,7 +144,10 @@ class Cluster:
             prefill_nodes=tuple(self.addrs),
         )
         self.decode = EngineCore(
-            _config("d", decode_blocks, 64), self.drole, arch=stub_arch(), runner_factory=StubRunner
+            _config("d", decode_blocks, 64, decode_caching),
+            self.drole,
+            arch=stub_arch(),
+            runner_factory=StubRunner,
         )
         self.reqs: dict[str, Tracked] = {}
         w.on_post = self._tag_write
