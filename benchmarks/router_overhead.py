@@ -20,6 +20,9 @@ router's cost.
     # with a cluster secret: Redis wants a password, records are signed, this tree's
     # routers check every signature (an older tree's routers ignore the signature)
     python benchmarks/router_overhead.py --secure --router-root /tmp/before --router-root .
+    # one tree, router flags as variants: what serving JSON requests as relayed streams
+    # (router.migrate_buffered, on by default) adds
+    python benchmarks/router_overhead.py --router-flags '' --router-flags '--no-migrate-buffered'
 
 Writes results/router_overhead.json (or --out).
 """
@@ -157,6 +160,11 @@ def main() -> None:
         help="run routers from this checkout (repeat to compare trees in one run, taking "
         "turns per prompt; default: this tree)",
     )  # fmt: skip
+    ap.add_argument(
+        "--router-flags", action="append", default=[], metavar="FLAGS",
+        help="router flags of one variant, e.g. '' and '--no-migrate-buffered' (repeatable: "
+        "each variant's routers take turns with the others in one run)",
+    )  # fmt: skip
     ap.add_argument("--out", default="results/router_overhead.json")
     ap.add_argument("--cache-salt", default=None, help="send this cache_salt in every request")
     ap.add_argument(
@@ -180,12 +188,15 @@ def main() -> None:
             node = wait_for_fake_node(url)
             routers: dict[str, list[tuple[str, int]]] = {"static_round_robin": [],
                                                          "redis_kv_aware": []}  # fmt: skip
-            for root in roots:
+            combos = [(root, flags) for root in roots for flags in args.router_flags or [""]]
+            for root, flags in combos:
+                extra = flags.split()
                 static, p1 = start_router(["--model", model, "--served-model-name", "fake",
                                            "--decode", node, "--decode-policy", "round_robin",
-                                           "--prefill-policy", "round_robin"], root)  # fmt: skip
+                                           "--prefill-policy", "round_robin", *extra],
+                                          root)  # fmt: skip
                 kv, p2 = start_router(["--model", model, "--served-model-name", "fake",
-                                       "--redis-url", url], root)  # fmt: skip
+                                       "--redis-url", url, *extra], root)  # fmt: skip
                 procs += [p1, p2]
                 routers["static_round_robin"].append((static, p1.pid))
                 routers["redis_kv_aware"].append((kv, p2.pid))
@@ -201,12 +212,12 @@ def main() -> None:
                 results[f"{name}_redis_lookups_per_request"] = round(
                     (lookups(counter) - before) / routed, 3
                 )
-                for root, j, e in zip(roots, json_, sse):
+                for (root, flags), j, e in zip(combos, json_, sse):
                     case = {"json": j, "sse_ttft": e}
-                    if len(roots) == 1:
+                    if len(combos) == 1:
                         results[name] = case
                     else:
-                        results.setdefault(name, {})[str(root)] = case
+                        results.setdefault(name, {})[f"{root} {flags}".strip()] = case
         finally:
             for p in procs:
                 p.kill()

@@ -187,7 +187,7 @@ def test_long_prefill_step_on_real_nodes():
     durl, dproc = start_server(
         [*MODEL_ARGS, "--kv-cache-bytes", str(256 << 20), "--role", "decode",
          "--prefill-node", ctl, "--kv-peer-timeout", "3", "--kv-engine-stall-s", "600",
-         "--kv-transfer-timeout", "120", "--kv-abort-grace", "1"]
+         "--kv-transfer-timeout", "600", "--kv-abort-grace", "1"]
     )  # fmt: skip
     try:
         body = {"prompt": [100 + i % 5000 for i in range(4000)], "max_tokens": 2,
@@ -197,7 +197,8 @@ def test_long_prefill_step_on_real_nodes():
         warm = body | {"prompt": [3000 + i for i in range(32)]}
         assert httpx.post(f"{durl}/v1/completions", json=warm, timeout=300).status_code == 200
         t0 = time.monotonic()
-        r = httpx.post(f"{durl}/v1/completions", json=body, timeout=300)
+        # the step took 4 min on an AVX2 box under the suite's load: deadlines to match
+        r = httpx.post(f"{durl}/v1/completions", json=body, timeout=900)
         took = time.monotonic() - t0
         assert r.status_code == 200, r.text
         stats = engine_state(durl)
@@ -216,7 +217,7 @@ def test_long_prefill_step_on_real_nodes():
             waited = time.monotonic() - t0
             assert r.status_code == 200, r.text
             assert engine_state(durl)["pd_failures"] == 1
-            assert waited < 3.0 + 15, waited  # the timeout, not the 120 s transfer deadline
+            assert waited < 3.0 + 15, waited  # the timeout, not the 600 s transfer deadline
         finally:
             stop_all(pproc.pid, signal.SIGCONT)
         wait_idle(durl, timeout_s=60)
