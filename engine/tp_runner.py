@@ -73,7 +73,11 @@ class TPRank(ModelRunner):
         self.config = config
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the node's ranks talk on loopback
         torch.set_num_threads(max(1, config.threads // world))
-        self.comm = Comm(store_path, rank, world, device, COLLECTIVE_TIMEOUT_S)
+        workers = getattr(self, "workers", [])  # rank 0: its spawned ranks
+        self.comm = Comm(
+            store_path, rank, world, device, COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S,
+            lambda: all(p.is_alive() for p in workers),
+        )  # fmt: skip
         super().__init__(config, arch, model_dir, num_blocks)
 
     def _local_arch(self, arch: ModelArch) -> ModelArch:

@@ -122,13 +122,32 @@ class Shard:
 class Comm:
     """The node's collectives over a process group of its own (not torch.distributed's
     default group: several TP engines may live in one process, as in the tests).
-    gloo on CPU, NCCL on CUDA; every collective fails after `timeout_s`."""
+    gloo on CPU, NCCL on CUDA; every collective fails after `timeout_s`. The ranks first
+    wait for each other in the store for up to `start_timeout_s` (a worker starting on a
+    loaded box can take longer than a collective may), polling `peers_alive` each second."""
 
-    def __init__(self, store_path: str, rank: int, world: int, device: torch.device, timeout_s):
+    def __init__(
+        self, store_path: str, rank: int, world: int, device: torch.device, timeout_s,
+        start_timeout_s: float = 600.0, peers_alive=lambda: True,
+    ):  # fmt: skip
         import torch.distributed as dist
 
         self.rank, self.world = rank, world
         store = dist.FileStore(store_path, world)
+        store.set(f"present/{rank}", b"1")
+        keys = [f"present/{r}" for r in range(world)]
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=1))
+                break
+            except RuntimeError:  # not every rank yet (DistStoreError: "Wait timeout")
+                if not peers_alive():
+                    raise RuntimeError(f"TP rank {rank}: a peer exited while starting") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"TP rank {rank}: not every rank started in {start_timeout_s:.0f} s"
+                    ) from None
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
