@@ -19,6 +19,7 @@ What differs is the storage behind it (`cache.kv_layout`):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -105,7 +106,7 @@ class KVRanks:
             ):
                 raise ValueError(f"rank cache {tuple(c.shape)} at head {s} does not fit")
 
-    @property
+    @functools.cached_property
     def distinct(self) -> list[int]:
         """The ranks that together hold every KV head once, in head order."""
         seen, out = set(), []
