@@ -10,8 +10,11 @@ the Hermes `<tool_call>` convention. Earlier assistant `tool_calls` are rendered
 from __future__ import annotations
 
 import json
+import re
 
 from pdserve.api.protocol import ChatCompletionRequest
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
 def template_tools(
@@ -48,3 +51,8 @@ def _render_calls(msg: dict) -> dict:
         )
         msg["content"] = (msg.get("content") or "") + rendered
     return msg
+
+
+def strip_tool_calls(text: str) -> str:
+    """A reply without its <tool_call> blocks (its content next to the calls)."""
+    return TOOL_CALL.sub("", text).strip()

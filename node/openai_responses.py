@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from pdserve.api.chat_tools import strip_tool_calls
 from pdserve.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,7 +30,7 @@ from pdserve.engine.async_llm import RequestFailedError
 from pdserve.engine.outputs import RequestDelta, RequestOutput, TokenLogprobs
 from pdserve.node import structured_output as structured
 from pdserve.node.openai_serving import Choice, OpenAIServing, Prepared
-from pdserve.node.resume import ids_comment
+from pdserve.node.resume import ids_comment, resumed_text
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def chat_response(
         if calls and p.plan.tools_forced:
             content = None
         elif calls:
-            content = structured.strip_tool_calls(g.text) or None
+            content = strip_tool_calls(g.text) or None
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -162,7 +163,8 @@ def chat_response(
 async def stream_completion(
     s: OpenAIServing, p: Prepared, include_usage: bool
 ) -> AsyncIterator[str]:
-    offsets = [c.text_chars for c in p.choices]  # a resumed choice's text goes on
+    # a resumed choice's text goes on (after the prompt, echoed to its client at first)
+    offsets = [c.text_chars + len(c.prompt_text or "") * p.resumed for c in p.choices]
     started = [False] * len(p.choices)
     plain = [TextChunk(False, p.request_id, s.model_name, c.index) for c in p.choices]
 
@@ -195,9 +197,10 @@ async def stream_completion(
 
 async def stream_chat(s: OpenAIServing, p: Prepared, include_usage: bool) -> AsyncIterator[str]:
     """With tools, a choice's tool calls come in one delta with its finish; a forced tool
-    call streams no content (its JSON is the call)."""
-    texts = [""] * len(p.choices)
+    call streams no content (its JSON is the call). A migrated choice's calls are parsed
+    from its whole reply: the text its client has, then this node's."""
     tooling = p.plan.tools_forced or p.plan.tools_auto
+    texts = [resumed_text(s.llm.tokenizer, c) if tooling else "" for c in p.choices]
     plain = [TextChunk(True, p.request_id, s.model_name, c.index) for c in p.choices]
 
     def chunk(c: Choice, g: RequestOutput | RequestDelta) -> str | None:

@@ -168,7 +168,8 @@ class OpenAIServing:
         max_tokens = req.max_tokens or None  # 0 (echo only) is checked as 1
         plan = plan or structured.plan(req)
         p = self._prepare("cmpl", ids, req, max_tokens, arrival, plan, trace)
-        p.echo, p.drop_output = req.echo, req.max_tokens == 0
+        # a continuation's client has the echo: its text offsets go on after it
+        p.echo, p.drop_output = req.echo and not p.resumed, req.max_tokens == 0
         p.logprobs = req.logprobs is not None
         if req.echo:
             texts = [

@@ -23,6 +23,7 @@ import msgspec
 
 from pdserve.api.protocol import ResumeChoice
 from pdserve.common.errors import InvalidRequestError
+from pdserve.engine.detokenizer import IncrementalDetokenizer
 
 TOKEN_IDS_HEADER = "x-pdserve-token-ids"
 
@@ -55,10 +56,19 @@ def resume_choices(p, resume: list[ResumeChoice], validate) -> None:
         c.slot, c.resumed, c.text_chars = slot, list(r.token_ids), r.text_chars
         kept.append(c)
     p.choices = kept
-    p.echo = False
     p.resumed = True
 
 
 def ids_comment(index: int, chars: int, finished: bool, ids: list[int]) -> str:
     """The comment line that carries one event's token ids to the router."""
     return f": ids {index} {chars} {int(finished)} {' '.join(map(str, ids))}\n"
+
+
+def resumed_text(tokenizer, c) -> str:
+    """The text a resumed choice's client has (its tokens' text, up to its characters), as
+    the engine's detokenizer continues it; "" for a choice that is not resumed."""
+    if not c.resumed or tokenizer is None:
+        return ""
+    d = IncrementalDetokenizer(tokenizer)
+    d.resume(c.resumed, c.text_chars)
+    return d.output_text

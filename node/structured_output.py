@@ -16,7 +16,6 @@ text -> OpenAI `tool_calls`.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,6 @@ from pdserve.common.schema_bounds import check_schema_bounds
 from pdserve.engine.grammar import parser_limits
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -124,7 +122,7 @@ def tool_calls(p: Plan, text: str) -> list[ToolCall] | None:
     if p.tools_forced:
         blobs = [text]
     elif p.tools_auto:
-        blobs = _TOOL_CALL.findall(text)
+        blobs = chat_tools.TOOL_CALL.findall(text)
     else:
         return None
     calls = []
@@ -143,8 +141,3 @@ def tool_calls(p: Plan, text: str) -> list[ToolCall] | None:
             )
         )
     return calls or None
-
-
-def strip_tool_calls(text: str) -> str:
-    """The reply without its <tool_call> blocks."""
-    return _TOOL_CALL.sub("", text).strip()

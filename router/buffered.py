@@ -8,8 +8,11 @@ the relayed events and builds the one JSON body the node itself would have answe
 logprobs in order, its finish reason, the usage (rewritten by the relay after a
 migration), `pdserve_timings` of choice 0. An error event becomes an error answer.
 
-Only requests a stream can carry whole take this way: one prompt, no tools, no `echo`
-(router/serving.py `_via_stream`); `router.migrate_buffered: false` turns it off.
+Every request takes this way (several prompts, `n`, `echo`, `tools` included);
+`router.migrate_buffered: false` turns it off. A chat choice's tool calls come in the delta
+that ends it; its content is then what the node's own answer holds next to calls: nothing
+for a forced call (whose stream carries no text), the reply without its `<tool_call>`
+blocks for `tool_choice: auto` (pdserve/api/chat_tools.py).
 """
 
 from __future__ import annotations
@@ -20,17 +23,19 @@ from contextlib import aclosing
 
 import msgspec
 
+from pdserve.api.chat_tools import strip_tool_calls
 from pdserve.router.relay import DONE
 
 
 class _Choice:
-    __slots__ = ("text", "logprobs", "finish_reason", "timings")
+    __slots__ = ("text", "logprobs", "finish_reason", "timings", "tool_calls")
 
     def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: dict | None = None
         self.finish_reason: str | None = None
         self.timings: dict | None = None
+        self.tool_calls: list[dict] | None = None
 
 
 def _events(data: bytes) -> list[bytes]:
@@ -80,9 +85,12 @@ async def collect(events: AsyncIterator[bytes], chat: bool) -> tuple[int, bytes]
                 timings = chunk.get("pdserve_timings")
                 for ch in chunk.get("choices") or ():
                     c = choices.setdefault(ch["index"], _Choice())
-                    piece = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    delta = ch.get("delta") or {}
+                    piece = delta.get("content") if chat else ch.get("text")
                     if piece:
                         c.text.append(piece)
+                    if delta.get("tool_calls"):
+                        c.tool_calls = [_call(t) for t in delta["tool_calls"]]
                     _add_logprobs(c, ch.get("logprobs"), chat)
                     if ch.get("finish_reason") is not None:
                         c.finish_reason = ch["finish_reason"]
@@ -106,7 +114,8 @@ async def collect(events: AsyncIterator[bytes], chat: bool) -> tuple[int, bytes]
 def _choice(index: int, c: _Choice, chat: bool) -> dict:
     text = "".join(c.text)
     if chat:
-        message = {"role": "assistant", "content": text, "tool_calls": None}
+        content = text if c.tool_calls is None else strip_tool_calls(text) or None
+        message = {"role": "assistant", "content": content, "tool_calls": c.tool_calls}
         return {"index": index, "message": message, "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason}  # fmt: skip
     if c.logprobs is not None:  # as the node's buffered answer counts them: token strings
@@ -117,3 +126,9 @@ def _choice(index: int, c: _Choice, chat: bool) -> dict:
         c.logprobs["text_offset"] = offsets
     return {"index": index, "text": text, "logprobs": c.logprobs,
             "finish_reason": c.finish_reason}  # fmt: skip
+
+
+def _call(delta_call: dict) -> dict:
+    """A streamed tool call (with its `index`) as a message's tool call."""
+    return {"id": delta_call.get("id"), "type": delta_call.get("type") or "function",
+            "function": delta_call.get("function")}  # fmt: skip

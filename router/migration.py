@@ -57,18 +57,27 @@ TOKEN_IDS_HEADER = "X-Pdserve-Token-Ids"
 @dataclass
 class StreamContext:
     """What a continuation needs to be sent again: the node body (a dict), its path, the
-    prompt tokens, the tenant salt, the request id and its first attempt number."""
+    prompts' tokens, the tenant salt, the request id and its first attempt number. Choice
+    `i` is sample `i % n` of prompt `i // n`, as a node numbers them."""
 
     path: str
     body: dict
-    tokens: list[int]
+    prompts: list[list[int]]
     salt: str
     rid: str
     attempt: int
     include_usage: bool
     n: int
     excluded: set[str] = field(default_factory=set)
-    migratable: bool = True  # one prompt, no tool calls (parsed from the whole text)
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The usage's prompt tokens: each prompt counted once (node/openai_responses.py)."""
+        return sum(map(len, self.prompts))
 
 
 class StreamRelay:
@@ -139,7 +148,7 @@ class StreamRelay:
                     node.breaker.record_failure()
                 self.ctx.excluded.add(node.url)
                 self._absorb()
-                if len(self.finished) == self.ctx.n:  # only its [DONE] was lost
+                if len(self.finished) == self.ctx.choices:  # only its [DONE] was lost
                     yield DONE
                     return
                 gap_from = gap_from or time.monotonic()
@@ -205,7 +214,7 @@ class StreamRelay:
         self._absorb()
         body = msgspec.json.decode(event[6:].strip())
         completion = sum(map(len, self.ids.values()))
-        prompt = len(self.ctx.tokens)
+        prompt = self.ctx.prompt_tokens
         body["usage"].update(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
@@ -229,15 +238,15 @@ class StreamRelay:
         None when no node, no migration or no time is left."""
         cfg = self.serving.config
         self._absorb()
-        unfinished = [i for i in range(self.ctx.n) if i not in self.finished]
+        unfinished = [i for i in range(self.ctx.choices) if i not in self.finished]
         deadline = self.start + cfg.request_timeout_s
-        while self.ctx.migratable and unfinished and self.migrations < cfg.max_migrations:
+        while unfinished and self.migrations < cfg.max_migrations:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             self.migrations += 1
-            first = unfinished[0]
-            tokens = self.ctx.tokens + self.ids.get(first, [])
+            first = unfinished[0]  # the nodes are chosen on it, as on prompt 0 at first
+            tokens = self.ctx.prompts[first // self.ctx.n] + self.ids.get(first, [])
             d = await self.serving.selector.select(tokens, self.ctx.excluded, self.ctx.salt)
             if d is None:
                 break
@@ -259,9 +268,8 @@ class StreamRelay:
         return None
 
     async def _open(self, d: Decision, unfinished: list[int]) -> tuple[OpenStream, Release]:
-        body = dict(self.ctx.body)
-        for name in ("echo", "prompt_logprobs"):
-            body.pop(name, None)
+        body = dict(self.ctx.body)  # `echo` stays: the node counts text offsets after it
+        body.pop("prompt_logprobs", None)
         kv: dict = {
             "resume": [
                 {"index": i, "token_ids": self.ids.get(i, []), "text_chars": self.chars.get(i, 0)}

@@ -225,10 +225,8 @@ class RouterServing:
             ctx = None
             if req.stream or via_stream:
                 headers[TOKEN_IDS_HEADER] = "1"
-                ctx = StreamContext(path, body, tokens, salt, rid, attempt,
-                                    req.include_usage or via_stream, req.n, excluded,
-                                    migratable=len(prompts) == 1 and
-                                    not getattr(req, "tools", None))  # fmt: skip
+                ctx = StreamContext(path, body, prompts, salt, rid, attempt,
+                                    req.include_usage or via_stream, req.n, excluded)  # fmt: skip
             logger.info(
                 "request %s attempt %d: %d tokens -> decode %s, prefill %s (predicted hit %d)",
                 rid, attempt, len(tokens), decision.decode.url,
@@ -260,14 +258,8 @@ class RouterServing:
 
     def _via_stream(self, req, prompts: list[list[int]]) -> bool:
         """A non-streamed request the node serves as a stream, so it migrates
-        (router/buffered.py): one prompt, no tools, no echo."""
-        return (
-            not req.stream
-            and self.config.migrate_buffered
-            and len(prompts) == 1
-            and not getattr(req, "tools", None)
-            and not getattr(req, "echo", False)
-        )
+        (router/buffered.py)."""
+        return not req.stream and self.config.migrate_buffered
 
     def cache_salt(self, req, scope) -> str:
         """The request's `cache_salt`; with `cache_salt_per_client`, a digest of the client

@@ -324,3 +324,91 @@ def test_tools_required_and_named_return_valid_tool_calls(client):
     r = post(client.base_url.__str__().removesuffix("/v1/"), "/v1/chat/completions",
              {"messages": ask, "tools": WEATHER, "tool_choice": {"type": "function", "function": {"name": "nope"}}})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+# -- a migrated request's continuation (node/resume.py) ----------------------------------
+
+
+def _stream_with_ids(url: str, path: str, body: dict) -> tuple[list[list], list[dict]]:
+    """The node's stream as the router reads it: per event, its `ids` comment fields
+    (index, chars, finished, token ids) and its chunk (None for an ids-only event)."""
+    events, chunks = [], []
+    body = {**body, "stream": True}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120,
+                      headers={"X-Pdserve-Token-Ids": "1"}) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        for event in r.read().decode().split("\n\n"):
+            for line in event.splitlines():
+                if line.startswith(": ids "):
+                    i, chars, finished, *ids = line[6:].split()
+                    events.append([int(i), int(chars), finished == "1", list(map(int, ids))])
+                elif line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+    return events, chunks
+
+
+def _resume_at(events: list[list], index: int, cut: int) -> dict:
+    """Choice `index`'s state after its `cut`-th event: the router's `resume` entry."""
+    mine = [e for e in events if e[0] == index][:cut]
+    return {"index": index, "token_ids": [t for e in mine for t in e[3]], "text_chars": mine[-1][1]}
+
+
+def test_a_continuation_goes_on_exactly_with_tool_calls_and_several_prompts(url):
+    """The router's resume of a forced tool call halfway through its JSON: the call comes
+    whole (parsed from the client's text and this node's); a batch of two prompts resumed
+    at choice 1 alone goes on with choice 1's text, token for token."""
+    ask = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
+    body = {"messages": ask, "tools": WEATHER, "tool_choice": "required", "max_tokens": 80,
+            "temperature": 0}  # fmt: skip
+    events, chunks = _stream_with_ids(url, "/v1/chat/completions", body)
+    (call,) = [
+        tc for ch in chunks for c in ch["choices"] for tc in c["delta"].get("tool_calls") or []
+    ]
+    tokens = [t for e in events for t in e[3]]
+    assert len(events) > 6
+    resume = _resume_at(events, 0, len(events) // 2)
+    kv = {"resume": [resume]}
+    events2, chunks2 = _stream_with_ids(
+        url, "/v1/chat/completions", {**body, "kv_transfer_params": kv}
+    )
+    assert resume["token_ids"] + [t for e in events2 for t in e[3]] == tokens
+    (call2,) = [
+        tc for ch in chunks2 for c in ch["choices"] for tc in c["delta"].get("tool_calls") or []
+    ]
+    assert call2["function"] == call["function"]
+    assert chunks2[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(c["delta"].get("role") for ch in chunks2 for c in ch["choices"])
+
+    body = {"prompt": ["The three primary colours are", FRUITS], "max_tokens": 24,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    events, chunks = _stream_with_ids(url, "/v1/completions", body)
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch["choices"]:
+            texts[c["index"]] += c["text"]
+    resume = _resume_at(events, 1, 7)
+    kv = {"resume": [resume]}
+    events2, chunks2 = _stream_with_ids(url, "/v1/completions", {**body, "kv_transfer_params": kv})
+    assert {e[0] for e in events2} == {1}
+    assert resume["token_ids"] + [t for e in events2 for t in e[3]] == [
+        t for e in events if e[0] == 1 for t in e[3]
+    ]
+    rest = "".join(c["text"] for ch in chunks2 for c in ch["choices"])
+    assert texts[1][: resume["text_chars"]] + rest == texts[1]
+
+    # echo with logprobs: the continuation echoes nothing again, and its text offsets go
+    # on after the echoed prompt, as the unfailed stream's do
+    body = {"prompt": FRUITS, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 0}  # fmt: skip
+    events, chunks = _stream_with_ids(url, "/v1/completions", body)
+    offsets = [o for ch in chunks for c in ch["choices"] for o in c["logprobs"]["text_offset"]]
+    resume = _resume_at(events, 0, 5)
+    kv = {"resume": [resume]}
+    _, chunks2 = _stream_with_ids(url, "/v1/completions", {**body, "kv_transfer_params": kv})
+    offsets2 = [o for ch in chunks2 for c in ch["choices"] for o in c["logprobs"]["text_offset"]]
+    assert offsets2 and offsets2 == offsets[len(offsets) - len(offsets2) :]
+    assert len(offsets) - len(offsets2) > len(resume["token_ids"])  # the prompt's, then 5 events'
+    text = "".join(c["text"] for ch in chunks for c in ch["choices"])
+    assert text.startswith(FRUITS)
+    rest = "".join(c["text"] for ch in chunks2 for c in ch["choices"])
+    assert text[: len(FRUITS) + resume["text_chars"]] + rest == text

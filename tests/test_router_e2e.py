@@ -164,16 +164,20 @@ def test_batch_prompts_through_the_router_equal_the_node(cluster):
     assert usage == local["usage"]
 
 
-def test_echo_logprobs_batch_through_the_router_equal_the_node(cluster):
-    """lm-eval's request through the router; the long prompt is prefilled on the prefill
-    node, which returns its prompt logprobs."""
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_echo_logprobs_batch_through_the_router_equal_the_node(cluster, max_tokens):
+    """lm-eval's request through the router (served as a stream from the node, so that
+    it migrates: router/buffered.py); the long prompt is prefilled on the prefill node,
+    which returns its prompt logprobs. max_tokens 0: the prompt alone."""
     long = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(8))
-    body = {"prompt": [long, BATCH[0]], "max_tokens": 1, "echo": True, "logprobs": 2,
+    body = {"prompt": [long, BATCH[0]], "max_tokens": max_tokens, "echo": True, "logprobs": 2,
             "temperature": 0}  # fmt: skip
     routed, local = post_both(cluster, "/v1/completions", body)
+    assert routed["usage"] == local["usage"]
     for a, b in zip(routed["choices"], local["choices"], strict=True):
         la, lb = a["logprobs"], b["logprobs"]
         assert a["text"] == b["text"] and la["tokens"] == lb["tokens"]
+        assert la["text_offset"] == lb["text_offset"] and a["finish_reason"] == b["finish_reason"]
         assert la["token_logprobs"][0] is None and lb["token_logprobs"][0] is None
         assert (
             max(abs(x - y) for x, y in zip(la["token_logprobs"][1:], lb["token_logprobs"][1:]))
@@ -214,6 +218,7 @@ def test_structured_output_and_tools_through_the_router(cluster):
     routed, local = post_both(cluster, "/v1/chat/completions", body)
     (call,) = routed["choices"][0]["message"]["tool_calls"]
     assert routed["choices"][0]["finish_reason"] == "tool_calls"
+    assert routed["choices"][0]["message"]["content"] is None
     assert call["function"]["name"] == "weather" and "city" in json.loads(
         call["function"]["arguments"]
     )

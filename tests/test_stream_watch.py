@@ -156,3 +156,32 @@ def test_buffered_chat_answer_and_an_error_event():
                      "code": "upstream_error"}}  # fmt: skip
     status, body = asyncio.run(collect(_events(_sse(err), b"data: [DONE]\n\n"), chat=True))
     assert status == 502 and json.loads(body) == err
+
+
+def test_buffered_chat_answer_with_tool_calls():
+    """A forced call streams no content: the answer's content is null; with `auto`, the
+    content is the reply without its <tool_call> block, as a node's own answer has it."""
+    head = {"id": "chatcmpl-1", "created": 7, "model": "m"}
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    reply = (
+        'Let me look. <tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+    )
+    parts = (
+        _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+             {**head, "choices": [{"index": 1, "delta": {"content": reply[:20]}}]},
+             {**head, "choices": [{"index": 1, "delta": {"content": reply[20:],
+                                                          "tool_calls": [call]},
+                                   "finish_reason": "tool_calls"}]},
+             {**head, "choices": [{"index": 0, "delta": {"content": "", "tool_calls": [call]},
+                                   "finish_reason": "tool_calls"}]}),
+        b"data: [DONE]\n\n",
+    )  # fmt: skip
+    status, body = asyncio.run(collect(_events(*parts), chat=True))
+    out = json.loads(body)
+    assert status == 200
+    want = [{"id": "call_1", "type": "function", "function": call["function"]}]
+    forced, auto = out["choices"]
+    assert forced["message"] == {"role": "assistant", "content": None, "tool_calls": want}
+    assert auto["message"] == {"role": "assistant", "content": "Let me look.", "tool_calls": want}
+    assert forced["finish_reason"] == auto["finish_reason"] == "tool_calls"

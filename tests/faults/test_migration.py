@@ -4,10 +4,11 @@ One cluster for the module: `pdserve launch` with embedded Redis, the router, 1 
 node and 2 decode nodes (the real SmolLM2, real NIXL, a cluster secret). The decode policy
 is round-robin, so the test places every stream on the same decode node (a short request
 goes to the other one between two streams); that node is SIGKILLed mid-stream. Each
-stream must end normally with exactly the text of an unfailed run: greedy ones equal to
-transformers, a seeded `n: 2` one equal to the same request on the healthy cluster, a
-JSON-schema one parsing and validating. Then a stream whose every decode node dies ends
-with a terminal error within its deadline (migration never loops).
+stream must end normally with exactly the text of an unfailed run: greedy ones (and a
+batch of two prompts) equal to transformers, a seeded `n: 2` one equal to the same request
+on the healthy cluster, a JSON-schema one parsing and validating, a forced tool call
+(streamed and not) whole and valid. Then a stream whose every decode node dies ends with a
+terminal error within its deadline (migration never loops).
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class Stream(threading.Thread):
         self.chat = route == "chat/completions"
         self.texts: dict[int, str] = {}
         self.finish: dict[int, str] = {}
+        self.calls: list[dict] = []  # every streamed tool call
         self.usage: dict | None = None
         self.events = 0
         self.error: str | None = None
@@ -146,6 +148,8 @@ class Stream(threading.Thread):
                     for ch in chunk["choices"]:
                         piece = ch["delta"].get("content") if self.chat else ch["text"]
                         self.texts[ch["index"]] = self.texts.get(ch["index"], "") + (piece or "")
+                        if self.chat:
+                            self.calls += ch["delta"].get("tool_calls") or []
                         self.events += 1
                         if ch["finish_reason"]:
                             self.finish[ch["index"]] = ch["finish_reason"]
@@ -178,6 +182,11 @@ class Buffered(threading.Thread):
 
 BUFFERED = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "logprobs": 1, "stream": False}  # fmt: skip
+TOOLS = {  # a forced call whose arguments are a long document
+    "messages": [{"role": "user", "content": "List six cities and their populations."}],
+    "tools": [{"type": "function", "function": {"name": "cities", "parameters": SCHEMA}}],
+    "tool_choice": "required", "max_tokens": 200, "temperature": 0,
+}  # fmt: skip
 
 
 def bodies(tok) -> list[tuple[str, dict]]:
@@ -195,12 +204,17 @@ def bodies(tok) -> list[tuple[str, dict]]:
                             "json_schema": {"name": "city", "schema": SCHEMA}},
         "max_tokens": 200, "temperature": 0,
     })  # fmt: skip
-    return [schema, seeded, *greedy]
+    batch = ("completions", {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
+                             "ignore_eos": True})  # fmt: skip
+    return [schema, seeded, ("chat/completions", TOOLS), batch, *greedy]
 
 
 def place_on_one_node(c: Cluster, reqs: list[tuple[str, dict]]) -> tuple[str, list[Stream]]:
     """Start every stream on the same decode node (round-robin: a short request in
-    between goes to the other); returns that node's name and the streams."""
+    between goes to the other); returns that node's name and the streams once every one is
+    generating there. Each request waits only for the router's choice of its node (not
+    for an answer), so the prefills run together, and on a slow box the first request does
+    not end before the last has begun."""
     pad = {"prompt": [5, 6, 7], "max_tokens": 1, "temperature": 0, "ignore_eos": True}
     before = selections(c)
     assert httpx.post(f"{c.router_url}/v1/completions", json=pad, timeout=60).status_code == 200
@@ -208,23 +222,70 @@ def place_on_one_node(c: Cluster, reqs: list[tuple[str, dict]]) -> tuple[str, li
     after = selections(c)
     other = next(n for n in DECODES if after[n] > before[n])
     victim = next(n for n in DECODES if n != other)
-    streams = []
+    ft0 = first_tokens(c, victim)
+    streams: list = []
+    pads: list[Buffered] = []
     for route, body in reqs:
         s = (Buffered if body.get("stream") is False else Stream)(c.router_url, route, body)
         s.start()
-        assert s.started.wait(240)
-        # dispatched (counted by the router), not yet answered: the streams' prefills run
-        # together, so on a slow box the first does not end before the last has begun
-        deadline = time.monotonic() + 120
-        while selections(c)[victim] < after[victim] + len(streams) + 1:
-            assert time.monotonic() < deadline and s.is_alive(), "placement failed"
-            time.sleep(0.02)
+        _dispatched(c, victim, after[victim] + len(streams) + 1, s)
         streams.append(s)
-        time.sleep(0.1)
+        pads.append(Buffered(c.router_url, "completions", pad))
+        pads[-1].start()
+        _dispatched(c, other, after[other] + len(pads), pads[-1])
         assert selections(c)[victim] == after[victim] + len(streams), "placement failed"
-        r = httpx.post(f"{c.router_url}/v1/completions", json=pad, timeout=60)
-        assert r.status_code == 200
+    for p in pads:
+        p.join(120)
+        assert p.status == 200, (p.status, p.error)
+    # every choice has its first token (the router relays each stream: a failure now
+    # migrates it, where before its first token it would be retried), the last has more
+    deadline = time.monotonic() + 180
+    while first_tokens(c, victim) < ft0 + sum(_choices(b) for _, b in reqs) or (
+        isinstance(streams[-1], Stream) and streams[-1].events < 3
+    ):
+        assert time.monotonic() < deadline and all(s.is_alive() for s in streams), (
+            first_tokens(c, victim) - ft0,
+            [
+                (type(s).__name__, getattr(s, "finish", None), getattr(s, "error", None))
+                for s in streams
+            ],
+        )
+        time.sleep(0.05)
     return victim, streams
+
+
+def warm_grammars(c: Cluster) -> None:
+    """A first constrained request makes a node start its grammar workers and build the
+    tokenizer view (seconds on a busy box): one to each decode node (round-robin) first,
+    so the constrained streams start as soon as the others."""
+    rf = {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}
+    body = {"messages": [{"role": "user", "content": "A city?"}], "max_tokens": 4,
+            "response_format": rf, "temperature": 0}  # fmt: skip
+    for _ in DECODES:
+        r = httpx.post(f"{c.router_url}/v1/chat/completions", json=body, timeout=240)
+        assert r.status_code == 200, r.text
+
+
+def _choices(body: dict) -> int:
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    return body.get("n", 1) * (len(prompt) if batch else 1)
+
+
+def first_tokens(c: Cluster, name: str) -> float:
+    """First tokens a decode node has produced (its TTFT histogram's count)."""
+    url = c.service(name)["url"]
+    text = httpx.get(f"{url}/metrics", headers=c.node_headers, timeout=10).text
+    key = "pdserve_time_to_first_token_seconds_count"
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(key))
+
+
+def _dispatched(c: Cluster, node: str, count: float, request: threading.Thread) -> None:
+    """Wait until the router has sent `count` requests to `node` (counted by the router)."""
+    deadline = time.monotonic() + 120
+    while selections(c)[node] < count:
+        assert time.monotonic() < deadline and request.is_alive(), "placement failed"
+        time.sleep(0.02)
 
 
 def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
@@ -238,16 +299,17 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     ref = Stream(c.router_url, *reqs[1])
     ref.run()
     assert ref.error is None and len(ref.texts) == 2, ref.error
+    warm_grammars(c)
     m0 = migrations(c)
-    # the buffered request goes second to last: still generating when its node dies
-    victim, placed = place_on_one_node(c, [*reqs[:-1], ("completions", BUFFERED), reqs[-1]])
-    buffered = placed.pop(-2)
+    # the buffered requests go just before the last: still generating when their node dies
+    buffered_tools = ("chat/completions", {**TOOLS, "stream": False})
+    victim, placed = place_on_one_node(
+        c, [*reqs[:-1], ("completions", BUFFERED), buffered_tools, reqs[-1]]
+    )
+    buffered, tools_answer = placed.pop(-3), placed.pop(-2)
     streams = placed
-    deadline = time.monotonic() + 120
-    while streams[-1].events < 3:  # every stream has sent text, none has ended
-        assert time.monotonic() < deadline and all(s.is_alive() for s in placed)
-        time.sleep(0.02)
-    assert not any(s.finish for s in streams) and buffered.is_alive()
+    assert not any(s.finish for s in streams), [(s.finish, s.events, s.calls) for s in streams]
+    assert buffered.is_alive() and tools_answer.is_alive()
     os.killpg(c.service(victim)["pid"], signal.SIGKILL)
     t_kill = time.monotonic()
     for s in streams:
@@ -255,6 +317,7 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
         assert not s.is_alive()
         assert s.error is None and s.done, s.error
     buffered.join(120)
+    tools_answer.join(120)
     print(f"\nall requests ended {time.monotonic() - t_kill:.1f} s after the kill")
     # buffered: one answer, transformers' text, every token's logprob once
     ids = tok.encode(PROMPTS[0], add_special_tokens=False)
@@ -266,13 +329,29 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     assert "".join(choice["logprobs"]["tokens"]) == want
     assert buffered.answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert buffered.answer["usage"]["prompt_tokens"] == len(ids)
-    # greedy: transformers' text, token for token
-    for s, p in zip(streams[2:], PROMPTS):
+    # greedy: transformers' text, token for token; a batch of both prompts too
+    wants, lens = {}, []
+    for i, (s, p) in enumerate(zip(streams[4:], PROMPTS)):
         ids = tok.encode(p, add_special_tokens=False)
-        want = tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
-        assert s.texts == {0: want} and s.finish == {0: "length"}
+        wants[i] = tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+        lens.append(len(ids))
+        assert s.texts == {0: wants[i]} and s.finish == {0: "length"}
         assert s.usage["completion_tokens"] == MAX_TOKENS
         assert s.usage["prompt_tokens"] == len(ids)
+    batch = streams[3]
+    assert batch.texts == wants and batch.finish == {0: "length", 1: "length"}
+    assert batch.usage["completion_tokens"] == 2 * MAX_TOKENS
+    assert batch.usage["prompt_tokens"] == sum(lens)
+    # a forced tool call, streamed and not: one call whose arguments validate
+    (call,) = streams[2].calls
+    assert streams[2].finish == {0: "tool_calls"} and call["function"]["name"] == "cities"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+    assert tools_answer.status == 200, (tools_answer.status, tools_answer.answer)
+    message = tools_answer.answer["choices"][0]["message"]
+    assert message["content"] is None and tools_answer.answer["choices"][0]["finish_reason"] == (
+        "tool_calls"
+    )
+    assert [c["function"] for c in message["tool_calls"]] == [call["function"]]
     # seeded n=2: the unfailed run's two texts
     seeded = streams[1]
     assert seeded.texts == ref.texts and seeded.finish == {0: "length", 1: "length"}
@@ -281,7 +360,7 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     doc = json.loads(streams[0].texts[0])
     jsonschema.validate(doc, SCHEMA)
     assert streams[0].finish == {0: "stop"}
-    assert migrations(c) - m0 == 5  # the buffered request's too
+    assert migrations(c) - m0 == 8  # the buffered requests' too
     wait_up(c)  # the launcher restarts the killed node
 
 
@@ -301,10 +380,6 @@ def test_a_frozen_decode_node_s_streams_move_without_waiting_for_a_read_deadline
                              "ignore_eos": True}) for p in PROMPTS]  # fmt: skip
     m0 = migrations(c)
     victim, streams = place_on_one_node(c, reqs)
-    deadline = time.monotonic() + 120
-    while streams[-1].events < 3:
-        assert time.monotonic() < deadline and all(s.is_alive() for s in streams)
-        time.sleep(0.02)
     pgid = c.service(victim)["pid"]
     os.killpg(pgid, signal.SIGSTOP)
     t_stop = time.monotonic()
