@@ -22,7 +22,7 @@ router's cost.
     python benchmarks/router_overhead.py --secure --router-root /tmp/before --router-root .
     # one tree, router flags as variants: what serving JSON requests as relayed streams
     # (router.migrate_buffered, on by default) adds
-    python benchmarks/router_overhead.py --router-flags '' --router-flags '--no-migrate-buffered'
+    python benchmarks/router_overhead.py --router-flags= --router-flags=--no-migrate-buffered
 
 Writes results/router_overhead.json (or --out).
 """
