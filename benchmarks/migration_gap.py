@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.faults.harness import Cluster  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from tests.servers import free_ports  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 DECODES = ("decode-0", "decode-1")
@@ -67,17 +67,9 @@ def say(msg: str) -> None:
     (tqdm.write if tqdm else print)(msg)
 
 
-def ports(n: int) -> list[int]:
-    out: list[int] = []
-    while len(out) < n:
-        if (p := free_port()) not in out:
-            out.append(p)
-    return out
-
-
 def cluster_extra(kind: str, args) -> dict:
     """The harness config overrides for one cluster kind (pd, local, store)."""
-    p = ports(4)
+    p = free_ports(4)
     decode = {"count": 2, "port": p[2:], "num_blocks": args.num_blocks}
     extra: dict = {
         "model": {"name": MODEL, "block_size": 16},
@@ -99,17 +91,6 @@ def cluster_extra(kind: str, args) -> dict:
     if kind == "store":
         extra["kv_store"] = {"backend": "lmcache", "chunk_size": args.store_chunk_size}
     return extra
-
-
-def wait_up(c: Cluster, names: set[str], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert c.proc.poll() is None, f"launcher exited:\n{c.output.read_text()[-3000:]}"
-        services = {s["name"]: s for s in c.state()["services"]}
-        if set(services) >= names and all(services[n]["state"] == "up" for n in names):
-            return
-        assert time.monotonic() < deadline, f"cluster not up in {timeout_s} s: {services}"
-        time.sleep(0.5)
 
 
 def service(c: Cluster, name: str) -> dict:
@@ -224,7 +205,7 @@ def recover(c: Cluster, victim: str, old_pid: int, names: set[str], warm: dict) 
 
 def settle(c: Cluster, names: set[str], deadline: float) -> None:
     """Every process up, and the router using both decode nodes."""
-    wait_up(c, names)
+    c.wait_up(600, names)
     while scrape(c).get('pdserve_router_usable_nodes{role="decode"}', 0) < 2:
         assert time.monotonic() < deadline, "the router does not use the restarted node"
         time.sleep(0.5)
@@ -361,7 +342,7 @@ def on_cluster(kind, info: dict, paths, args, rng, runs: dict, bar) -> None:
     t0 = time.monotonic()
     c = Cluster(MODEL, work, extra)
     try:
-        wait_up(c, names)
+        c.wait_up(600, names)
         info.update(logs=str(work), up_s=round(time.monotonic() - t0, 1), unfailed=[])
         for j in range(1 if args.quick else 2):  # warms both decode nodes, too
             prompt = [rng.randrange(1000, 48000) for _ in range(args.prompt_tokens)]

@@ -61,6 +61,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (two `free_port` calls may return the same one)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        if (p := free_port()) not in ports:
+            ports.append(p)
+    return ports
+
+
 def descendants(pid: int) -> set[int]:
     """All live processes below `pid` (from /proc, so no extra dependency)."""
     children: dict[int, list[int]] = {}

@@ -111,13 +111,13 @@ class Cluster:
     def node_names(self) -> list[str]:
         return [s["name"] for s in self.state()["services"] if s["kind"] in ("prefill", "decode")]
 
-    def wait_up(self, timeout_s: float = 300) -> None:
+    def wait_up(self, timeout_s: float = 300, names: set[str] = EXPECTED) -> None:
+        """Every service up, `names` among them (the launcher restarts a killed one)."""
         deadline = time.monotonic() + timeout_s
         while True:
             assert self.proc.poll() is None, f"launcher exited:\n{self.output.read_text()}"
             services = self.state()["services"]
-            names = {s["name"] for s in services}
-            if names >= EXPECTED and all(s["state"] == "up" for s in services):
+            if {s["name"] for s in services} >= names and all(s["state"] == "up" for s in services):
                 return
             assert time.monotonic() < deadline, f"cluster not up in {timeout_s} s: {services}"
             time.sleep(0.5)

@@ -25,6 +25,7 @@ import pytest
 
 from tests.faults.harness import Cluster, wait_serving
 from tests.hf_reference import hf_greedy, load_hf
+from tests.servers import free_ports
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 pytest.importorskip("nixl")
@@ -52,7 +53,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    ports = _ports(4)
+    ports = free_ports(4)
     extra = {
         "model": {"name": MODEL, "block_size": 16},
         "router": {"decode_policy": "round_robin", "max_retries": 1},
@@ -68,27 +69,8 @@ def cluster(tmp_path_factory):
         c.stop()
 
 
-def _ports(n: int) -> list[int]:
-    """n distinct free ports (two free_port calls may return the same one)."""
-    from tests.servers import free_port
-
-    ports: list[int] = []
-    while len(ports) < n:
-        if (p := free_port()) not in ports:
-            ports.append(p)
-    return ports
-
-
 def wait_up(c: Cluster, timeout_s: float = 300) -> None:
-    want = {"redis", "router", "prefill-0", *DECODES}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert c.proc.poll() is None, f"launcher exited:\n{c.output.read_text()}"
-        services = {s["name"]: s for s in c.state()["services"]}
-        if set(services) >= want and all(services[n]["state"] == "up" for n in want):
-            return
-        assert time.monotonic() < deadline, f"cluster not up in {timeout_s} s: {services}"
-        time.sleep(0.5)
+    c.wait_up(timeout_s, {"redis", "router", "prefill-0", *DECODES})
 
 
 def selections(c: Cluster) -> dict[str, float]:
