@@ -274,17 +274,27 @@ def test_slow_schema_costs_its_own_request_only(node_proc, router):
 
     ask("warm", {"type": "integer"})  # the workers' start (a tokenizer view each) is not timed
     assert answers["warm"][0].status_code == 200, answers["warm"][0].text
+    t0 = time.monotonic()
     hostile = threading.Thread(target=ask, args=("hostile", SLOW_SCHEMA))
     hostile.start()
     time.sleep(0.3)
     small = {"type": "integer", "minimum": 0, "maximum": 99}
-    ask("other", {"type": "object", "properties": {"n": small}, "required": ["n"]})
+    other = {"type": "object", "properties": {"n": small}, "required": ["n"]}
+    first_s, text = None, ""  # the other client streams: when its first token came
+    with httpx.stream("POST", f"{router}{CHAT}", timeout=120, json={
+            **chat, "stream": True, "response_format": schema_format(other)}) as ok:  # fmt: skip
+        for line in ok.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                if delta.get("content"):
+                    first_s = first_s or time.monotonic() - t0
+                    text += delta["content"]
     hostile.join(120)
-    (bad, bad_s), (ok, ok_s) = answers["hostile"], answers["other"]
-    assert ok.status_code == 200 and "n" in json.loads(
-        ok.json()["choices"][0]["message"]["content"]
-    )
-    assert ok_s < bad_s and 2.0 < bad_s < 20, (ok_s, bad_s)  # answered while the other compiles
+    bad, bad_s = answers["hostile"]
+    assert ok.status_code == 200 and "n" in json.loads(text), text
+    # its first token came while the hostile schema still compiled (a 2 s deadline); the
+    # whole answer's time is not compared: on a loaded box 16 tokens can take longer
+    assert first_s is not None and first_s < bad_s and 2.0 < bad_s < 20, (first_s, bad_s)
     assert_openai_error(bad, "slow schema")
     assert bad.status_code == 400 and "did not compile within 2 s" in bad.json()["error"]["message"]
     before = cpu_s(proc.pid)
