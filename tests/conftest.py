@@ -15,6 +15,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # (cache.kv_populate) would cost seconds per engine in a VM. tests/test_hugepages.py turns
 # it back on where it tests it.
 os.environ.setdefault("PDSERVE_KV_POPULATE", "0")
+# Nor do they gain from huge pages, which cost most at start in a VM: a fresh 2 MiB page
+# took ~9 ms to fault in on the 2-vCPU CI-type VM (its free huge blocks go back to the
+# host), ~10 CPU-s and 12-20 s more for each node start (weights and packed weights).
+# Servers and engines started by tests run on 4 KiB pages; the `huge_pages` fixture turns
+# them back on for the tests of them (test_hugepages.py, test_fault_in.py).
+os.environ.setdefault("PDSERVE_HUGEPAGES", "0")
+
+
+@pytest.fixture
+def huge_pages(monkeypatch):
+    """Huge pages as a node has them by default (conftest turns them off for the rest)."""
+    from pdserve.kernels import hugepages
+
+    monkeypatch.delenv("PDSERVE_HUGEPAGES", raising=False)
+    hugepages.available.cache_clear()
+    yield
+    monkeypatch.undo()
+    hugepages.available.cache_clear()
 
 
 # scripts/test.sh runs the suite on pytest-xdist workers (`--dist loadgroup`): the tests of

@@ -14,10 +14,10 @@ from pdserve.kernels.fault_in import BackgroundFault, block_spans
 
 
 @pytest.fixture(autouse=True)
-def _normal_priority(monkeypatch):
+def _normal_priority(monkeypatch, huge_pages):
     """The thread runs at nice 19 in a node; here at the test's own priority: on a loaded
     2-vCPU CI box a nice-19 thread got too little CPU to fault 192 MiB in within 120 s."""
-    monkeypatch.setattr(fault_in, "NICE", 0)
+    monkeypatch.setattr(fault_in, "NICE", 0)  # and on huge pages, as a node's cache is
 
 
 def _addresses(t: torch.Tensor) -> set[int]:

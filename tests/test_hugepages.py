@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from pdserve.kernels import hugepages
+
+pytestmark = pytest.mark.usefixtures("huge_pages")  # conftest turns them off elsewhere
+
+
+def test_on_here_where_the_kernel_offers_them():
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if os.uname().sysname == "Linux" and os.path.exists(thp):
+        assert hugepages.available() == ("[never]" not in open(thp).read())
 
 
 def test_empty_is_a_usable_tensor(monkeypatch):
@@ -55,6 +66,19 @@ def test_model_weights_moved_keep_their_values(tiny_llama_dir):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def test_packed_decode_weights_are_on_huge_pages():
+    from pdserve.kernels import gemm_packed
+
+    if not gemm_packed.available():
+        pytest.skip("no native gemm_packed library here")
+    w = torch.randn(1024, 1024)
+    packed = gemm_packed.Packed(w)
+    x = torch.randn(3, 1024)
+    torch.testing.assert_close(packed.gemm(x), x @ w.T, rtol=1e-4, atol=1e-4)
+    if hugepages.available():
+        assert packed.ptr() % hugepages.HUGE == 0
+
+
 def test_memory_outlives_the_mapping_object_and_is_huge():
     import gc
 
@@ -86,8 +110,6 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
 
 
 def test_populate_faults_every_page_in_and_keeps_the_zeros():
-    import os
-
     t = hugepages.zeros((16 << 20,), torch.uint8)  # 16 MiB: a fresh mapping where THP is on
     before, pages = _resident_pages(t)
     ok = hugepages.populate(t)
