@@ -173,8 +173,8 @@ def stop_all(pid: int, sig: int) -> None:
 
 @pytest.mark.slow
 def test_long_prefill_step_on_real_nodes():
-    """A 4000-token prompt in ONE prefill step (over 5 s on one CPU thread; minutes on a
-    loaded 2-core box) with a 3 s peer timeout: the KV still comes from the prefill node. Then
+    """A long prompt in ONE prefill step (over 5 s on one CPU thread; minutes on a loaded
+    2-core box) with a 3 s peer timeout: the KV still comes from the prefill node. Then
     the prefill node is stopped: the decode node fails over to a local prefill after
     about the timeout. (A short request first opens the control connection: a heartbeat
     due while it is still connecting counts as unanswered from then.)"""
@@ -190,12 +190,19 @@ def test_long_prefill_step_on_real_nodes():
          "--kv-transfer-timeout", "600", "--kv-abort-grace", "1"]
     )  # fmt: skip
     try:
-        body = {"prompt": [100 + i % 5000 for i in range(4000)], "max_tokens": 2,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        body = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
         # a short request first: the control connection is up (and the decode node's
         # hello taken) before the long step, so every heartbeat goes out when due
         warm = body | {"prompt": [3000 + i for i in range(32)]}
         assert httpx.post(f"{durl}/v1/completions", json=warm, timeout=300).status_code == 200
+        # then a 512-token one sizes the long prompt for a ~12 s step on this box as loaded
+        # now (prefill grows a bit faster than the prompt): 4000 tokens took 50 s on one
+        # AVX2 thread, 4 min beside the suite; 1024 to 4000 tokens
+        t0 = time.monotonic()
+        calib = body | {"prompt": [200 + i for i in range(512)]}
+        assert httpx.post(f"{durl}/v1/completions", json=calib, timeout=300).status_code == 200
+        n = int(min(4000, max(1024, 512 * (12.0 / (time.monotonic() - t0)) ** 0.77)))
+        body["prompt"] = [1000 + i % 5000 for i in range(n)]
         t0 = time.monotonic()
         # the step took 4 min on an AVX2 box under the suite's load: deadlines to match
         r = httpx.post(f"{durl}/v1/completions", json=body, timeout=900)
@@ -203,11 +210,11 @@ def test_long_prefill_step_on_real_nodes():
         assert r.status_code == 200, r.text
         stats = engine_state(durl)
         assert stats["pd_failures"] == 0, stats  # never declared dead, no local fallback
-        assert stats["pd_remote_prefills"] == 2, stats
+        assert stats["pd_remote_prefills"] == 3, stats
         assert stats["kv_bytes_received"] > 0
         # longer than the timeout plus a heartbeat period: answering only between steps,
         # the prefill node would have been declared dead
-        assert took > 5.0, f"the prefill step took only {took:.1f} s: not a long step"
+        assert took > 5.0, f"the {n}-token prefill step took only {took:.1f} s: not a long step"
 
         stop_all(pproc.pid, signal.SIGSTOP)
         try:
