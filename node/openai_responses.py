@@ -30,7 +30,7 @@ from pdserve.engine.async_llm import RequestFailedError
 from pdserve.engine.outputs import RequestDelta, RequestOutput, TokenLogprobs
 from pdserve.node import structured_output as structured
 from pdserve.node.openai_serving import Choice, OpenAIServing, Prepared
-from pdserve.node.resume import ids_comment, resumed_text
+from pdserve.node.resume import ids_comment, kv_comment, resumed_text
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +285,8 @@ async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_
                     chars[c.slot] += len(delta.text)
                     finished = delta.finish_reason is not None
                     comment = ids_comment(c.index, chars[c.slot], finished, delta.token_ids)
+                    if delta.timings is not None and delta.timings.prefill:
+                        comment += kv_comment(delta.timings.prefill, delta.num_cached_tokens)
                     event = comment + (event or "\n")
                 running -= delta.finish_reason is not None
                 if event:

@@ -64,6 +64,13 @@ def ids_comment(index: int, chars: int, finished: bool, ids: list[int]) -> str:
     return f": ids {index} {chars} {int(finished)} {' '.join(map(str, ids))}\n"
 
 
+def kv_comment(prefill: str, cached_tokens: int) -> str:
+    """The comment line, after a choice's first `ids` line, that tells the router where its
+    prompt's KV came from: the engine's prefill path (`engine.outputs.PREFILL_PATHS`) and
+    the tokens its own prefix cache held (router/migration.py names a migration's path)."""
+    return f": kv {prefill} {cached_tokens}\n"
+
+
 def resumed_text(tokenizer, c) -> str:
     """The text a resumed choice's client has (its tokens' text, up to its characters), as
     the engine's detokenizer continues it; "" for a choice that is not resumed."""

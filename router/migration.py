@@ -18,9 +18,12 @@ client's character (a UTF-8 character or a stop string across the boundary). The
 continuation's final usage chunk is rewritten to count the original prompt once and every
 choice's tokens once. At most `max_migrations` per request, within `request_timeout_s` of
 its start; past either, the client gets the error event and `[DONE]` as before.
-Each migration is logged with the request id and counted by path
-(`pdserve_router_migrations{path}`: prefill_node, prefix_cache, local), with the gap the
-client saw (last bytes before the failure to first bytes after).
+Each migration is logged with the request id and counted by the path its KV took
+(`pdserve_router_migrations{path}`: prefill_node, prefix_cache, store, local), with the gap
+the client saw (last bytes before the failure to first bytes after). The path is the one
+the new node reports with its first token (a `: kv <prefill path> <cached tokens>` comment
+line after the `ids` line, node/resume.py); the one the router expected when it chose the
+node only where no report came (a continuation that failed before its first token).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from pdserve.router.streamed import Release
 logger = logging.getLogger(__name__)
 
 IDS = b": ids "
+KV = b": kv "
 TOKEN_IDS_HEADER = "X-Pdserve-Token-Ids"
 
 
@@ -99,6 +103,7 @@ class StreamRelay:
         self.reading: OpenStream | None = None
         self.node: NodeState | None = None
         self.last_read = self.start
+        self.kv_path: str | None = None  # the current node's report (`: kv` line)
 
     async def relay(self, s: OpenStream, release: Release) -> AsyncIterator[bytes]:
         """The held events, then the rest of the node's stream, across migrations. Events
@@ -117,7 +122,7 @@ class StreamRelay:
                         out = self._pass(events)
                         if out:
                             if gap_from is not None:
-                                self._observe_gap(path, time.monotonic() - gap_from)
+                                self._migrated(path, time.monotonic() - gap_from)
                                 gap_from = None
                             yield out
                         if self.error is not None:
@@ -129,7 +134,7 @@ class StreamRelay:
                             out = self._pass(s.splitter.feed(data))
                             if out:
                                 if gap_from is not None:
-                                    self._observe_gap(path, time.monotonic() - gap_from)
+                                    self._migrated(path, time.monotonic() - gap_from)
                                     gap_from = None
                                 yield out
                             if self.error is not None:
@@ -142,6 +147,8 @@ class StreamRelay:
                     return
                 node = release.d.decode
                 logger.warning("request %s: stream from %s %s", self.ctx.rid, node.url, failure)
+                if gap_from is not None:  # a continuation that failed before its first bytes
+                    self.serving.metrics.child(self.serving.metrics.migrations, path).inc()
                 s.close()
                 release.all()
                 if self.error is None or b"engine_dead" in self.error:
@@ -158,7 +165,7 @@ class StreamRelay:
                     yield DONE
                     return
                 s, release, path = nxt
-                self.error = None
+                self.error, self.kv_path = None, None
         finally:
             watch.relays.discard(self)
             s.close()
@@ -174,6 +181,10 @@ class StreamRelay:
                 i = e.index(b"\n")
                 self._lines.append(e[6:i])
                 e = e[i + 1 :]
+                if e.startswith(KV):
+                    i = e.index(b"\n")
+                    self.kv_path = self.kv_path or kv_path(e[5:i])
+                    e = e[i + 1 :]
                 if e == b"\n":
                     continue
             if e == DONE:
@@ -259,11 +270,10 @@ class StreamRelay:
                 self.ctx.excluded.add(d.decode.url)
                 continue
             logger.warning(
-                "request %s migrated (%d) to decode %s via %s: %s tokens resumed",
+                "request %s migrated (%d) to decode %s (expected via %s): %s tokens resumed",
                 self.ctx.rid, self.migrations, d.decode.url, path,
                 "/".join(str(len(self.ids.get(i, []))) for i in unfinished),
             )  # fmt: skip
-            self.serving.metrics.child(self.serving.metrics.migrations, path).inc()
             return opened, release, path
         return None
 
@@ -310,11 +320,15 @@ class StreamRelay:
         node.breaker.record_success()
         return opened, release
 
-    def _observe_gap(self, path: str, gap_s: float) -> None:
+    def _migrated(self, expected: str, gap_s: float) -> None:
+        """The continuation's first bytes: count the migration by the path its node
+        reported (else the one expected) and observe the gap the client saw."""
+        path = self.kv_path or expected
         m = self.serving.metrics
+        m.child(m.migrations, path).inc()
         m.child(m.migration_gap, path).observe(gap_s)
-        logger.info("request %s: %.3f s between tokens across the migration (%s)",
-                    self.ctx.rid, gap_s, path)  # fmt: skip
+        logger.info("request %s: %.3f s between tokens across the migration; KV via %s "
+                    "(expected %s)", self.ctx.rid, gap_s, path, expected)  # fmt: skip
 
 
 def _reads(s: OpenStream):
@@ -326,7 +340,24 @@ def _reads(s: OpenStream):
 
 def _path(d: Decision) -> str:
     """Where the continuation's KV is expected from: a prefill node, the new decode node's
-    own prefix cache (or its KV store), or computed there."""
+    own prefix cache or its KV store (the router's index does not tell them apart), or
+    computed there."""
     if d.prefill is not None:
         return "prefill_node"
     return "prefix_cache" if d.predicted_hit_tokens > 0 else "local"
+
+
+def kv_path(line: bytes) -> str | None:
+    """The path of a node's `: kv <prefill path> <cached tokens>` line (from a node: any
+    other content gives None, and the expected path is used)."""
+    parts = line.split()
+    if len(parts) != 2 or not parts[1].isdigit():
+        return None
+    prefill = parts[0].decode("ascii", "replace")
+    if prefill == "remote":
+        return "prefill_node"
+    if prefill == "store_hit":
+        return "store"
+    if not prefill.startswith("local_"):  # local_policy, local_transfer_failed, ...
+        return None
+    return "prefix_cache" if int(parts[1]) > 0 else "local"

@@ -329,9 +329,12 @@ def test_tools_required_and_named_return_valid_tool_calls(client):
 # -- a migrated request's continuation (node/resume.py) ----------------------------------
 
 
-def _stream_with_ids(url: str, path: str, body: dict) -> tuple[list[list], list[dict]]:
+def _stream_with_ids(
+    url: str, path: str, body: dict, kv: list | None = None
+) -> tuple[list[list], list[dict]]:
     """The node's stream as the router reads it: per event, its `ids` comment fields
-    (index, chars, finished, token ids) and its chunk (None for an ids-only event)."""
+    (index, chars, finished, token ids) and its chunk (None for an ids-only event); the
+    fields of its `kv` comments (prefill path, cached tokens) go to `kv`."""
     events, chunks = [], []
     body = {**body, "stream": True}
     with httpx.stream("POST", f"{url}{path}", json=body, timeout=120,
@@ -342,6 +345,8 @@ def _stream_with_ids(url: str, path: str, body: dict) -> tuple[list[list], list[
                 if line.startswith(": ids "):
                     i, chars, finished, *ids = line[6:].split()
                     events.append([int(i), int(chars), finished == "1", list(map(int, ids))])
+                elif line.startswith(": kv ") and kv is not None:
+                    kv.append(line[5:].split())
                 elif line.startswith("data: {"):
                     chunks.append(json.loads(line[6:]))
     return events, chunks
@@ -360,7 +365,8 @@ def test_a_continuation_goes_on_exactly_with_tool_calls_and_several_prompts(url)
     ask = [{"role": "user", "content": "What's the weather like in Paris right now?"}]
     body = {"messages": ask, "tools": WEATHER, "tool_choice": "required", "max_tokens": 80,
             "temperature": 0}  # fmt: skip
-    events, chunks = _stream_with_ids(url, "/v1/chat/completions", body)
+    reports = []
+    events, chunks = _stream_with_ids(url, "/v1/chat/completions", body, reports)
     (call,) = [
         tc for ch in chunks for c in ch["choices"] for tc in c["delta"].get("tool_calls") or []
     ]
@@ -369,9 +375,13 @@ def test_a_continuation_goes_on_exactly_with_tool_calls_and_several_prompts(url)
     resume = _resume_at(events, 0, len(events) // 2)
     kv = {"resume": [resume]}
     events2, chunks2 = _stream_with_ids(
-        url, "/v1/chat/completions", {**body, "kv_transfer_params": kv}
+        url, "/v1/chat/completions", {**body, "kv_transfer_params": kv}, reports
     )
     assert resume["token_ids"] + [t for e in events2 for t in e[3]] == tokens
+    # one report per stream, with its first token: where the KV came from (router/migration.py
+    # names the path by it); the continuation found the prompt and the resumed tokens cached
+    (_, first), (prefill, cached) = reports
+    assert prefill == "local_policy" and int(cached) >= int(first) + len(resume["token_ids"]) - 16
     (call2,) = [
         tc for ch in chunks2 for c in ch["choices"] for tc in c["delta"].get("tool_calls") or []
     ]

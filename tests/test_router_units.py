@@ -239,3 +239,17 @@ def test_remote_prefill_share_in_cluster_view_and_status():
     assert remote_prefill_share(rec) is None and remote_prefill_share(None) is None
     line = render(None, [{"key": "pd:node:d0", **back.to_redis()}]).splitlines()[-1]
     assert line.split()[:2] == ["d0", "decode"] and " 75% " in line
+
+
+def test_a_migration_is_named_by_the_path_its_node_reports():
+    """router/migration.py: the `: kv <prefill path> <cached tokens>` line of the new node;
+    anything else a node sends there names nothing (the expected path is used)."""
+    from pdserve.router.migration import kv_path
+
+    assert kv_path(b"remote 0") == "prefill_node"
+    assert kv_path(b"store_hit 512") == "store"
+    assert kv_path(b"local_policy 992") == "prefix_cache"
+    assert kv_path(b"local_policy 0") == "local"
+    assert kv_path(b"local_transfer_failed 0") == "local"
+    for bad in (b"", b"remote", b"remote -1", b"evil 5", b"remote 1 2", b"\xff\xfe 3"):
+        assert kv_path(bad) is None
