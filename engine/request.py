@@ -106,10 +106,12 @@ class Request:
         self.error: str | None = None
         # Chain root of the block hashes (pdserve/common/block_hash.py: keyed by model and block size).
         self.hash_root = hash_root if hash_root is not None else root_hash("", block_size)
-        # KV store (engine/kv_store.py): looked up once; saved once; prompt tokens it holds
+        # KV store (engine/kv_store.py): looked up once; prompt saved once; prompt tokens it
+        # holds; tokens [0, store_saved_upto) handed to a save (whole chunks, generated too)
         self.store_checked = False
         self.store_saved = False
         self.store_tokens = 0
+        self.store_saved_upto = 0
         self.block_hashes: list[bytes] = []
         self._update_block_hashes()
         self._generator: torch.Generator | None = None

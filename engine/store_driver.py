@@ -8,7 +8,10 @@ engine thread:
     frees the blocks a late load kept parked; `SaveDone` unpins a saved prompt's blocks
     and, once the save is visible, lists its whole-chunk blocks for the cluster's KV index
     (`BlockPool.note_store_saved`);
-  * `save_prompts`: a prompt whose last chunk ran this step is pinned and saved;
+  * `save_prompts`: a prompt whose last chunk ran this step is pinned and saved; so is
+    a running request's prefix each time its generated tokens fill another whole chunk
+    (one such save in flight per request), so that a continuation of it on another node
+    (router/migration.py) loads prompt and generated tokens from the store;
   * `park_load`: a request ended mid-load keeps its blocks parked until `LoadSettled`.
 """
 
@@ -40,6 +43,7 @@ class StoreDriver:
         self.parked: dict[str, list[str]] = {}  # request id -> park keys of late loads
         self._jobs = 0  # numbers the owner keys of store jobs
         self._saving: dict[str, list[bytes]] = {}  # save key -> its whole chunks' hashes
+        self._generated: dict[str, str] = {}  # save key -> request id: a generated save
 
     def has_pending(self) -> bool:
         return self.store.has_pending() or bool(self.parked)
@@ -68,6 +72,7 @@ class StoreDriver:
             rid = ev.request_id
             if isinstance(ev, SaveDone):
                 self.kv.release(rid)  # the save job's pin key
+                self._generated.pop(rid, None)
                 hashes = self._saving.pop(rid, [])
                 if ev.ok:
                     self.kv.pool.note_store_saved(hashes)
@@ -90,22 +95,37 @@ class StoreDriver:
             )
 
     def save_prompts(self, sched: SchedulerOutput) -> None:
-        """Save each prompt whose last chunk ran this step (its blocks pinned meanwhile)."""
-        bs = self.block_size
+        """Save each prompt whose last chunk ran this step, and each running request's
+        prefix whose generated tokens filled another chunk (blocks pinned meanwhile)."""
+        busy = set(self._generated.values())
         for s in sched.scheduled:
             req, n = s.request, s.request.num_prompt_tokens
-            if req.store_saved or not (
-                req.num_computed_tokens < n <= req.num_computed_tokens + s.num_new_tokens
-            ):
+            done = req.num_computed_tokens + s.num_new_tokens  # tokens whose KV is written
+            if not req.store_saved and req.num_computed_tokens < n <= done:
+                req.store_saved = True
+                # Saved even when a load brought it whole: each save backend skips what
+                # it holds itself (the one that served it answers at once).
+                self._save(req, req.prompt_token_ids, req.store_tokens)
                 continue
-            req.store_saved = True
-            # Saved even when a load brought it whole: each save backend skips what it
-            # holds itself (the one that served it answers at once), the others store it.
-            key = self._key(req.request_id, "save")
-            ids = self.kv.pin(req.request_id, -(-n // bs), key)
-            whole = n - n % self.chunk_size  # a partial chunk's key matches only itself
-            self._saving[key] = req.block_hashes[: whole // bs]
-            salt = req.sampling_params.cache_salt
-            self.store.start_save(
-                key, req.prompt_token_ids, self._slots(ids, n), req.store_tokens, salt
-            )
+            whole = done - done % self.chunk_size
+            if whole <= max(n, req.store_saved_upto) or req.kv_export:
+                continue
+            if req.request_id not in busy:  # else at a later step, a chunk more
+                # the prompt's whole chunks were saved by whoever computed them (here, or
+                # the prefill node of a PD request): the backend checks before skipping
+                stored = max(req.store_saved_upto, n - n % self.chunk_size)
+                key = self._save(req, req.all_token_ids[:whole], stored)
+                self._generated[key] = req.request_id
+
+    def _save(self, req, token_ids: list[int], stored: int) -> str:
+        """Pin the blocks of `token_ids` (a prefix of the request's) and save them; tokens
+        [0, stored) are perhaps held already (the backend skips what it holds)."""
+        bs, n = self.block_size, len(token_ids)
+        key = self._key(req.request_id, "save")
+        ids = self.kv.pin(req.request_id, -(-n // bs), key)
+        whole = n - n % self.chunk_size  # a partial chunk's key matches only itself
+        self._saving[key] = req.block_hashes[: whole // bs]
+        req.store_saved_upto = max(req.store_saved_upto, whole)
+        salt = req.sampling_params.cache_salt
+        self.store.start_save(key, token_ids, self._slots(ids, n), stored, salt)
+        return key

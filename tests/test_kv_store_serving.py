@@ -54,6 +54,20 @@ def complete(url: str, prompt: str) -> tuple[str, int, int]:
     return body["choices"][0]["text"], usage["prompt_tokens"], cached
 
 
+def stream_ids(url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """The token ids of a greedy streamed completion (the router's `ids` comments)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    out = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300,
+                      headers={"X-Pdserve-Token-Ids": "1"}) as r:  # fmt: skip
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith(": ids "):
+                out += map(int, line[6:].split()[3:])
+    return out
+
+
 def wait_saved(url: str, saves: int, timeout_s: float = 60) -> dict:
     deadline = time.monotonic() + timeout_s
     while (stats := wait_idle(url))["kv_store_saves"] < saves:
@@ -81,6 +95,23 @@ def test_nodes_share_prefixes_through_redis(redis_server):
         assert stats_b["kv_store_hit_tokens"] == expected_hit
         # loaded whole: saved all the same, the store answering at once that it holds it all
         assert wait_saved(url_b, 1)["kv_store_saves"] == 1
+
+        # A running request's generated tokens are saved as they fill whole chunks: B,
+        # given A's prompt + 60 of its generated tokens, loads past the prompt from the
+        # store (it never computed those tokens) and goes on as A did, token for token.
+        ids = httpx.post(f"{url_a}/tokenize", json={"prompt": PROMPT}, timeout=30).json()
+        prompt_ids = ids["tokens"]
+        saves_a = wait_idle(url_a)["kv_store_saves"]
+        gen = stream_ids(url_a, prompt_ids, 72)
+        assert len(gen) == 72
+        # its prompt (the store holds it: answered at once) and at least one whole chunk
+        # past the prompt as it filled (CHUNK = 32 of the 72 tokens)
+        assert wait_saved(url_a, saves_a + 2)["kv_store_saves"] >= saves_a + 2
+        hits_b = wait_idle(url_b)["kv_store_hit_tokens"]
+        assert stream_ids(url_b, prompt_ids + gen[:60], 4) == gen[60:64]
+        # B held the prompt and its own 12 tokens at most: a block more came from the store
+        loaded = wait_idle(url_b)["kv_store_hit_tokens"] - hits_b
+        assert loaded >= BS, loaded
 
         # Shutdown with the LMCache backend is bounded, and leaves no process behind.
         kids = descendants(proc_b.pid)
