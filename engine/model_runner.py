@@ -66,7 +66,25 @@ def build_model(arch: ModelArch, ops: ModuleType, device: torch.device, dtype: t
     """
     with torch.device("meta"):
         model = get_model_class(arch.architectures)(arch, ops)
-    return model.to(dtype).to_empty(device=device)
+    model.to(dtype)
+    # `to_empty` would do, but its empty_like of meta tensors first imports much of torch's
+    # Python decompositions (~5 s of CPU at an engine start); plain `empty` imports nothing
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tied tensors stay one
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:  # (the meta tensor is kept: its id is not reused meanwhile)
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, t.requires_grad)
+            made[id(t)] = (t, new)
+        return made[id(t)][1]
+
+    for module in model.modules():
+        for group in (module._parameters, module._buffers):
+            for name, t in group.items():
+                if t is not None:
+                    group[name] = empty(t)
+    return model
 
 
 def resolve_device(name: str) -> torch.device:

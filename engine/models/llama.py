@@ -176,7 +176,11 @@ def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> torch.
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArch, ops: ModuleType):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # its weight given, not initialised: a random init of a meta tensor imports
+        # torch._dynamo (~2.7 s of CPU at each engine start), for values loading replaces
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, ops) for _ in range(cfg.num_hidden_layers)
         )
