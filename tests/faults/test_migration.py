@@ -33,6 +33,9 @@ pytest.importorskip("nixl")
 MODEL = "smollm2-135m-instruct"
 DECODES = ("decode-0", "decode-1")
 MAX_TOKENS = 96
+# the SIGKILL test's streams: long enough that, on a loaded 2-vCPU box, the first placed
+# is still generating when the last has its first token (96 was not, once in CI)
+LONG = 160
 CITY = {
     "type": "object",
     "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
@@ -41,7 +44,7 @@ CITY = {
 }
 SCHEMA = {  # long enough to be mid-document when its node dies
     "type": "object",
-    "properties": {"cities": {"type": "array", "items": CITY, "minItems": 6, "maxItems": 6}},
+    "properties": {"cities": {"type": "array", "items": CITY, "minItems": 8, "maxItems": 8}},
     "required": ["cities"],
     "additionalProperties": False,
 }
@@ -162,31 +165,31 @@ class Buffered(threading.Thread):
             self.error = f"{type(e).__name__}: {e}"
 
 
-BUFFERED = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+BUFFERED = {"prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0,
             "ignore_eos": True, "logprobs": 1, "stream": False}  # fmt: skip
 TOOLS = {  # a forced call whose arguments are a long document
-    "messages": [{"role": "user", "content": "List six cities and their populations."}],
+    "messages": [{"role": "user", "content": "List eight cities and their populations."}],
     "tools": [{"type": "function", "function": {"name": "cities", "parameters": SCHEMA}}],
-    "tool_choice": "required", "max_tokens": 200, "temperature": 0,
+    "tool_choice": "required", "max_tokens": 320, "temperature": 0,
 }  # fmt: skip
 
 
 def bodies(tok) -> list[tuple[str, dict]]:
     greedy = [
-        ("completions", {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
+        ("completions", {"prompt": p, "max_tokens": LONG, "temperature": 0,
                          "ignore_eos": True})
         for p in PROMPTS
     ]  # fmt: skip
     seeded = ("completions", {"prompt": "Once upon a time, in a small village,", "n": 2,
-                              "max_tokens": MAX_TOKENS, "temperature": 0.9, "seed": 1234,
+                              "max_tokens": LONG, "temperature": 0.9, "seed": 1234,
                               "ignore_eos": True})  # fmt: skip
     schema = ("chat/completions", {
-        "messages": [{"role": "user", "content": "List six cities and their populations as JSON."}],
+        "messages": [{"role": "user", "content": "List eight cities and their populations as JSON."}],
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "city", "schema": SCHEMA}},
-        "max_tokens": 200, "temperature": 0,
+        "max_tokens": 320, "temperature": 0,
     })  # fmt: skip
-    batch = ("completions", {"prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
+    batch = ("completions", {"prompt": PROMPTS, "max_tokens": LONG, "temperature": 0,
                              "ignore_eos": True})  # fmt: skip
     return [schema, seeded, ("chat/completions", TOOLS), batch, *greedy]
 
@@ -303,26 +306,26 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     print(f"\nall requests ended {time.monotonic() - t_kill:.1f} s after the kill")
     # buffered: one answer, transformers' text, every token's logprob once
     ids = tok.encode(PROMPTS[0], add_special_tokens=False)
-    want = tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+    want = tok.decode(hf_greedy(hf, ids, LONG), skip_special_tokens=True)
     assert buffered.status == 200, (buffered.status, buffered.answer, buffered.error)
     choice = buffered.answer["choices"][0]
     assert choice["text"] == want and choice["finish_reason"] == "length"
-    assert len(choice["logprobs"]["token_logprobs"]) == MAX_TOKENS
+    assert len(choice["logprobs"]["token_logprobs"]) == LONG
     assert "".join(choice["logprobs"]["tokens"]) == want
-    assert buffered.answer["usage"]["completion_tokens"] == MAX_TOKENS
+    assert buffered.answer["usage"]["completion_tokens"] == LONG
     assert buffered.answer["usage"]["prompt_tokens"] == len(ids)
     # greedy: transformers' text, token for token; a batch of both prompts too
     wants, lens = {}, []
     for i, (s, p) in enumerate(zip(streams[4:], PROMPTS)):
         ids = tok.encode(p, add_special_tokens=False)
-        wants[i] = tok.decode(hf_greedy(hf, ids, MAX_TOKENS), skip_special_tokens=True)
+        wants[i] = tok.decode(hf_greedy(hf, ids, LONG), skip_special_tokens=True)
         lens.append(len(ids))
         assert s.texts == {0: wants[i]} and s.finish == {0: "length"}
-        assert s.usage["completion_tokens"] == MAX_TOKENS
+        assert s.usage["completion_tokens"] == LONG
         assert s.usage["prompt_tokens"] == len(ids)
     batch = streams[3]
     assert batch.texts == wants and batch.finish == {0: "length", 1: "length"}
-    assert batch.usage["completion_tokens"] == 2 * MAX_TOKENS
+    assert batch.usage["completion_tokens"] == 2 * LONG
     assert batch.usage["prompt_tokens"] == sum(lens)
     # a forced tool call, streamed and not: one call whose arguments validate
     (call,) = streams[2].calls
@@ -337,7 +340,7 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     # seeded n=2: the unfailed run's two texts
     seeded = streams[1]
     assert seeded.texts == ref.texts and seeded.finish == {0: "length", 1: "length"}
-    assert seeded.usage["completion_tokens"] == 2 * MAX_TOKENS == ref.usage["completion_tokens"]
+    assert seeded.usage["completion_tokens"] == 2 * LONG == ref.usage["completion_tokens"]
     # JSON schema: a valid document
     doc = json.loads(streams[0].texts[0])
     jsonschema.validate(doc, SCHEMA)
