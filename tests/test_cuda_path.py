@@ -181,7 +181,18 @@ def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)],
+        # every section but one of the two engine_fp32 ones (the same code on another tiny
+        # model; the suite runs the Triton engine itself): 6x slower beside the suite
+        [
+            sys.executable,
+            "benchmarks/gpu_check.py",
+            "--dry-run",
+            "--out",
+            str(out),
+            "--only",
+            "engine_fp32_hd64,engine_bf16,engine_seeded,engine_load,engine_second,engine_tp2,"
+            "pytest,pd_,nixl_,kernels_",
+        ],  # fmt: skip
         cwd=ROOT,
         env=env,
         capture_output=True,
