@@ -121,16 +121,25 @@ class GrammarCompiler:
 
     def _llg_tokenizer(self):
         if self._tokenizer is None:
-            import llguidance.hf
+            import copy
+
+            import llguidance
 
             from pdserve.engine.tokenizer import load_tokenizer
 
-            hf = load_tokenizer(self.model_dir)
-            if hf is None:
+            tok = load_tokenizer(self.model_dir)
+            if tok is None:
                 raise InvalidRequestError("this model has no tokenizer: no structured output")
+            backend = getattr(tok, "backend_tokenizer", None)
+            if backend is None:
+                raise InvalidRequestError("structured output needs a fast tokenizer")
             t0 = time.perf_counter()
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                hf, n_vocab=self.vocab_size, eos_token=self.eos_ids
+            # as llguidance.hf.from_tokenizer does, without importing transformers
+            backend = copy.copy(backend)
+            backend.no_padding()
+            backend.no_truncation()
+            self._tokenizer = llguidance.LLTokenizer(
+                backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_ids
             )
             logger.info("grammar tokenizer view built in %.1f s", time.perf_counter() - t0)
         return self._tokenizer

@@ -66,7 +66,8 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = EngineCore(config)
-        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        # transformers' own: a library user gets its whole API (apply_chat_template, ...)
+        self.tokenizer = load_tokenizer(self.engine.model_dir, hf=True)
         self._ids = itertools.count()
 
     def generate(

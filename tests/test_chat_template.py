@@ -47,7 +47,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    return load_tokenizer(model_dir)
+    return load_tokenizer(model_dir, hf=True)
 
 
 def test_template_and_special_tokens_are_the_tokenizers(model_dir, hf):

@@ -18,7 +18,7 @@ def tokenizer():
     from pdserve.common.model_files import resolve_model
     from pdserve.engine.tokenizer import load_tokenizer
 
-    return load_tokenizer(resolve_model("smollm2-135m-instruct"))
+    return load_tokenizer(resolve_model("smollm2-135m-instruct"), hf=True)
 
 
 def stream(

@@ -19,7 +19,7 @@ def model_dir():
 
 def test_chat_template_and_encode_equal_transformers(model_dir):
     ours = RouterTokenizer(model_dir)
-    ref = load_tokenizer(model_dir)
+    ref = load_tokenizer(model_dir, hf=True)
     for conv in CONVERSATIONS:
         ids = ref.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(
