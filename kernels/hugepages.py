@@ -7,7 +7,9 @@ page boundaries. Linux's transparent huge pages are often in `madvise` mode (Deb
 Ubuntu): a region gets 2 MiB pages only if asked before it is first touched. `empty`
 returns an uninitialised tensor whose pages were asked for that way (`madvise(MADV_HUGEPAGE)`
 on its 2 MiB-aligned span); the caller's first write then faults them in as huge pages.
-Where THP is `never`, off Linux, or with `PDSERVE_HUGEPAGES=0`, it is a plain `torch.empty`.
+Where THP is `never`, off Linux, or with `PDSERVE_HUGEPAGES=0`, a buffer of 2 MiB or more is
+still a fresh mapping of its own, on 4 KiB pages: `zeros` writes nothing, so the pages nobody
+touches never become resident (smaller ones are a plain `torch.empty`).
 """
 
 from __future__ import annotations
@@ -40,21 +42,28 @@ def available() -> bool:
 
 
 def _allocate(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """(uninitialised tensor, whether it is a fresh mapping: zeros until written)."""
+    """(uninitialised tensor, whether it is a fresh mapping: zeros until written). A buffer of
+    2 MiB or more is always a fresh anonymous mapping, with or without huge pages, so that
+    memory nobody writes (most of a GiB-sized KV cache, for a while) is never resident."""
     numel = 1
     for s in shape:
         numel *= s
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if not available() or nbytes < HUGE:
+    if nbytes < HUGE:
         return torch.empty(shape, dtype=dtype), False
+    huge = available()
     # private: a shared anonymous mapping is shmem, whose huge pages are another setting
-    buf = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = mmap.mmap(
+        -1, nbytes + HUGE if huge else nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
     raw = torch.frombuffer(buf, dtype=torch.uint8)  # keeps `buf` alive
-    start = (-raw.data_ptr()) % HUGE  # first 2 MiB boundary
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE, start, (nbytes // HUGE) * HUGE)
+    start = (-raw.data_ptr()) % HUGE if huge else 0  # huge: the first 2 MiB boundary
+    advice = mmap.MADV_HUGEPAGE if huge else getattr(mmap, "MADV_NOHUGEPAGE", None)
+    try:  # off: 4 KiB pages, also where THP is `always`
+        if advice is not None and (huge or os.environ.get("PDSERVE_HUGEPAGES") == "0"):
+            buf.madvise(advice, start, (nbytes // HUGE) * HUGE)
     except OSError as e:
-        logger.debug("madvise(MADV_HUGEPAGE) failed: %s", e)
+        logger.debug("madvise(%s) failed: %s", advice, e)
     return raw[start : start + nbytes].view(dtype).view(shape), True
 
 

@@ -12,6 +12,11 @@ from pdserve.kernels import hugepages
 pytestmark = pytest.mark.usefixtures("huge_pages")  # conftest turns them off elsewhere
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_on_here_where_the_kernel_offers_them():
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     if os.uname().sysname == "Linux" and os.path.exists(thp):
@@ -38,6 +43,13 @@ def test_switched_off(monkeypatch):
         t = hugepages.empty((1 << 21,), torch.float32)
         assert t.numel() == 1 << 21 and t.untyped_storage().nbytes() == 4 << 21
         assert not hugepages.zeros((3, 1 << 20), torch.float32).any()
+        # still a fresh mapping: a 256 MiB KV cache costs no memory until it is written
+        before = _rss()
+        kv = hugepages.zeros((256 << 20,), torch.uint8)
+        assert _rss() - before < 16 << 20
+        kv[: 32 << 20].fill_(1)  # the pages written, and only those, become resident
+        assert 32 << 20 <= _rss() - before < 48 << 20
+        assert int(kv[32 << 20 :].sum()) == 0
     finally:
         monkeypatch.delenv("PDSERVE_HUGEPAGES")
         hugepages.available.cache_clear()
