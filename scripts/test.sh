@@ -27,10 +27,12 @@ fi
 # shared one (tests/conftest.py, README.md "Tests"). Three, not more: a served SmolLM2 with
 # its engine core holds ~2 GB, a PD pair or a drill cluster 4-8 GB, and CI has 24 GiB (the
 # heaviest server modules on 3 workers peaked at 15 GB of the run's own processes).
-# PDSERVE_TEST_WORKERS=0 runs it serially.
+# PDSERVE_TEST_WORKERS=0 runs it serially. A worker that dies (the OOM killer) ends the run
+# (--max-worker-restart=0): its test fails either way, and with a replacement worker xdist's
+# group scheduler was seen to wait forever for the crashed worker's group (CI's 90 min).
 WORKERS=${PDSERVE_TEST_WORKERS:-3}
 XDIST=()
-[ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadgroup)
+[ "$WORKERS" = 0 ] || XDIST=(-n "$WORKERS" --dist loadgroup --max-worker-restart=0)
 rc=0
 .venv/bin/python -m pytest -q -ra --durations=15 "${XDIST[@]}" "$@" || rc=$?
 if [ -n "$VIEW_PID" ]; then

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import os
 import re
 from pathlib import Path
@@ -94,6 +96,25 @@ def pytest_collection_modifyitems(config, items):
                 f"{item.nodeid}: an xdist_group mark goes on the whole module "
                 f"(pytestmark = pytest.mark.xdist_group(NAME)), not on one test"
             )
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module's last test (its module fixtures gone): collect and hand freed heap
+    memory back to the kernel. An xdist worker runs many modules that load models; glibc
+    keeps their freed weights' heap pages, and three workers at 3-4.5 GB each beside the
+    modules' servers were what the OOM killer ended on a 23 GiB box."""
+    try:
+        return (yield)
+    finally:
+        if nextitem is None or getattr(nextitem, "module", None) is not getattr(
+            item, "module", None
+        ):
+            gc.collect()
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except (OSError, AttributeError):  # not glibc
+                pass
 
 
 def skip_in_isa_view() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,12 +99,24 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+_SETPRIV = shutil.which("setpriv")
+
+
+def dies_with_test(cmd: list[str]) -> list[str]:
+    """`cmd` run so that it gets SIGKILL when the test process that started it dies
+    (util-linux `setpriv --pdeathsig`, where present): a test worker the OOM killer ends must
+    not leave its servers or clusters running, holding gigabytes, under the next tests. A
+    launcher's nodes die with it in turn (cluster/process.py). Only from the test's main
+    thread: the signal follows the thread that started the process."""
+    return [_SETPRIV, "--pdeathsig", "KILL", *cmd] if _SETPRIV else cmd
+
+
 def launch_server(
     args: list[str], port: int, command: str = "serve"
 ) -> tuple[str, subprocess.Popen]:
     """Start `pdserve COMMAND ARGS --port PORT` (no wait); COMMAND is serve or router."""
     cmd = [sys.executable, "-m", "pdserve", command, "--port", str(port), *args]
-    return f"http://127.0.0.1:{port}", subprocess.Popen(cmd, cwd=ROOT)
+    return f"http://127.0.0.1:{port}", subprocess.Popen(dies_with_test(cmd), cwd=ROOT)
 
 
 def wait_healthy(

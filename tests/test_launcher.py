@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from pdserve.common.redis_keys import ClusterKeys
-from tests.servers import ROOT, alive, descendants, free_port
+from tests.servers import ROOT, alive, descendants, dies_with_test, free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("nixl")
@@ -68,7 +68,7 @@ def launch(tmp_path_factory):
         cmd += ["--set", item]
     output = run_root / "launcher.out"
     with open(output, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(dies_with_test(cmd), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     launch = Launch(proc, run_root, output)
     t0 = time.monotonic()
     launch.wait(all_up, "cluster up")

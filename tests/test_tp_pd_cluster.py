@@ -23,7 +23,7 @@ import pytest
 from pdserve.engine import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, load_hf
-from tests.servers import ROOT, alive, free_port, wait_idle
+from tests.servers import ROOT, alive, dies_with_test, free_port, wait_idle
 from tests.test_pd_engine import prompts_of
 
 pytest.importorskip("nixl")
@@ -46,7 +46,7 @@ launcher: {{run_dir: {run_dir}, log_level: warning}}
 def launch(path: Path, run_dir: Path) -> tuple[subprocess.Popen, dict]:
     out = open(run_dir / "launcher.out", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "launch", str(path)],
+        dies_with_test([sys.executable, "-m", "pdserve", "launch", str(path)]),
         cwd=ROOT,
         stdout=out,
         stderr=subprocess.STDOUT,

@@ -31,7 +31,15 @@ from pdserve.cluster.registry import NodeRecord
 from pdserve.common.cluster_secret import NODE_KEY_HEADER, node_key
 from pdserve.common.redis_auth import PASSWORD_ENV, embedded_password
 from pdserve.common.redis_keys import ClusterKeys
-from tests.servers import ROOT, alive, free_port, kill_server, launch_server, wait_healthy
+from tests.servers import (
+    ROOT,
+    alive,
+    dies_with_test,
+    free_port,
+    kill_server,
+    launch_server,
+    wait_healthy,
+)
 
 SECRET = b"trust-test-secret-0123456789abcdef"
 API_KEY = "sk-trust-test-key"
@@ -99,10 +107,13 @@ def cluster(tmp_path_factory, tiny_llama_dir):
         )
     )
     out = tmp / "launcher.out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    kept = ("PDSERVE_HUGEPAGES", "PDSERVE_KV_POPULATE")  # the test run's memory settings
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_") or k in kept}
     with open(out, "wb") as f:
         cmd = [sys.executable, "-m", "pdserve", "launch", str(config)]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            dies_with_test(cmd), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env
+        )
     c = Cluster(proc, tmp, out)
     c.model = model
     try:

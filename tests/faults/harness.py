@@ -29,7 +29,7 @@ import yaml
 from pdserve.api.cluster_secret import NODE_KEY_HEADER, node_key
 from pdserve.common.redis_auth import PASSWORD_ENV, embedded_password
 from pdserve.common.redis_keys import ClusterKeys
-from tests.servers import ROOT, alive, free_port, launcher_state
+from tests.servers import ROOT, alive, dies_with_test, free_port, launcher_state
 
 DEADLINE_S = 90.0  # every request must end by then, whatever the drill does
 VOCAB = 1000
@@ -98,7 +98,9 @@ class Cluster:
         self.output = run_root / "launcher.out"
         cmd = [sys.executable, "-m", "pdserve", "launch", str(self.config_path)]
         with open(self.output, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                dies_with_test(cmd), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT
+            )
         self.extra_routers: list[subprocess.Popen] = []
 
     # -- state ---------------------------------------------------------------------------
@@ -137,7 +139,9 @@ class Cluster:
         cmd += ["--cluster-secret-file", self.config["secret_file"]]
         log = open(self.run_root / f"router-extra-{port}.log", "wb")
         env = {**os.environ, PASSWORD_ENV: self.redis_password}
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            dies_with_test(cmd), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env
+        )
         self.extra_routers.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_serving(url, 120)
