@@ -199,7 +199,10 @@ def test_redis_down_computes_locally(tiny_llama_dir, hf_model, redis_server, cap
         assert out == hf_greedy(hf_model, p, GREEDY.max_tokens)
         assert cached == 0
         s = node.stats()
-        assert s.kv_store_load_failures == 1 and s.kv_store_save_failures == 1
+        assert s.kv_store_load_failures == 1 and s.kv_store_saves == 0
+        # the prompt's chunk, and the generated tokens' chunk (positions 16-32) where the
+        # prompt's save had failed already when they filled it (one save in flight)
+        assert 1 <= s.kv_store_save_failures <= 2
         assert "KV store load failed" in caplog.text and "request r" in caplog.text
     finally:
         node.kv_store.shutdown()

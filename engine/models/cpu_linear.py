@@ -47,6 +47,18 @@ def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def row_invariant(dtype: torch.dtype) -> bool:
+    """Whether a row's result from the packed GEMMs is the same bits whatever rows run beside
+    it (`_rows`; the engine's "same request twice, same logprobs"). Not for bf16 on a CPU
+    with AMX (Sapphire Rapids on): oneDNN picks its AMX kernels by the row count and shape,
+    and they sum in other orders, ~1 bf16 ulp apart (e.g. K = 2048, or 4096 x 14336 at any
+    row count below a few hundred; tests/test_cpu_linear.py). fp32 never runs on AMX."""
+    if dtype != torch.bfloat16 or not onednn_available(torch.device("cpu"), dtype):
+        return True
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return not (amx is not None and amx())
+
+
 def silu_fused(weight: torch.Tensor) -> bool:
     """True where the MLP's per-op path computes SiLU(gate) * up from the gate_up GEMM's fp32
     accumulators (`PackedGateUp.silu_mul`: `weight` packed as halves); False where it
