@@ -211,11 +211,6 @@ def settle(c: Cluster, names: set[str], deadline: float) -> None:
         time.sleep(0.5)
 
 
-def router_logged(c: Cluster, rid: str) -> list[str]:
-    text = Path(service(c, "router")["log"]).read_text(errors="replace")
-    return re.findall(rf"request {re.escape(rid)} migrated \(\d+\) to decode \S+ via (\w+)", text)
-
-
 def one_run(c: Cluster, path: str, i: int, args, rng: random.Random, names: set[str]) -> dict:
     prompt = [rng.randrange(1000, 48000) for _ in range(args.prompt_tokens)]
     body = body_of(prompt, args.max_tokens)
@@ -245,9 +240,9 @@ def one_run(c: Cluster, path: str, i: int, args, rng: random.Random, names: set[
         gap, j = long[0] if long else max(gaps)
         run.update(gap_s=gap, kill_to_resume_s=times[j + 1] - s["t_kill"],
                    chunks_after_kill_before_gap=j + 1 - k, max_pause_after_s=max(gaps)[0])  # fmt: skip
+    # the path the router counted, as the new node reported it with its first token
     run["router_metric_path"] = list(delta(m0, m1, "pdserve_router_migrations_total"))
     run["router_gap_s"] = sum(delta(m0, m1, "pdserve_router_migration_gap_seconds_sum").values())
-    run["router_logged"] = router_logged(c, rid)
     if s["node"] is not None and "victim_pid" in s:
         warm = body_of([rng.randrange(1000, 48000) for _ in range(args.prompt_tokens)], 4)
         run["recover_s"] = recover(c, s["node"], s["victim_pid"], names, warm)
@@ -288,7 +283,7 @@ def summarize(runs: list[dict]) -> dict:
         "kill_to_resume_s_runs": [r.get("kill_to_resume_s") for r in runs],
         "ttft_s_median": median(r.get("ttft_s") for r in runs),
         "itl_before_s_median": median(r.get("itl_before_s") for r in runs),
-        "router_logged": [r.get("router_logged") for r in runs],
+        "router_path_runs": [r.get("router_metric_path") for r in runs],
         "cached_tokens_runs": [
             ((r.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
             for r in runs
@@ -317,7 +312,7 @@ def plot(result: dict, png: Path) -> bool:
         ttft = result["clusters"][CLUSTER_OF[p]]["unfailed_ttft_s_median"]
         if ttft:
             ax.hlines(ttft, x - 0.4, x + 0.4, colors="tab:red", linestyles="--")
-        logged = {v for r in s["router_logged"] for v in (r or ["?"])}
+        logged = {v for r in s["router_path_runs"] for v in (r or ["?"])}
         ax.annotate(f"{s['gap_s_median']:.2f} s\nvia {','.join(sorted(logged))}",
                     (x, max(pts + [s["gap_s_median"]])), ha="center", va="bottom", fontsize=8,
                     xytext=(0, 4), textcoords="offset points")  # fmt: skip
@@ -361,7 +356,7 @@ def on_cluster(kind, info: dict, paths, args, rng, runs: dict, bar) -> None:
                     settle(c, names, time.monotonic() + 600)
                 runs[p].append(r)
                 say(f"[{p} #{i}] gap {r.get('gap_s')} s, router {r.get('router_gap_s')} s, "
-                    f"logged {r.get('router_logged')}, ttft {r.get('ttft_s')} s"
+                    f"counted via {r.get('router_metric_path')}, ttft {r.get('ttft_s')} s"
                     + (f", FAILED {r['failed']}" if "failed" in r else ""))  # fmt: skip
                 if bar:
                     bar.update()
