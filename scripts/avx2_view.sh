@@ -56,5 +56,5 @@ bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 print(f"[avx2-view] emulated CPU: torch capability {cap}, oneDNN native bf16 {bf16}")
 assert cap == "AVX2" and not bf16, "the emulated CPU is not seen as AVX2-only"
 EOF
-exec qemu-x86_64 -cpu "$CPU" .venv/bin/python -m pytest -q -ra -m isa -p no:cacheprovider \
+exec qemu-x86_64 -cpu "$CPU" .venv/bin/python -m pytest -q -ra -m isa -p no:cacheprovider --durations=15 \
   --timeout 1800 "$@"
