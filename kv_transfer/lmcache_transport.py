@@ -155,6 +155,11 @@ class LMCacheDataPlane:
         if job is not None and job.ended.is_set():
             del self._jobs[handle.id]
 
+    def stop_writes(self) -> int:
+        """Nothing to stop: a job writes the store, never a peer's blocks (the decode node
+        retrieves into its own), and ends by its deadline; its handle stays as it is."""
+        return 0
+
     @property
     def num_inflight(self) -> int:
         """Handles not released, plus released ones whose job still runs (it may still

@@ -112,6 +112,20 @@ class RequestTable:
         for rec in self._inflight.values():
             self._release(rec)
 
+    def drop_parked(self) -> None:
+        """Forget the releases NIXL refused (their agent is being destroyed)."""
+        for _xfer, staged in self._parked:
+            if staged is not None:
+                self._free_staged(staged)
+        self._parked = []
+
+    @property
+    def num_pending(self) -> int:
+        return sum(
+            1 for r in self._inflight.values()
+            if (h := r.ref()) is not None and h.state is TransferState.PENDING
+        )  # fmt: skip
+
     def release_parked(self) -> None:
         """Retry the releases NIXL refused before."""
         parked, self._parked = self._parked, []

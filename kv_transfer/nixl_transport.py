@@ -45,8 +45,9 @@ Failure modes
   network peer: UCX keepalive time). Callers bound the wait with `wait(..., timeout_s)`
   and treat `PENDING` at the deadline as failure. Data in the destination blocks of a
   FAILED or released-while-PENDING transfer is undefined.
-* `release()` of a PENDING handle asks NIXL to cancel; if NIXL refuses, the request is
-  parked and released again on `close()`.
+* `release()` of a PENDING handle frees its NIXL request (if NIXL refuses, the request is
+  parked and released again on `close()`), but does not stop the data: UCX goes on
+  sending it. `stop_writes()` stops every WRITE in flight by rebuilding the agent.
 * `send_notif` to a dead peer raises `RuntimeError` if NIXL reports it, else is lost.
 """
 
@@ -106,24 +107,19 @@ class NixlTransport:
         self._kv_cache = kv_cache  # keep the registered memory alive
         if not isinstance(kv_cache, KVRanks):  # one device: one rank holding every head
             kv_cache = KVRanks((kv_cache,), (0,), kv_cache.shape[4])
-        self._kv_ranks, caches = kv_cache, kv_cache.caches
+        self._kv_ranks = kv_cache
         # No NIXL listen thread: peers' metadata arrives only inside sealed control frames
         # (kv_transfer/prefill_side.py), never on a socket of NIXL's own.
         self._agent_config = nixl_agent_config(
             enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[]
         )
-        self._agent = nixl_agent(name, self._agent_config)
-        for backend in backends:
-            self._agent.create_backend(backend, dict(backend_params or {}))
-        self._reg = [self._agent.register_memory(storage_of(c)) for c in caches]
-        self._warmups = PeerWarmups(
-            self._agent, name, self.layout, caches[0].device, warmup_timeout_s
-        )
+        self._backends = (tuple(backends), dict(backend_params or {}), warmup_timeout_s)
+        self._open_agent()
         self._codec = msgspec.msgpack.Encoder()
         self._peers: dict[str, PeerMetadata] = {}
         self._requests = RequestTable(name, self._free_staged)
-        self._staging = StagingPool(self._agent.register_memory, self._agent.deregister_memory)
         self.staged_writes = 0  # WRITEs from staging buffers, in all
+        self.agent_restarts = 0  # `stop_writes` rebuilt the agent
         self._notifs: dict[str, list[bytes]] = {}  # received while connecting, not yet read
         self._closed = False
         logger.info(
@@ -135,6 +131,63 @@ class NixlTransport:
             self.layout.num_blocks,
             self.layout.block_bytes,
         )
+
+    def _open_agent(self) -> None:
+        """The NIXL agent under this transport's name, its backends, the KV tensor
+        registered, the warm-up scratch and a staging pool on it."""
+        backends, params, warmup_timeout_s = self._backends
+        caches = self._kv_ranks.caches
+        self._agent = nixl_agent(self.name, self._agent_config)
+        for backend in backends:
+            self._agent.create_backend(backend, dict(params))
+        self._reg = [self._agent.register_memory(storage_of(c)) for c in caches]
+        self._warmups = PeerWarmups(
+            self._agent, self.name, self.layout, caches[0].device, warmup_timeout_s
+        )
+        self._staging = StagingPool(self._agent.register_memory, self._agent.deregister_memory)
+
+    def _close_agent(self) -> None:
+        """Destroy the agent: its UCX worker, and with it every connection and everything
+        it still had to send. Every PENDING handle ends FAILED (the handles stay)."""
+        self._requests.cancel_all()
+        for peer in list(self._peers):
+            try:
+                self._agent.remove_remote_agent(peer)
+            except NIXL_ERRORS as e:
+                logger.warning("nixl transport %s: removing peer %s: %s", self.name, peer, e)
+        self._requests.release_parked()
+        self._requests.drop_parked()  # NIXL refused twice: the worker goes anyway
+        self._warmups.close()
+        self._staging.close()
+        for reg in self._reg:
+            self._agent.deregister_memory(reg)
+        # Destroy the agent (its UCX workers and threads) here, on the owner's thread, not
+        # whenever the interpreter's teardown gets to it beside other native destructors.
+        self._reg = None
+        self._agent = None
+
+    def stop_writes(self) -> int:
+        """Stop every WRITE in flight, to every peer, so that nothing more of them moves
+        but what the network already carries; returns how many were PENDING (they end
+        FAILED). Releasing a PENDING request does not do this: NIXL frees the request, but
+        UCX goes on sending its data (over TCP, until the whole WRITE has landed: a 32 MiB
+        WRITE released after 1 s on a 4 Mbit/s link went on landing for the 10 s measured,
+        tests/multihost/test_cancel.py), and removing the peer does not stop it either.
+        Only the UCX worker's end does, so the agent is rebuilt under the same name: the
+        KV tensor registered again, every peer added again and warmed up (their metadata
+        is unchanged; a target needs none of ours, so peers see only a new connection)."""
+        self._check_open()
+        pending = self._requests.num_pending
+        self._close_agent()
+        self._open_agent()
+        for name, md in self._peers.items():
+            self._agent.add_remote_agent(md.agent_metadata)
+            self._warmups.start(name, md)
+        self.agent_restarts += 1
+        logger.warning(
+            "nixl transport %s: agent rebuilt to stop %d WRITE(s) in flight", self.name, pending
+        )
+        return pending
 
     # ---- peers -------------------------------------------------------------------------
 
@@ -372,18 +425,8 @@ class NixlTransport:
         """Cancel what is in flight, drop peers, deregister memory. Idempotent."""
         if self._closed:
             return
-        self._requests.cancel_all()
-        for peer in list(self._peers):
-            self.remove_peer(peer)
-        self._requests.release_parked()
-        self._warmups.close()
-        self._staging.close()
-        for reg in self._reg:
-            self._agent.deregister_memory(reg)
-        # Destroy the agent (its UCX workers and threads) here, on the owner's thread, not
-        # whenever the interpreter's teardown gets to it beside other native destructors.
-        self._reg = None
-        self._agent = None
+        self._close_agent()
+        self._peers.clear()
         self._closed = True
         logger.info("nixl transport %s closed: %s", self.name, self._requests.totals)
 

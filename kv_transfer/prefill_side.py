@@ -4,7 +4,7 @@ Each attempt `(request_id, attempt)` is in one `SendState`:
 
     COMPUTING --finish()---------------------------> FINISHING --last WRITE DONE--> gone (SendDone)
     COMPUTING, FINISHING --AbortPrefill / a WRITE failed / end() / deadline--> ENDING
-    COMPUTING, FINISHING --the lease lapsed with WRITEs in flight (cancelled)--> ENDING
+    COMPUTING, FINISHING --the lease lapsed with WRITEs in flight (all stopped)--> ENDING
     ENDING --no WRITE in flight--> gone (SendFailed; AbortAck or PrefillFailed to decode)
     any state --deadline + grace--> gone (SendFailed; pending WRITEs released)
 
@@ -83,6 +83,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         self._next_expiry = float("-inf")  # of idle decode peers
         self._events: list[PrefillEvent] = []
         self.lapsed_cancels = 0  # attempts whose WRITEs in flight a lapsed lease cancelled
+        self.write_stops = 0  # `DataPlane.stop_writes` calls (each stops every connection's)
 
     @property
     def control_address(self) -> str:
@@ -196,12 +197,29 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         if not self.needs_lease or self.data is None:
             return
         now = self.clock()
-        for key, s in list(self._sends.items()):
-            if now >= self.control.lease_until(s.ident) and s.cancel_pending(self._data):
-                self.lapsed_cancels += 1
+        lapsed = [
+            (key, s) for key, s in self._sends.items()
+            if now >= self.control.lease_until(s.ident) and s.pending
+        ]  # fmt: skip
+        if not lapsed:
+            return
+        self._stop_writes()
+        for key, s in lapsed:
+            self.lapsed_cancels += 1
+            if s.state is not SendState.ENDING:
+                self._end(key, s, "the lease lapsed with WRITEs in flight (cancelled)")
+
+    def _stop_writes(self) -> None:
+        """Stop every WRITE in flight (`DataPlane.stop_writes`: releasing one does not
+        stop its data). Every attempt with a WRITE in flight then sees it FAILED and ends
+        (its decode node prefills locally); the lapsed ones are ended by the caller."""
+        now = self.clock()
+        for s in self._sends.values():
+            if s.pending:  # what the network carries may still land: no end message yet
                 s.quiet_until = now + self.grace_s
-                if s.state is not SendState.ENDING:
-                    self._end(key, s, "the lease lapsed with WRITEs in flight (cancelled)")
+        stopped = self._data.stop_writes()
+        self.write_stops += 1
+        logger.warning("stopped %d WRITE(s) in flight on every connection", stopped)
 
     def poll(self) -> list[PrefillEvent]:
         self._cancel_lapsed()
@@ -349,6 +367,8 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         return events + [SendFailed(key, reason)]
 
     def _drop(self, key: TransferKey, s: _Send) -> None:
+        if s.pending:  # deadline and grace passed with WRITEs still moving: stop them
+            self._stop_writes()
         for h in s.handles:
             self._data.release(h)
         del self._sends[key]

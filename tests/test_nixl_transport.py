@@ -295,6 +295,37 @@ def test_dropped_handle_is_reported_as_leak(peer):
             t.check_integrity()
 
 
+def test_stop_writes_rebuilds_the_agent_and_its_peers_stay_usable(peer):
+    """`stop_writes` ends every WRITE in flight by destroying the agent's UCX worker and
+    builds it again under the same name (tests/multihost/test_cancel.py shows what it
+    stops on a slow link): the handle ends, the peer is still known, and the next WRITE
+    lands intact with its notification, sent as the same agent."""
+    with NixlTransport("local-stop", _kv(SMALL), progress_thread=False) as t:
+        t.add_peer(peer.metadata)
+        peer.request(Cmd("fill"))
+        h = t.write_blocks("peer-a", list(range(16)), list(range(8, 24)))
+        was_pending = h.state is TransferState.PENDING
+        assert t.stop_writes() == int(was_pending)
+        assert t.agent_restarts == 1 and t.peers == ["peer-a"]
+        assert t.poll(h) in (TransferState.DONE, TransferState.FAILED)
+        if was_pending:
+            assert h.state is TransferState.FAILED
+        t.release(h)
+        peer.request(Cmd("fill"))
+        h = t.write_blocks("peer-a", [3, 4, 5], [20, 21, 22], notif=b"after the stop")
+        assert t.wait(h, timeout_s=10) is TransferState.DONE  # no progress thread: we poll
+        t.release(h)
+        reply = msgspec.msgpack.decode(
+            peer.request(Cmd("await_notif", timeout_s=10)), type=NotifReply
+        )
+        assert reply.notifs == {"local-stop": [b"after the stop"]}
+        snap = peer.kv(reply.snapshot)
+        assert torch.equal(snap[:, :, 20:23], t._kv_cache[:, :, 3:6])
+        assert bool((snap[:, :, :20] == SENTINEL).all())
+        t.check_integrity()
+        assert t.num_inflight == 0
+
+
 def test_write_to_killed_peer_fails_within_bounded_time():
     victim = Peer("peer-victim", SMALL)
     with NixlTransport("local-b", _kv(SMALL)) as t:

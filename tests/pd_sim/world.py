@@ -38,7 +38,7 @@ class Faults:
     step_time: float = 0.0  # max time a prefill step's model execution takes (s)
 
 
-CANCEL_WINDOW_S = 0.1  # a cancelled WRITE may still land this long after (grace covers it)
+CANCEL_WINDOW_S = 0.1  # a stopped WRITE may still land this long after (grace covers it)
 
 
 class Inbox:
@@ -285,19 +285,31 @@ class SimData:
         return handle.state
 
     def release(self, handle: TransferHandle) -> None:
+        """As NIXL: the request is freed, but a PENDING WRITE goes on moving (its data lands
+        when it would have, without its notification) until `stop_writes`."""
         w = self._inflight.pop(handle.id)
         if handle.state is TransferState.PENDING:
             handle.state = TransferState.FAILED
-            # Cancelling is not instant: data already on the wire may still land shortly
-            # (not for a held WRITE: what the wire had landed while its sender was held).
+            w.notif = None
+            w.handle = TransferHandle(-1, w.handle.peer, w.handle.stats)  # sender let go
+        handle.released = True
+
+    def stop_writes(self) -> int:
+        """Every WRITE of this plane still moving (released or not) stops: data already on
+        the wire may still land shortly (not a held WRITE's: what the wire had landed
+        while its sender was held), the rest never does. Pending handles end FAILED."""
+        stopped = 0
+        for w in [w for w in self.world.writes if w.plane is self]:
+            if w.handle.id >= 0 and w.handle.state is TransferState.PENDING:
+                w.handle.state = TransferState.FAILED
+                stopped += 1
             if not w.held and self.world.rng.random() < 0.5:
                 w.at, w.notif = min(w.at, self.world.now + CANCEL_WINDOW_S), None
-                w.handle = TransferHandle(-1, w.handle.peer, w.handle.stats)  # sender let go
+                w.handle = TransferHandle(-1, w.handle.peer, w.handle.stats)
             else:
                 w.cancelled = True
-                if w in self.world.writes:
-                    self.world.writes.remove(w)
-        handle.released = True
+                self.world.writes.remove(w)
+        return stopped
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {}
