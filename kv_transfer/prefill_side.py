@@ -229,6 +229,10 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
                 # A warm-up that only ran out of time (the decode loop was busy) is not the
                 # peer failing: it stays, and its first WRITE finishes the connection.
                 if problem is not None and not isinstance(problem, WarmupTimedOut):
+                    if any(
+                        s.pending and s.order.decode_agent == agent for s in self._sends.values()
+                    ):
+                        self._stop_writes()  # removing the peer would not stop its WRITEs
                     self.peers.failed(agent, problem)
         events += self._read_control()
         now = self.clock()

@@ -19,7 +19,7 @@ import pytest
 
 from pdserve.kv_transfer.decode_side import RecvState
 from pdserve.kv_transfer.prefill_side import SendState
-from tests.pd_sim.cluster import Clocks, Cluster, Timing
+from tests.pd_sim.cluster import Clocks, Cluster, InvariantViolation, Timing
 from tests.pd_sim.stub_model import expected_output
 from tests.pd_sim.world import Faults
 
@@ -77,3 +77,39 @@ def test_a_lapsed_lease_cancels_writes_in_flight_so_none_lands_in_reused_blocks(
     assert c.reqs["a"].finish == "abort"
     assert c.reqs["b"].tokens == expected_output(other, 3)
     assert c.world.landed >= landed  # b's own (slow) WRITEs landed; none of a's after
+
+
+@pytest.mark.parametrize("guard", [True, False], ids=["stopped", "removed-only"])
+def test_a_peer_dropped_with_writes_in_flight_has_them_stopped(guard, monkeypatch):
+    """A decode peer whose data-plane warm-up fails is removed while a WRITE to it is in
+    flight: removing the peer ends the handle but not the data (as NIXL), so the prefill
+    side stops every WRITE first; without that, the late WRITE lands in a reused block."""
+    from pdserve.kv_transfer import prefill_side
+
+    if not guard:  # the code before the stop: the peer is only removed
+        monkeypatch.setattr(prefill_side.PrefillSide, "_stop_writes", lambda self: None)
+    c = Cluster(
+        faults=Faults(write_delay=0.0, write_floor=3.0, ctl_delay=0.0),
+        num_prefill=1,
+        prefill_budget=8,
+        decode_blocks=14,  # 10 for "a", so "b" (10 blocks) must reuse a's blocks
+    )
+    side = c.prefills[c.addrs[0]].kv_role.connector
+    plane = c.world.planes["p0"]
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
+    plane.progress_warmups = lambda: [("d", "the warm-up WRITE failed")]
+    c.step()
+    del plane.progress_warmups
+    step_until(c, lambda: "a" not in c.decode.requests or key not in c.decode.kv.holds)
+    c.submit("b", list(range(100, 140)), 3)
+    if guard:
+        assert side.write_stops == 1
+        c.run_until_idle(max_s=30)
+        c.check_final()
+        assert c.reqs["b"].tokens == expected_output(list(range(100, 140)), 3)
+    else:
+        with pytest.raises(InvariantViolation, match="reused under a WRITE"):
+            c.run_until_idle(max_s=30)
+            c.check_final()

@@ -249,7 +249,13 @@ class SimData:
         return list(self._peers)
 
     def remove_peer(self, peer: str) -> None:
+        """As NIXL: pending WRITEs to `peer` end FAILED, but their data goes on moving."""
         self._peers.pop(peer, None)
+        for w in self._inflight.values():
+            if w is not None and w.handle.peer == peer and w.handle.state is TransferState.PENDING:
+                w.handle.state = TransferState.FAILED
+                w.notif = None
+                w.handle = TransferHandle(-1, peer, w.handle.stats)
 
     def progress_warmups(self) -> list[tuple[str, str | None]]:
         return []  # no connection to warm up
