@@ -171,7 +171,7 @@ class NixlTransport:
         but what the network already carries; returns how many were PENDING (they end
         FAILED). Releasing a PENDING request does not do this: NIXL frees the request, but
         UCX goes on sending its data (over TCP, until the whole WRITE has landed: a 32 MiB
-        WRITE released after 1 s on a 4 Mbit/s link went on landing for the 10 s measured,
+        WRITE released after 1 s on an 8 Mbit/s tbf link went on landing for the 10 s watched,
         tests/multihost/test_cancel.py), and removing the peer does not stop it either.
         Only the UCX worker's end does, so the agent is rebuilt under the same name: the
         KV tensor registered again, every peer added again and warmed up (their metadata
