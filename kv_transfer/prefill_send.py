@@ -49,7 +49,7 @@ class _Send:
     started: float = field(default_factory=time.perf_counter)
     deadline: float = float("inf")  # this clock: no WRITE is posted after it
     deferred: list[tuple[list[int], list[int]]] = field(default_factory=list)  # no lease yet
-    quiet_until: float = float("-inf")  # ENDING: no end message before (cancelled WRITEs)
+    quiet_until: float = float("-inf")  # ENDING: no end message before (stopped WRITEs)
     checksums: list[int] = field(default_factory=list)  # of the blocks sent, in order
 
     @property

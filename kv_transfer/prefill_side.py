@@ -6,7 +6,7 @@ Each attempt `(request_id, attempt)` is in one `SendState`:
     COMPUTING, FINISHING --AbortPrefill / a WRITE failed / end() / deadline--> ENDING
     COMPUTING, FINISHING --the lease lapsed with WRITEs in flight (all stopped)--> ENDING
     ENDING --no WRITE in flight--> gone (SendFailed; AbortAck or PrefillFailed to decode)
-    any state --deadline + grace--> gone (SendFailed; pending WRITEs released)
+    any state --deadline + grace--> gone (SendFailed; pending WRITEs stopped)
 
 Time is this host's monotonic clock only: an order's deadline is its `ttl_s` counted from
 when the control pump received it. Immediately before posting any WRITE the side reads

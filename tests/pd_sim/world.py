@@ -199,6 +199,14 @@ class SimWrite:
     cancelled: bool = False
     held: bool = False  # its sender is not running: only its own release moves it
 
+    def let_go(self) -> None:
+        """The sender's handle is done with (FAILED if it was PENDING); the data may
+        still land, without its notification, on a handle nobody reads."""
+        if self.handle.state is TransferState.PENDING:
+            self.handle.state = TransferState.FAILED
+        self.notif = None
+        self.handle = TransferHandle(-1, self.handle.peer, self.handle.stats)
+
     def complete(self) -> None:
         if self.cancelled:
             return
@@ -253,9 +261,7 @@ class SimData:
         self._peers.pop(peer, None)
         for w in self._inflight.values():
             if w is not None and w.handle.peer == peer and w.handle.state is TransferState.PENDING:
-                w.handle.state = TransferState.FAILED
-                w.notif = None
-                w.handle = TransferHandle(-1, peer, w.handle.stats)
+                w.let_go()
 
     def progress_warmups(self) -> list[tuple[str, str | None]]:
         return []  # no connection to warm up
@@ -295,9 +301,7 @@ class SimData:
         when it would have, without its notification) until `stop_writes`."""
         w = self._inflight.pop(handle.id)
         if handle.state is TransferState.PENDING:
-            handle.state = TransferState.FAILED
-            w.notif = None
-            w.handle = TransferHandle(-1, w.handle.peer, w.handle.stats)  # sender let go
+            w.let_go()
         handle.released = True
 
     def stop_writes(self) -> int:
@@ -310,8 +314,8 @@ class SimData:
                 w.handle.state = TransferState.FAILED
                 stopped += 1
             if not w.held and self.world.rng.random() < 0.5:
-                w.at, w.notif = min(w.at, self.world.now + CANCEL_WINDOW_S), None
-                w.handle = TransferHandle(-1, w.handle.peer, w.handle.stats)
+                w.at = min(w.at, self.world.now + CANCEL_WINDOW_S)
+                w.let_go()
             else:
                 w.cancelled = True
                 self.world.writes.remove(w)
