@@ -48,6 +48,10 @@ Failure modes
 * `release()` of a PENDING handle frees its NIXL request (if NIXL refuses, the request is
   parked and released again on `close()`), but does not stop the data: UCX goes on
   sending it. `stop_writes()` stops every WRITE in flight by rebuilding the agent.
+* A rebuild UCX refuses (no usable device: the host's link is down) leaves the transport
+  down (`is_down`), not raising: `write_blocks` gives FAILED handles, `send_notif` and
+  `local_metadata` raise `RuntimeError`, `add_peer` keeps the peer for later; the rebuild
+  is tried again, after a backoff, from `progress_warmups`/`get_notifs`/`write_blocks`.
 * `send_notif` to a dead peer raises `RuntimeError` if NIXL reports it, else is lost.
 """
 
@@ -80,6 +84,10 @@ logger = logging.getLogger(__name__)
 # does not pay the connection setup itself (docs/benchmarks-history.md, "The first WRITE
 # to a new peer").
 CONNECT_S = 0.005
+# After `stop_writes`, a rebuild UCX refuses (no usable device while the host's link is
+# down) is tried again after 0.5 s, then twice as long each time, at most every 5 s.
+REOPEN_FIRST_S = 0.5
+REOPEN_MAX_S = 5.0
 
 
 class NixlTransport:
@@ -114,7 +122,10 @@ class NixlTransport:
             enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[]
         )
         self._backends = (tuple(backends), dict(backend_params or {}), warmup_timeout_s)
+        self._agent: nixl_agent | None = None  # None: down (`stop_writes` could not rebuild)
         self._open_agent()
+        self._reopen_at, self._reopen_backoff_s = 0.0, REOPEN_FIRST_S
+        self._lost_peers: list[tuple[str, str]] = []  # not loaded again by a rebuild
         self._codec = msgspec.msgpack.Encoder()
         self._peers: dict[str, PeerMetadata] = {}
         self._requests = RequestTable(name, self._free_staged)
@@ -134,22 +145,26 @@ class NixlTransport:
 
     def _open_agent(self) -> None:
         """The NIXL agent under this transport's name, its backends, the KV tensor
-        registered, the warm-up scratch and a staging pool on it."""
+        registered, the warm-up scratch and a staging pool on it. Raises a NIXL error if
+        UCX cannot start (no usable device: the host's link is down) and keeps nothing."""
         backends, params, warmup_timeout_s = self._backends
         caches = self._kv_ranks.caches
-        self._agent = nixl_agent(self.name, self._agent_config)
+        agent = nixl_agent(self.name, self._agent_config)
         for backend in backends:
-            self._agent.create_backend(backend, dict(params))
-        self._reg = [self._agent.register_memory(storage_of(c)) for c in caches]
+            agent.create_backend(backend, dict(params))
+        self._reg = [agent.register_memory(storage_of(c)) for c in caches]
         self._warmups = PeerWarmups(
-            self._agent, self.name, self.layout, caches[0].device, warmup_timeout_s
+            agent, self.name, self.layout, caches[0].device, warmup_timeout_s
         )
-        self._staging = StagingPool(self._agent.register_memory, self._agent.deregister_memory)
+        self._staging = StagingPool(agent.register_memory, agent.deregister_memory)
+        self._agent = agent
 
     def _close_agent(self) -> None:
         """Destroy the agent: its UCX worker, and with it every connection and everything
         it still had to send. Every PENDING handle ends FAILED (the handles stay)."""
         self._requests.cancel_all()
+        if self._agent is None:  # down (a rebuild failed): nothing left to destroy
+            return
         for peer in list(self._peers):
             try:
                 self._agent.remove_remote_agent(peer)
@@ -177,22 +192,67 @@ class NixlTransport:
         KV tensor registered again, every peer added again and warmed up (their metadata
         is unchanged; a target needs none of ours, so peers see only a new connection)."""
         self._check_open()
+        if self._agent is None:  # down: nothing is in flight
+            return 0
         pending = self._requests.num_pending
         self._close_agent()
-        self._open_agent()
-        for name, md in self._peers.items():
-            self._agent.add_remote_agent(md.agent_metadata)
-            self._warmups.start(name, md)
         self.agent_restarts += 1
         logger.warning(
-            "nixl transport %s: agent rebuilt to stop %d WRITE(s) in flight", self.name, pending
+            "nixl transport %s: agent destroyed to stop %d WRITE(s) in flight", self.name, pending
         )
+        self._reopen_backoff_s = REOPEN_FIRST_S
+        self._reopen()
         return pending
+
+    def _reopen(self) -> bool:
+        """Build the agent again after `stop_writes`, with every peer; False if UCX cannot
+        start yet (the transport stays down: WRITEs fail at once, notifications wait) and
+        the next try is due after a backoff (`_agent_up`)."""
+        self._reopen_at = time.monotonic() + self._reopen_backoff_s
+        self._reopen_backoff_s = min(2 * self._reopen_backoff_s, REOPEN_MAX_S)
+        try:
+            self._open_agent()
+        except NIXL_ERRORS as e:
+            self._agent, self._reg = None, None
+            logger.warning(
+                "nixl transport %s: agent not rebuilt (%s); down, next try in %.1f s",
+                self.name, e, self._reopen_at - time.monotonic(),
+            )  # fmt: skip
+            return False
+        for name, md in list(self._peers.items()):
+            try:
+                loaded = self._agent.add_remote_agent(md.agent_metadata)
+            except NIXL_ERRORS as e:
+                loaded = f"({e})"
+            loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
+            if loaded != name:  # it loaded nothing, or under another name: it is not a peer
+                logger.warning(
+                    "nixl transport %s: peer %s not loaded again: %s", self.name, name, loaded
+                )
+                del self._peers[name]
+                self._lost_peers.append((name, f"its metadata did not load again: {loaded}"))
+                continue
+            self._warmups.start(name, md)
+        logger.warning("nixl transport %s: agent rebuilt, %d peer(s)", self.name, len(self._peers))
+        return True
+
+    def _agent_up(self) -> bool:
+        """Whether the agent is up; when it is down and its next try is due, tries."""
+        if self._agent is not None:
+            return True
+        return time.monotonic() >= self._reopen_at and self._reopen()
+
+    @property
+    def is_down(self) -> bool:
+        """The agent is down: destroyed by `stop_writes` and not yet built again."""
+        return self._agent is None and not self._closed
 
     # ---- peers -------------------------------------------------------------------------
 
     def local_metadata(self) -> bytes:
         self._check_open()
+        if not self._agent_up():
+            raise RuntimeError(f"nixl transport {self.name} is down (agent not rebuilt yet)")
         w = self._warmups
         md = PeerMetadata(
             self.name, self._agent.get_agent_metadata(), self.layout, w.scratch_addr,
@@ -220,6 +280,9 @@ class NixlTransport:
             return md.agent_name
         if known is not None:  # the peer restarted under the same name
             self.remove_peer(md.agent_name)
+        if not self._agent_up():  # loaded (and its name checked) when the agent is back
+            self._peers[md.agent_name] = md
+            return md.agent_name
         name = self._agent.add_remote_agent(md.agent_metadata)
         if isinstance(name, bytes):
             name = name.decode()
@@ -252,6 +315,8 @@ class NixlTransport:
         self._warmups.cancel(peer)
         self._requests.fail_pending(peer)
         del self._peers[peer]
+        if self._agent is None:
+            return
         try:
             self._agent.remove_remote_agent(peer)
         except NIXL_ERRORS as e:
@@ -292,6 +357,10 @@ class NixlTransport:
         remote.check_block_ids(dst, "dst")
         layers = range(self.layout.num_layers) if layers is None else layers
         self.layout.check_layers(layers)
+        if not self._agent_up():  # nothing can move: the attempt fails now, not at its deadline
+            handle, rec = self._requests.open(peer, TransferStats(bytes=0, descriptors=0))
+            self._requests.finish(handle, rec, TransferState.FAILED)
+            return handle
 
         local_descs, remote_descs, staged = write_descs(
             self._kv_ranks, self.ranks, self._peers[peer].rank_layouts, layers, src, dst,
@@ -373,6 +442,8 @@ class NixlTransport:
         return notifs
 
     def _stash_notifs(self) -> None:
+        if not self._agent_up():
+            return
         for agent, msgs in self._agent.get_new_notifs().items():
             self._notifs.setdefault(agent, []).extend(msgs)
 
@@ -380,11 +451,14 @@ class NixlTransport:
         """Drive connection warm-ups (see `add_peer`); `(peer, None)` for each that
         completed, `(peer, reason)` for each that failed or timed out (the peer stays
         added: the caller decides). Also handles incoming notifications (kept for
-        `get_notifs`)."""
-        if not self._warmups.peers:
-            return []
+        `get_notifs`). While the agent is down (`stop_writes`), also tries to rebuild it
+        when due; a peer the rebuild could not load again is reported failed here."""
+        up = self._agent_up()
+        lost, self._lost_peers = self._lost_peers, []
+        if not up or not self._warmups.peers:
+            return lost
         self._stash_notifs()
-        return self._warmups.progress()
+        return lost + self._warmups.progress()
 
     @property
     def num_warming(self) -> int:
@@ -395,6 +469,8 @@ class NixlTransport:
         self._check_open()
         if peer not in self._peers:
             raise ValueError(f"unknown peer {peer!r}")
+        if not self._agent_up():
+            raise RuntimeError(f"notification to {peer!r} failed: the agent is down")
         try:
             self._agent.send_notif(peer, msg)
         except NIXL_ERRORS as e:
@@ -409,6 +485,8 @@ class NixlTransport:
     @property
     def registered_memory(self) -> str:
         """The memory type NIXL registered the KV tensor as: "DRAM_SEG" or "VRAM_SEG"."""
+        if not self._agent_up():
+            raise RuntimeError(f"nixl transport {self.name} is down (agent not rebuilt yet)")
         return self._reg[0].getType().name
 
     @property

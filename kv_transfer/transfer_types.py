@@ -116,7 +116,10 @@ class DataPlane(Protocol):
 
     def stop_writes(self) -> int:
         """Stop every WRITE in flight, to every peer: nothing more of them lands but what
-        the network already carries; returns how many were PENDING (they end FAILED)."""
+        the network already carries; returns how many were PENDING (they end FAILED).
+        Never raises for a plane that cannot start again at once (NIXL: the host's link
+        is down): the plane stays down, its WRITEs fail as they are posted, and it is
+        built again on a later call once it can be."""
         ...
 
     def get_notifs(self) -> dict[str, list[bytes]]: ...

@@ -24,6 +24,7 @@ pytest.importorskip("nixl")
 
 from pdserve.kv_transfer.kv_layout import alloc_block_major  # noqa: E402
 from pdserve.kv_transfer.nixl_transport import (  # noqa: E402
+    REOPEN_FIRST_S,
     NixlTransport,
     PeerMetadata,
     TransferState,
@@ -322,6 +323,51 @@ def test_stop_writes_rebuilds_the_agent_and_its_peers_stay_usable(peer):
         snap = peer.kv(reply.snapshot)
         assert torch.equal(snap[:, :, 20:23], t._kv_cache[:, :, 3:6])
         assert bool((snap[:, :, :20] == SENTINEL).all())
+        t.check_integrity()
+        assert t.num_inflight == 0
+
+
+def test_a_rebuild_ucx_refuses_leaves_the_transport_down_then_it_comes_back(peer, monkeypatch):
+    """Multihost drill 2 cut the prefill host's link (device down) with WRITEs in flight:
+    the rebuild in `stop_writes` found no usable device and its error killed the engine.
+    Here UCX really refuses (its device list names no device) and the transport stays
+    down: a WRITE fails at once, a peer introduced meanwhile is kept; once UCX can start,
+    the next try after the backoff rebuilds it and a WRITE lands intact."""
+    with NixlTransport("local-down", _kv(SMALL), progress_thread=False) as t:
+        t.add_peer(peer.metadata)
+        monkeypatch.setenv("UCX_NET_DEVICES", "pdserve-no-such-device")
+        h = t.write_blocks("peer-a", list(range(16)), list(range(8, 24)))
+        was_pending = h.state is TransferState.PENDING
+        assert t.stop_writes() == int(was_pending)  # raises nothing
+        assert t.is_down and t.agent_restarts == 1 and t.peers == ["peer-a"]
+        assert h.state is not TransferState.PENDING
+        t.release(h)
+        h = t.write_blocks("peer-a", [0], [1])
+        assert h.state is TransferState.FAILED  # at once, not at a deadline
+        t.release(h)
+        assert t.get_notifs() == {} and t.progress_warmups() == []
+        with pytest.raises(RuntimeError, match="down"):
+            t.send_notif("peer-a", b"x")
+        assert t.stop_writes() == 0 and t.agent_restarts == 1  # nothing to stop
+        monkeypatch.delenv("UCX_NET_DEVICES")  # the link is back
+        t.progress_warmups()  # not yet due: still down
+        assert t.is_down
+        time.sleep(REOPEN_FIRST_S)
+        deadline = time.monotonic() + 10
+        while t.num_warming or t.is_down:  # the due try rebuilds it and warms the peer up
+            assert time.monotonic() < deadline
+            assert all(problem is None for _, problem in t.progress_warmups())
+            time.sleep(0.01)
+        peer.request(Cmd("fill"))
+        h = t.write_blocks("peer-a", [3, 4], [20, 21], notif=b"back")
+        assert t.wait(h, timeout_s=10) is TransferState.DONE
+        t.release(h)
+        reply = msgspec.msgpack.decode(
+            peer.request(Cmd("await_notif", timeout_s=10)), type=NotifReply
+        )
+        assert reply.notifs == {"local-down": [b"back"]}
+        snap = peer.kv(reply.snapshot)
+        assert torch.equal(snap[:, :, 20:22], t._kv_cache[:, :, 3:5])
         t.check_integrity()
         assert t.num_inflight == 0
 
