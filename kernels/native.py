@@ -91,10 +91,24 @@ def _compiler_version(cxx: str) -> str:
 
 def flags(name: str) -> list[str]:
     """The compiler flags for `name`; `$PDSERVE_KERNEL_MARCH` (e.g. `haswell`: AVX2, no
-    AVX-512) replaces `-march=native`, so tests can build another CPU's vector path."""
+    AVX-512) replaces `-march=native`, so tests can build another CPU's vector path. The
+    GEMV prefetches bf16 weights non-temporally on AMD only (kernels/csrc/gemv.cpp)."""
     march = os.environ.get("PDSERVE_KERNEL_MARCH")
     base = [f"-march={march}" if f == "-march=native" and march else f for f in CXXFLAGS]
+    if name == "gemv" and _cpu_vendor() == "AuthenticAMD":
+        base.append("-DPDSERVE_BF16_PREFETCH_NTA=1")
     return [*base, *EXTRA_FLAGS.get(name, [])]
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def library_path(name: str, cxx: str) -> Path:

@@ -151,6 +151,26 @@ def test_other_vector_paths(march, isa, tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
+def test_bf16_prefetch_hint_by_vendor(vendor, monkeypatch, tmp_path):
+    """bf16 weight rows are prefetched non-temporally on AMD only (faster there, 4-6x slower
+    on an Intel Xeon with AMX: kernels/csrc/gemv.cpp): the define is in the flags, and so in
+    the library's cached name, and both builds give the same bits (a hint changes no result)."""
+    monkeypatch.setattr(native, "_cpu_vendor", lambda: vendor)
+    nta = "-DPDSERVE_BF16_PREFETCH_NTA=1"
+    assert (nta in native.flags("gemv")) == (vendor == "AuthenticAMD")
+    assert all(nta not in native.flags(lib) for lib in ("gemm_packed", "decode_forward"))
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    lib = native.load_library.__wrapped__("gemv")
+    assert lib is not None
+    torch.manual_seed(3)
+    w, x = torch.randn(960, 576).bfloat16(), torch.randn(3, 576).bfloat16()
+    y = torch.empty(3, 960, dtype=torch.bfloat16)
+    lib.pdserve_gemv(x.data_ptr(), 576, w.data_ptr(), 576, None, y.data_ptr(), 960, 3, 960, 576,
+                     1, 2, 0)  # fmt: skip
+    assert torch.equal(y, gemv.linear(x, w, None))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("i,k", [(1, 3), (37, 131), (1536, 576)])
 def test_gate_up_silu_equals_linear_then_silu_and_mul(dtype, i, k, threads):

@@ -38,17 +38,23 @@ constexpr int MB = 4;     // activation rows per register block (more: in chunks
 constexpr int RMAX = 16;  // weight rows per register block: 16 / 8 / 4 for 1 / 2 / 3+ rows
 // Each weight row is prefetched this many rows ahead of its use: a 1-row GEMV over
 // DRAM-resident weights streams faster with it; prefetching into L1 or non-temporal gained
-// nothing for the GEMV alone. fp32 rows go into L2 (prefetcht1). bf16 rows are prefetched
+// nothing for the GEMV alone. fp32 rows go into L2 (prefetcht1). On AMD Zen
+// (PDSERVE_BF16_PREFETCH_NTA, set by kernels/native.py) bf16 rows are prefetched
 // non-temporal (prefetchnta): the weights then do not evict the last-level cache's other
-// data (the KV rows attention reads next, the engine's Python between steps), which makes
-// a bf16 single-row token faster; fp32 gained nothing from it, so it keeps prefetcht1
-// (figures: docs/benchmarks-history.md, "Decode GEMV" and "Decode forward in fewer native
-// calls").
+// data (the KV rows attention reads next, the engine's Python between steps), which made
+// a bf16 single-row token ~5 % faster there; fp32 gained nothing from it, so it keeps
+// prefetcht1 (figures: docs/benchmarks-history.md, "Decode GEMV" and "Decode forward in
+// fewer native calls"). On an Intel Xeon with AMX the same hint made a bf16 GEMV over a
+// DRAM-resident weight 4-6x slower (4.6-7.6 GB/s against 27 GB/s at one thread: the lines
+// seem to leave L1 before their use), so everywhere else bf16 rows go into L2 as fp32's do.
 template <typename T>
 constexpr int64_t PF_ROWS = 64 / sizeof(T);  // 16 fp32 rows, 32 bf16 rows
+#ifndef PDSERVE_BF16_PREFETCH_NTA
+#define PDSERVE_BF16_PREFETCH_NTA 0
+#endif
 template <typename T>
 inline void prefetch(const T* p) {
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (PDSERVE_BF16_PREFETCH_NTA && sizeof(T) == 2) {
     __builtin_prefetch(p, 0, 0);  // x86: prefetchnta
   } else {
     __builtin_prefetch(p, 0, 2);  // x86: prefetcht1
