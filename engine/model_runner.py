@@ -26,7 +26,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_tensor import allocate_kv_cache
 from pdserve.engine.model_arch import ModelArch
 from pdserve.engine.models import get_model_class
-from pdserve.engine.models.cpu_linear import onednn_available
+from pdserve.engine.models.cpu_linear import onednn_amx, onednn_available
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampled, prompt_logprobs, sample
@@ -143,8 +143,12 @@ class ModelRunner:
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         if self.device.type == "cpu" and self.single_device:
-            # the batched forward's packed weights only where a step can have > 8 rows
+            # the batched forward's packed weights only where a step can have > 8 rows, and
+            # not for bf16 on AMX, where oneDNN's GEMMs are faster (`onednn_amx`)
             batch = mc.batched_decode and config.scheduler.max_num_seqs > GEMV_MAX_ROWS
+            if batch and mc.cpu_onednn and onednn_amx(self.dtype):
+                logger.info("batched decode: off (bf16 on AMX: oneDNN's GEMMs are faster)")
+                batch = False
             model.fused_decode = FusedDecode.build(model, batch=batch)
             fused = "one native call" if model.fused_decode is not None else "op by op"
             logger.info("decode steps of <= %d rows: %s", GEMV_MAX_ROWS, fused)

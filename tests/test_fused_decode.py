@@ -177,12 +177,13 @@ from pdserve.engine import LLM
 from tests.test_fused_decode import _decode_inputs, _per_op_and_fused, _same_layout_cache
 from pdserve.kernels import gemv
 assert gemv.isa() == 256, gemv.isa()
-from tests.test_fused_decode_batched import _batched_close_to_per_op
+from tests.test_fused_decode_batched import _batched, _batched_close_to_per_op
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.step_plan import ForwardPath, StepPlan, plan_step
 for dtype in ("float32", "bfloat16"):
     llm = LLM({path!r}, dtype=dtype, block_size=4, num_blocks=256)
     runner = llm.engine.runner
+    _batched(llm)
     _batched_close_to_per_op(runner, [(11, 2), (21, 1)])
     runner.model.fused_decode = FusedDecode.build(runner.model, batch=False)
     for rows in (1, 4, 11):

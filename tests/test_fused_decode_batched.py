@@ -12,6 +12,7 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.models.cpu_linear import onednn_amx, row_invariant
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.step_plan import ForwardPath, StepPlan
 from tests.conftest import make_tiny_llama
@@ -24,6 +25,29 @@ pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _batched(llm) -> FusedDecode:
+    """The runner's fused decode with its batched forward, built with it where the runner
+    leaves it off (bf16 on a CPU with AMX: `onednn_amx`), so the path runs on every box."""
+    model = llm.engine.runner.model
+    if model.fused_decode._batch_fn is None:
+        model.fused_decode = FusedDecode.build(model, batch=True)
+    assert model.fused_decode._batch_fn is not None
+    return model.fused_decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_runner_leaves_the_batched_forward_off_only_for_bf16_on_amx(tiny_llama_dir, dtype):
+    """Where oneDNN runs bf16 on AMX tiles its GEMMs outrun the panel GEMM from 8 rows on
+    (benchmarks/weight_forms.py: 5-10x at 64-512 rows), so decode steps of more rows stay
+    on them and the panel copy of the weights is not made; everywhere else it is."""
+    llm = LLM(tiny_llama_dir, dtype=str(dtype).removeprefix("torch."), block_size=4,
+              num_blocks=512)  # fmt: skip
+    fused = llm.engine.runner.model.fused_decode
+    off = onednn_amx(dtype)
+    assert (fused._batch_fn is None, fused.lm_head is None, not fused._packed) == (off,) * 3
+    assert off == (dtype == torch.bfloat16 and not row_invariant(dtype))
+
+
 def test_engine_takes_the_batched_forward_in_bf16(tiny_llama_dir):
     """bf16 decode steps of more than MAX_ROWS rows run batched in the engine, and greedy
     decoding through them gives what the per-layer path (oneDNN's bf16 GEMMs) gives but
@@ -31,7 +55,7 @@ def test_engine_takes_the_batched_forward_in_bf16(tiny_llama_dir):
     not a decode step's) always, most of the rest."""
     llm = LLM(tiny_llama_dir, dtype="bfloat16", block_size=4, num_blocks=512)
     model = llm.engine.runner.model
-    fused = model.fused_decode
+    fused = _batched(llm)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = random_prompts(10, [3, 9, 20], seed=12)
     outs = [o.token_ids for o in llm.generate(prompts, params)]
@@ -80,6 +104,7 @@ def _batched_close_to_per_op(runner, cases) -> None:
 @pytest.mark.parametrize("layout", ["layer_major", "block_major"])
 def test_batched_forward_close_to_per_op(tiny_llama_dir, layout, dtype):
     llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512, kv_layout=layout)
+    _batched(llm)
     _batched_close_to_per_op(llm.engine.runner, [(9, 1), (9, 2), (33, 2), (64, 2)])
 
 
@@ -95,7 +120,7 @@ def test_batched_bf16_rounds_as_the_unfused_per_op_mlp(tiny_llama_dir, monkeypat
     monkeypatch.setattr(model_runner, "onednn_available", lambda device, dtype: False)
     llm = LLM(tiny_llama_dir, dtype="bfloat16", block_size=4, num_blocks=512)
     runner = llm.engine.runner
-    assert runner.model.fused_decode._model.silu_mode == 2
+    assert _batched(llm)._model.silu_mode == 2
     _batched_close_to_per_op(runner, [(9, 1), (33, 2), (64, 2)])
     # greedy through the engine: what the per-layer path (the per-op GEMMs) gives
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -117,7 +142,7 @@ def test_batched_rows_do_not_depend_on_the_step(tiny_llama_dir, dtype):
     norms, RoPE and attention per row)."""
     llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
     runner = llm.engine.runner
-    model, fused = runner.model, runner.model.fused_decode
+    model, fused = runner.model, _batched(llm)
     cache = _same_layout_cache(runner, seed=5)
     ids, pos, meta = _decode_inputs(40, cache, seed=6)
     outs = []
@@ -150,7 +175,7 @@ def test_batched_lm_head(tiny_llama_dir, dtype):
 
     llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
     runner = llm.engine.runner
-    model, fused = runner.model, runner.model.fused_decode
+    model, fused = runner.model, _batched(llm)
     cache = _same_layout_cache(runner, seed=8)
     ids, pos, meta = _decode_inputs(12, cache, seed=8)
     with torch.inference_mode():

@@ -53,10 +53,19 @@ def row_invariant(dtype: torch.dtype) -> bool:
     with AMX (Sapphire Rapids on): oneDNN picks its AMX kernels by the row count and shape,
     and they sum in other orders, ~1 bf16 ulp apart (e.g. K = 2048, or 4096 x 14336 at any
     row count below a few hundred; tests/test_cpu_linear.py). fp32 never runs on AMX."""
+    return not onednn_amx(dtype)
+
+
+def onednn_amx(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed GEMMs run on AMX tiles for `dtype`: bf16 on a CPU with AMX.
+    There they outrun the batched decode forward's bf16 panel GEMM (kernels/gemm_packed.py,
+    built on avx512_bf16 dot products) from 8 rows on, 5-10x at 64-512 rows
+    (benchmarks/weight_forms.py), so the runner keeps decode steps of more than 8 rows on
+    them (engine/model_runner.py)."""
     if dtype != torch.bfloat16 or not onednn_available(torch.device("cpu"), dtype):
-        return True
+        return False
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return not (amx is not None and amx())
+    return amx is not None and bool(amx())
 
 
 def silu_fused(weight: torch.Tensor) -> bool:
