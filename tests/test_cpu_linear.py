@@ -5,6 +5,7 @@ AVX2-only box) `pack()` packs nothing and returns False, and the same calls run 
 own bf16 GEMM: every check below runs on both kinds, against what holds there."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -124,7 +125,10 @@ def test_a_row_gets_the_same_bits_alone_or_with_others(dtype):
     bf16 without native bf16: nothing packed, torch's own bf16 GEMM, the same promise."""
     # a step with prompt tokens: no decode GEMV (gemv=False, the runner's step plan)
     torch.manual_seed(0)
-    for k, n in [(1536, 576), (2048, 2048), (576, 1536)]:
+    shapes = [(1536, 576), (576, 1536)]  # SmolLM2's
+    if not os.environ.get("PDSERVE_ISA_VIEW"):  # K = 2048: where AMX kernels differed; the
+        shapes.append((2048, 2048))  # emulated AVX2 CPU has no AMX (most of the view's 8 minutes)
+    for k, n in shapes:
         x = torch.randn(40, k).to(dtype)
         lin = PackedLinear(k, n).to(dtype)
         gate_up = PackedGateUp(k, 2 * n, bias=False).to(dtype)
