@@ -177,7 +177,9 @@ class NixlTransport:
         for reg in self._reg:
             self._agent.deregister_memory(reg)
         # Destroy the agent (its UCX workers and threads) here, on the owner's thread, not
-        # whenever the interpreter's teardown gets to it beside other native destructors.
+        # whenever the interpreter's teardown gets to it beside other native destructors:
+        # the warm-ups and the staging pool let go of it on close, so this is the last
+        # reference, also when the rebuild that follows fails (its WRITEs must stop then).
         self._reg = None
         self._agent = None
 

@@ -197,6 +197,7 @@ class PeerWarmups:
         self._table.release_parked()
         self._agent.deregister_memory(self._reg)
         self._reg = None
+        self._agent = None  # no reference left to keep a destroyed transport's agent alive
 
 
 def _descs(addrs: np.ndarray, length: int, dev: int) -> np.ndarray:

@@ -186,3 +186,4 @@ class StagingPool:
             self._deregister(reg)
         self._idle.clear()
         self._busy.clear()
+        self._register = self._deregister = None  # they hold the agent: let it go

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import time
+import weakref
 
 import msgspec
 import pytest
@@ -338,7 +339,10 @@ def test_a_rebuild_ucx_refuses_leaves_the_transport_down_then_it_comes_back(peer
         monkeypatch.setenv("UCX_NET_DEVICES", "pdserve-no-such-device")
         h = t.write_blocks("peer-a", list(range(16)), list(range(8, 24)))
         was_pending = h.state is TransferState.PENDING
+        old_agent = weakref.ref(t._agent)
         assert t.stop_writes() == int(was_pending)  # raises nothing
+        gc.collect()
+        assert old_agent() is None  # destroyed, though no new one replaced it: WRITEs stop
         assert t.is_down and t.agent_restarts == 1 and t.peers == ["peer-a"]
         assert h.state is not TransferState.PENDING
         t.release(h)
