@@ -61,14 +61,22 @@ def find_compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+def _cpuinfo_line(prefixes: tuple[str, ...]) -> str | None:
+    """The first /proc/cpuinfo line starting with one of `prefixes`, or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.startswith(prefixes):
                     return line
     except OSError:
         pass
+    return None
+
+
+def _cpu_flags() -> str:
+    line = _cpuinfo_line(("flags", "Features"))
+    if line is not None:
+        return line
     import platform
 
     return platform.processor() or platform.machine()
@@ -101,14 +109,8 @@ def flags(name: str) -> list[str]:
 
 
 def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+    line = _cpuinfo_line(("vendor_id",))
+    return "" if line is None else line.partition(":")[2].strip()
 
 
 def library_path(name: str, cxx: str) -> Path:

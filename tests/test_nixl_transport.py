@@ -297,6 +297,17 @@ def test_dropped_handle_is_reported_as_leak(peer):
             t.check_integrity()
 
 
+def _write_and_await(t: NixlTransport, peer, src, dst, notif: bytes):
+    """A WRITE to a freshly filled peer that must end DONE (polled here: no progress
+    thread), then the notifications the peer got and its KV as it was at their arrival."""
+    peer.request(Cmd("fill"))
+    h = t.write_blocks("peer-a", src, dst, notif=notif)
+    assert t.wait(h, timeout_s=10) is TransferState.DONE
+    t.release(h)
+    reply = msgspec.msgpack.decode(peer.request(Cmd("await_notif", timeout_s=10)), type=NotifReply)
+    return reply.notifs, peer.kv(reply.snapshot)
+
+
 def test_stop_writes_rebuilds_the_agent_and_its_peers_stay_usable(peer):
     """`stop_writes` ends every WRITE in flight by destroying the agent's UCX worker and
     builds it again under the same name (tests/multihost/test_cancel.py shows what it
@@ -313,15 +324,8 @@ def test_stop_writes_rebuilds_the_agent_and_its_peers_stay_usable(peer):
         if was_pending:
             assert h.state is TransferState.FAILED
         t.release(h)
-        peer.request(Cmd("fill"))
-        h = t.write_blocks("peer-a", [3, 4, 5], [20, 21, 22], notif=b"after the stop")
-        assert t.wait(h, timeout_s=10) is TransferState.DONE  # no progress thread: we poll
-        t.release(h)
-        reply = msgspec.msgpack.decode(
-            peer.request(Cmd("await_notif", timeout_s=10)), type=NotifReply
-        )
-        assert reply.notifs == {"local-stop": [b"after the stop"]}
-        snap = peer.kv(reply.snapshot)
+        notifs, snap = _write_and_await(t, peer, [3, 4, 5], [20, 21, 22], b"after the stop")
+        assert notifs == {"local-stop": [b"after the stop"]}
         assert torch.equal(snap[:, :, 20:23], t._kv_cache[:, :, 3:6])
         assert bool((snap[:, :, :20] == SENTINEL).all())
         t.check_integrity()
@@ -362,15 +366,8 @@ def test_a_rebuild_ucx_refuses_leaves_the_transport_down_then_it_comes_back(peer
             assert time.monotonic() < deadline
             assert all(problem is None for _, problem in t.progress_warmups())
             time.sleep(0.01)
-        peer.request(Cmd("fill"))
-        h = t.write_blocks("peer-a", [3, 4], [20, 21], notif=b"back")
-        assert t.wait(h, timeout_s=10) is TransferState.DONE
-        t.release(h)
-        reply = msgspec.msgpack.decode(
-            peer.request(Cmd("await_notif", timeout_s=10)), type=NotifReply
-        )
-        assert reply.notifs == {"local-down": [b"back"]}
-        snap = peer.kv(reply.snapshot)
+        notifs, snap = _write_and_await(t, peer, [3, 4], [20, 21], b"back")
+        assert notifs == {"local-down": [b"back"]}
         assert torch.equal(snap[:, :, 20:22], t._kv_cache[:, :, 3:5])
         t.check_integrity()
         assert t.num_inflight == 0
