@@ -37,6 +37,9 @@ class ModelConfig:
     # CPU fp32/bf16: decode steps of 9-256 rows as one native call on weights packed for it
     # (engine/models/fused_decode.py; one more copy of the projections and lm_head)
     batched_decode: bool = default(ModelSettings, "batched_decode")
+    # CPU: the plain projection weights kept where the packed copies could replace them
+    # (engine/models/fused_decode.py, `FusedDecode.release_plain`)
+    keep_plain_weights: bool = default(ModelSettings, "keep_plain_weights")
     # The model's name in the API, the registry and the block-hash root (default: `name`).
     served_name: str | None = None
     # True: plain torch (the reference). False: the decode step compiled

@@ -38,6 +38,7 @@ class LLM:
         compile_cache_dir: str | None = None,  # None: <pdserve cache dir>/compile
         kv_layout: str = "layer_major",  # or "block_major" (engine/kv_tensor.py)
         batched_decode: bool = True,  # CPU fp32/bf16: engine/models/fused_decode.py
+        keep_plain_weights: bool = False,  # CPU: FusedDecode.release_plain
         kv_populate: bool = True,  # CPU: fault the KV cache in on a thread (kernels/fault_in.py)
         tensor_parallel_size: int = 1,  # ranks executing each step (engine/tp_runner.py)
     ):
@@ -52,6 +53,7 @@ class LLM:
                 enforce_eager=enforce_eager,
                 compile_cache_dir=compile_cache_dir,
                 batched_decode=batched_decode,
+                keep_plain_weights=keep_plain_weights,
             ),
             cache=CacheConfig(
                 block_size,

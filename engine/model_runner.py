@@ -149,9 +149,17 @@ class ModelRunner:
             if batch and mc.cpu_onednn and onednn_amx(self.dtype):
                 logger.info("batched decode: off (bf16 on AMX: oneDNN's GEMMs are faster)")
                 batch = False
-            model.fused_decode = FusedDecode.build(model, batch=batch)
-            fused = "one native call" if model.fused_decode is not None else "op by op"
-            logger.info("decode steps of <= %d rows: %s", GEMV_MAX_ROWS, fused)
+            model.fused_decode = fused = FusedDecode.build(model, batch=batch)
+            freed = 0 if fused is None or mc.keep_plain_weights else fused.release_plain()
+            if freed:
+                logger.info(
+                    "plain projection weights freed (%.0f MiB): decode steps on the batched "
+                    "forward's copy from 1 row, the rest on oneDNN's",
+                    freed / 2**20,
+                )
+            else:
+                how = "one native call" if fused is not None else "op by op"
+                logger.info("decode steps of <= %d rows: %s", GEMV_MAX_ROWS, how)
         self.pack_s = time.perf_counter() - t0
         logger.info("model weights loaded in %.1f s, packed in %.1f s", self.load_s, self.pack_s)
         attn = model.model.layers[0].self_attn

@@ -58,7 +58,14 @@ def _same_layout_cache(runner, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["layer_major", "block_major"])
 def test_fused_equals_per_op(tiny_llama_dir, dtype, layout):
-    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=256, kv_layout=layout)
+    llm = LLM(
+        tiny_llama_dir,
+        keep_plain_weights=True,
+        dtype=dtype,
+        block_size=4,
+        num_blocks=256,
+        kv_layout=layout,
+    )
     runner = llm.engine.runner
     model = runner.model
     assert isinstance(model.fused_decode, FusedDecode)
@@ -78,7 +85,7 @@ def test_fused_equals_per_op(tiny_llama_dir, dtype, layout):
 def test_fused_with_qkv_bias_and_long_context(tmp_path):
     """A Qwen2-style qkv bias; contexts long enough for attention key splits."""
     path = make_tiny_llama(str(tmp_path / "m"), seed=3)
-    llm = LLM(path, block_size=16, num_blocks=256)
+    llm = LLM(path, keep_plain_weights=True, block_size=16, num_blocks=256)
     runner = llm.engine.runner
     model = runner.model
     g = torch.Generator().manual_seed(4)
@@ -105,7 +112,7 @@ def test_fused_with_qkv_bias_and_long_context(tmp_path):
 
 
 def test_steps_it_does_not_take_run_per_op(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256)
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=256)
     runner = llm.engine.runner
     model, fused = runner.model, runner.model.fused_decode
     cache = _same_layout_cache(runner, seed=0)
@@ -134,7 +141,7 @@ def test_engine_uses_fused_decode_and_equals_hf(tiny_llama_dir):
     """Greedy tokens equal Hugging Face's, with the decode steps run fused (a test that
     fails if the engine silently stops taking the fused path)."""
     hf = load_hf(tiny_llama_dir)
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512)
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=512)
     fused = llm.engine.runner.model.fused_decode
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = random_prompts(3, [5, 40, 17], seed=11)
@@ -160,14 +167,14 @@ def test_engine_uses_fused_decode_and_equals_hf(tiny_llama_dir):
 
 def test_packing_skipped_where_no_step_can_take_it(tiny_llama_dir):
     """A scheduler of at most MAX_ROWS sequences never runs a batched step: no packed copy."""
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64, max_num_seqs=8)
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=64, max_num_seqs=8)
     fused = llm.engine.runner.model.fused_decode
     assert fused._batch_fn is None and fused.lm_head is None and not fused._packed
 
 
 def test_no_fused_decode_with_reference_kernels(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PDSERVE_CPU_ATTENTION", "reference")
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=64)
     assert llm.engine.runner.model.fused_decode is None
 
 
@@ -181,7 +188,7 @@ from tests.test_fused_decode_batched import _batched, _batched_close_to_per_op
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.step_plan import ForwardPath, StepPlan, plan_step
 for dtype in ("float32", "bfloat16"):
-    llm = LLM({path!r}, dtype=dtype, block_size=4, num_blocks=256)
+    llm = LLM({path!r}, keep_plain_weights=True, dtype=dtype, block_size=4, num_blocks=256)
     runner = llm.engine.runner
     _batched(llm)
     _batched_close_to_per_op(runner, [(11, 2), (21, 1)])
@@ -213,14 +220,16 @@ def test_the_plan_keeps_what_it_points_into(tiny_llama_dir):
     """The native plan holds raw pointers: a RoPE table or weight replaced on the model
     after the build must not be freed under it (the plan keeps their storage); a RoPE
     table of another width (the native RoPE reads head_dim floats a position) is not taken."""
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=64)
     runner = llm.engine.runner
     model = runner.model
     fused = model.fused_decode
     table, embed = model.cos_sin.data_ptr(), model.model.embed_tokens.weight.data_ptr()
     model.init_rope(torch.device("cpu"))  # a new table: the model drops the old one
     model.model.embed_tokens.weight = torch.nn.Parameter(model.model.embed_tokens.weight.clone())
-    kept = {t.data_ptr() for t in fused._bound}  # tensors sharing the plan's storages
+    # tensors sharing the plan's storages (the projections' plain weights kept apart: they
+    # go where `release_plain` frees them)
+    kept = {t.data_ptr() for t in [*fused._bound, *fused._plain]}
     assert fused._model.cos_sin == table and fused._model.embed == embed
     assert table in kept and embed in kept
     assert all(layer.qkv in kept and layer.down in kept for layer in fused._layers)
@@ -240,7 +249,7 @@ def test_a_prompt_step_does_not_outlive_its_step(tiny_llama_dir):
     the per-op path. The plan is an argument now; a decode step still plans the fused path."""
     from pdserve.kernels import gemv
 
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=64)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(random_prompts(1, [9], seed=3), params)
     runner = llm.engine.runner
@@ -253,7 +262,7 @@ def test_a_prompt_step_does_not_outlive_its_step(tiny_llama_dir):
 def test_inputs_of_other_row_counts_are_not_taken(tiny_llama_dir):
     """The native chain reads m positions, slots, context lengths and block-table rows:
     metadata with fewer (or a 1-D table) is not taken, nothing read past it."""
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=64)
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=64)
     runner = llm.engine.runner
     fused = runner.model.fused_decode
     cache = _same_layout_cache(runner, seed=0)

@@ -12,10 +12,11 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.models.cpu_linear import onednn_amx, row_invariant
+from pdserve.engine.models.cpu_linear import PackedLinear, onednn_amx, released, row_invariant
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.step_plan import ForwardPath, StepPlan
 from tests.conftest import make_tiny_llama
+from tests.hf_reference import hf_greedy, load_hf
 from tests.test_compiled_model import _decode_inputs
 from tests.test_engine import random_prompts
 from tests.test_fused_decode import _per_op_and_fused, _same_layout_cache
@@ -40,7 +41,7 @@ def test_the_runner_leaves_the_batched_forward_off_only_for_bf16_on_amx(tiny_lla
     """Where oneDNN runs bf16 on AMX tiles its GEMMs outrun the panel GEMM from 8 rows on
     (benchmarks/weight_forms.py: 5-10x at 64-512 rows), so decode steps of more rows stay
     on them and the panel copy of the weights is not made; everywhere else it is."""
-    llm = LLM(tiny_llama_dir, dtype=str(dtype).removeprefix("torch."), block_size=4,
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, dtype=str(dtype).removeprefix("torch."), block_size=4,
               num_blocks=512)  # fmt: skip
     fused = llm.engine.runner.model.fused_decode
     off = onednn_amx(dtype)
@@ -48,12 +49,44 @@ def test_the_runner_leaves_the_batched_forward_off_only_for_bf16_on_amx(tiny_lla
     assert off == (dtype == torch.bfloat16 and not row_invariant(dtype))
 
 
+def test_plain_projection_weights_freed_where_both_packed_copies_hold_them(tiny_llama_dir):
+    """fp32 (oneDNN packs every projection, the batched forward is built): the runner frees
+    the plain projection weights; every decode step, 1 row on, runs the batched forward,
+    prompt steps oneDNN's copy, and a decode step the fused path declines runs op by op on
+    oneDNN's copy too; greedy tokens equal Hugging Face's throughout. The tied lm_head (the
+    embedding's table) stays. `keep_plain_weights=True` keeps them all."""
+    hf = load_hf(tiny_llama_dir)
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512)
+    model = llm.engine.runner.model
+    fused = model.fused_decode
+    linears = [m.weight for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * len(model.model.layers)
+    assert all(released(w) and w.untyped_storage().nbytes() == 4 for w in linears)
+    assert not released(model.model.embed_tokens.weight)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for n in (1, 3, 10):
+        prompts = random_prompts(n, [5, 40, 17], seed=n)
+        for p, o in zip(prompts, llm.generate(prompts, params)):
+            assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
+    assert fused.steps == 0 and fused.batch_steps >= 3 * (params.max_tokens - 1)
+    model.fused_decode = None  # every decode step op by op: the GEMVs decline released weights
+    for p, o in zip(prompts[:3], llm.generate(prompts[:3], params)):
+        assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
+    llm.engine.check_integrity()
+    keep = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=64)
+    kept = keep.engine.runner.model
+    assert not any(released(m.weight) for m in kept.modules() if isinstance(m, PackedLinear))
+    assert kept.fused_decode.batch_from == 8
+
+
 def test_engine_takes_the_batched_forward_in_bf16(tiny_llama_dir):
     """bf16 decode steps of more than MAX_ROWS rows run batched in the engine, and greedy
     decoding through them gives what the per-layer path (oneDNN's bf16 GEMMs) gives but
     where bf16 rounding in other places may flip a near-tie: the first token (the prompt's,
     not a decode step's) always, most of the rest."""
-    llm = LLM(tiny_llama_dir, dtype="bfloat16", block_size=4, num_blocks=512)
+    llm = LLM(
+        tiny_llama_dir, keep_plain_weights=True, dtype="bfloat16", block_size=4, num_blocks=512
+    )
     model = llm.engine.runner.model
     fused = _batched(llm)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -103,7 +136,14 @@ def _batched_close_to_per_op(runner, cases) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["layer_major", "block_major"])
 def test_batched_forward_close_to_per_op(tiny_llama_dir, layout, dtype):
-    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512, kv_layout=layout)
+    llm = LLM(
+        tiny_llama_dir,
+        keep_plain_weights=True,
+        dtype=dtype,
+        block_size=4,
+        num_blocks=512,
+        kv_layout=layout,
+    )
     _batched(llm)
     _batched_close_to_per_op(llm.engine.runner, [(9, 1), (9, 2), (33, 2), (64, 2)])
 
@@ -118,7 +158,9 @@ def test_batched_bf16_rounds_as_the_unfused_per_op_mlp(tiny_llama_dir, monkeypat
     from pdserve.engine import model_runner
 
     monkeypatch.setattr(model_runner, "onednn_available", lambda device, dtype: False)
-    llm = LLM(tiny_llama_dir, dtype="bfloat16", block_size=4, num_blocks=512)
+    llm = LLM(
+        tiny_llama_dir, keep_plain_weights=True, dtype="bfloat16", block_size=4, num_blocks=512
+    )
     runner = llm.engine.runner
     assert _batched(llm)._model.silu_mode == 2
     _batched_close_to_per_op(runner, [(9, 1), (33, 2), (64, 2)])
@@ -139,15 +181,17 @@ def test_batched_bf16_rounds_as_the_unfused_per_op_mlp(tiny_llama_dir, monkeypat
 def test_batched_rows_do_not_depend_on_the_step(tiny_llama_dir, dtype):
     """A row's hidden states and stored K/V are the same bits whatever other rows share its
     step and however many threads run it (each GEMM output one FMA chain over k in order;
-    norms, RoPE and attention per row)."""
-    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
+    norms, RoPE and attention per row), steps of fewer rows than threads included (the
+    batched forward's rows from 1 on, as after `release_plain`)."""
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, dtype=dtype, block_size=4, num_blocks=512)
     runner = llm.engine.runner
     model, fused = runner.model, _batched(llm)
     cache = _same_layout_cache(runner, seed=5)
     ids, pos, meta = _decode_inputs(40, cache, seed=6)
+    fused.batch_from = 0
     outs = []
     with torch.inference_mode():
-        for rows, threads in [(40, 2), (9, 1), (17, 2), (40, 1)]:
+        for rows, threads in [(40, 2), (9, 1), (17, 2), (40, 1), (1, 2), (3, 2), (1, 1)]:
             torch.set_num_threads(threads)
             sub = AttentionMetadata(
                 meta.slot_mapping[:rows], rows, meta.decode_block_tables[:rows].contiguous(),
@@ -173,7 +217,7 @@ def test_batched_lm_head(tiny_llama_dir, dtype):
     model's own GEMMs."""
     from pdserve.engine.models.cpu_linear import linear
 
-    llm = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, dtype=dtype, block_size=4, num_blocks=512)
     runner = llm.engine.runner
     model, fused = runner.model, _batched(llm)
     cache = _same_layout_cache(runner, seed=8)
@@ -206,7 +250,7 @@ def test_batched_rows_do_not_depend_on_the_step_long_contexts(tmp_path):
     per row in the batched forward (the per-op path splits keys to keep threads busy), so a
     row's bits still do not depend on the thread count or the other rows."""
     path = make_tiny_llama(str(tmp_path / "m"), seed=5)
-    llm = LLM(path, block_size=16, num_blocks=512)
+    llm = LLM(path, keep_plain_weights=True, block_size=16, num_blocks=512)
     runner = llm.engine.runner
     model, fused = runner.model, runner.model.fused_decode
     cache = _same_layout_cache(runner, seed=9)
@@ -239,7 +283,9 @@ def test_batched_decode_switched_off(tiny_llama_dir, tmp_path):
     no packed copies, larger steps by layer."""
     from tests.test_cluster_config import GOOD, node_engine_config, write
 
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512, batched_decode=False)
+    llm = LLM(
+        tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=512, batched_decode=False
+    )
     fused = llm.engine.runner.model.fused_decode
     assert fused._batch_fn is None and fused.lm_head is None and not fused._packed
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -107,6 +107,8 @@ def linear(
             return y
     packed = _packed(weight)
     if packed is None:
+        if released(weight):
+            raise RuntimeError("a released plain weight has no packed copy")
         return F.linear(x, weight, bias)
     x, lone = _rows(x)
     if isinstance(packed, tuple):  # gate_up packed as halves (bias-free): both, side by side
@@ -184,6 +186,32 @@ def pack_weight(weight: torch.Tensor, halves: bool = False) -> bool:
         packed = reorder(w, None)
     _PACKED[w.data_ptr()] = (weakref.ref(weight), packed)
     return True
+
+
+def release_plain(weight: nn.Parameter) -> int:
+    """Free a packed weight's plain values: its data becomes one zero broadcast to its shape
+    (no storage of its own, so the native GEMVs, which need contiguous rows, decline it)
+    and calls through `linear` run the packed copy at any row count. Returns the bytes
+    freed (0: not packed, nothing done). Whoever else points into the values must have
+    let go of them (engine/models/fused_decode.py, `FusedDecode.release_plain`)."""
+    packed = _packed(weight)
+    if packed is None or released(weight):
+        return 0
+    nbytes = weight.numel() * weight.element_size()
+    del _PACKED[weight.data_ptr()]
+    weight.data = weight.new_zeros(()).expand(weight.shape)
+    _PACKED[weight.data_ptr()] = (weakref.ref(weight), packed)
+    return nbytes
+
+
+def released(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s plain values were freed (`release_plain`)."""
+    return weight.dim() == 2 and weight.stride() == (0, 0) and weight.numel() > 1
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether `weight` has a packed oneDNN copy that `linear` runs."""
+    return _packed(weight) is not None
 
 
 def pack_linears(model: nn.Module) -> int:

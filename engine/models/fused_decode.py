@@ -6,8 +6,11 @@ planes are added the first time a cache is seen (a runner has one; tests bring t
 own). `__call__(input_ids, positions, kv_cache, meta)` returns a decode-only step's hidden
 states:
 
-- up to `ops.GEMV_MAX_ROWS` rows: the whole forward as one native call (`steps` counts them);
-- more rows, up to `BATCH_MAX_ROWS`, fp32 or bf16: the whole forward as one native call and
+- up to `ops.GEMV_MAX_ROWS` rows: the whole forward as one native call on the plain
+  weights (`steps` counts them);
+- more rows, up to `BATCH_MAX_ROWS`, fp32 or bf16 (every row count from 1 once
+  `release_plain` has freed the plain projection weights, the node's default where oneDNN
+  packs them too): the whole forward as one native call and
   one OpenMP parallel region on weights packed at build for kernels/csrc/gemm_packed.cpp
   (`batch_steps`; `logits` runs the lm_head of such a step the same way). Not bit-equal
   to the per-op path (other GEMMs: each output one fp32 chain over k, the residual add in
@@ -84,25 +87,29 @@ class FusedDecode:
         # replaced on the model after the build (a Parameter swapped, `init_rope` again)
         # must not leave the native chain reading freed memory
         self._bound: list[torch.Tensor] = []
+        self._plain: list[torch.Tensor] = []  # the projections' plain weights (one-call path)
 
-        def _ptr(t: torch.Tensor | None) -> int | None:
+        def _ptr(t: torch.Tensor | None, into: list[torch.Tensor] = self._bound) -> int | None:
             if t is None:
                 return None
-            self._bound.append(t.detach())  # shares the storage, whatever the module does
+            into.append(t.detach())  # shares the storage, whatever the module does
             return t.data_ptr()
+
+        def _plain(t: torch.Tensor | None) -> int | None:
+            return _ptr(t, self._plain)
 
         self._layers = (ops.DecodeLayer * len(layers))()
         for i, layer in enumerate(layers):
             a, mlp = layer.self_attn, layer.mlp
             self._layers[i] = ops.DecodeLayer(
                 input_norm=_ptr(layer.input_layernorm.weight),
-                qkv=_ptr(a.qkv_proj.weight), qkv_ws=_row_stride(a.qkv_proj.weight),
+                qkv=_plain(a.qkv_proj.weight), qkv_ws=_row_stride(a.qkv_proj.weight),
                 qkv_bias=_ptr(a.qkv_proj.bias),
-                o=_ptr(a.o_proj.weight), o_ws=_row_stride(a.o_proj.weight),
+                o=_plain(a.o_proj.weight), o_ws=_row_stride(a.o_proj.weight),
                 post_norm=_ptr(layer.post_attention_layernorm.weight),
-                gate_up=_ptr(mlp.gate_up_proj.weight),
+                gate_up=_plain(mlp.gate_up_proj.weight),
                 gate_up_ws=_row_stride(mlp.gate_up_proj.weight),
-                down=_ptr(mlp.down_proj.weight), down_ws=_row_stride(mlp.down_proj.weight),
+                down=_plain(mlp.down_proj.weight), down_ws=_row_stride(mlp.down_proj.weight),
             )  # fmt: skip
         # steps of more than MAX_ROWS rows: the batched forward on packed weights
         self._batch_fn = lib.pdserve_decode_forward_batch if batch else None
@@ -155,6 +162,9 @@ class FusedDecode:
         self.layer_steps = 0  # larger steps run with one attention call a layer
         self.batch_steps = 0  # larger steps run as one call on packed weights
         self._batched_rows = 0  # rows of the last call if it was a batched step (logits)
+        # decode steps of more rows than this (up to BATCH_MAX_ROWS) take the batched forward;
+        # 0 once the plain weights are released (`release_plain`)
+        self.batch_from = ops.GEMV_MAX_ROWS
 
     @classmethod
     def build(cls, model: torch.nn.Module, batch: bool = True) -> FusedDecode | None:
@@ -245,7 +255,7 @@ class FusedDecode:
         if tables.dim() != 2 or tables.shape[0] != m:
             return None
         fn = self._fn
-        if m > ops.GEMV_MAX_ROWS:
+        if m > self.batch_from:
             if self._batch_fn is None or m > BATCH_MAX_ROWS:
                 return self._by_layer(input_ids, positions, slots, tables, lens, m)
             fn = self._batch_fn
@@ -266,6 +276,30 @@ class FusedDecode:
             self._batched_rows = m
         return out
 
+    @property
+    def batched(self) -> bool:
+        """Whether the batched forward on packed weights was built."""
+        return self._batch_fn is not None
+
+    def release_plain(self) -> int:
+        """Free the plain projection weights where both packed copies hold them: the panel
+        copy here (every decode step of up to BATCH_MAX_ROWS rows, 1 row on, then runs the
+        batched forward) and oneDNN's (steps with prompt tokens, larger decode steps, the
+        per-op path; engine/models/cpu_linear.py). The one-call path, which streams the
+        plain rows, never runs again. Returns the bytes freed (0: not both packed, nothing
+        done). A tied lm_head stays: it is the embedding's table."""
+        from pdserve.engine.models.cpu_linear import PackedLinear, is_packed, release_plain
+
+        linears = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
+        if not self.batched or not all(is_packed(m.weight) for m in linears):
+            return 0
+        for i in range(len(self._layers)):
+            lay = self._layers[i]
+            lay.qkv = lay.o = lay.gate_up = lay.down = None
+        self._plain.clear()
+        self.batch_from = 0
+        return sum(release_plain(m.weight) for m in linears)
+
     def clear_step(self) -> None:
         """A step ran another path: `logits` has no batched step to follow."""
         self._batched_rows = 0
@@ -276,7 +310,7 @@ class FusedDecode:
         weight, or None (another step, or called twice: the model's own lm_head GEMM then)."""
         m = hidden.shape[0] if hidden.dim() == 2 else 0
         rows, self._batched_rows = self._batched_rows, 0
-        if self.lm_head is None or m != rows or not ops.GEMV_MAX_ROWS < m <= BATCH_MAX_ROWS:
+        if self.lm_head is None or m != rows or not self.batch_from < m <= BATCH_MAX_ROWS:
             return None
         if hidden.dtype != self.dtype or not hidden.is_cpu:
             return None

@@ -188,7 +188,10 @@ int forward_batch(const PdserveModel& md, const int64_t* ids, const int64_t* pos
   int64_t keys = 0;
   for (int64_t r = 0; r < m; ++r) keys += lens[r] + 1;
 
-  threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, m)));
+  // the whole team even for fewer rows than threads: the GEMMs split their columns over
+  // it (a 1-row step on one thread ran at half the GEMV path's speed on 2 threads); a
+  // thread with no rows of its own skips the norms and attention
+  threads = std::max(1, threads);
   std::vector<int> rcs(threads, 0);
 #pragma omp parallel num_threads(threads)
   {

@@ -38,6 +38,12 @@ class ModelSettings(Settings):
         "projection and lm_head weights packed for it (~2x the weights' memory; false: "
         "oneDNN's GEMMs, op by op)",
     )
+    keep_plain_weights: bool = setting(
+        False,
+        "CPU: keep the plain projection weights beside their packed copies; false: where "
+        "`batched_decode` and oneDNN both pack them, the plain copy is freed and every "
+        "decode step of up to 256 rows runs on the batched forward",
+    )
     max_model_len: int | None = setting(
         None, "longest sequence, prompt + output (default: the model's)", ge=2
     )
