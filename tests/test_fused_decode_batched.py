@@ -12,7 +12,13 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.models.cpu_linear import PackedLinear, onednn_amx, released, row_invariant
+from pdserve.engine.models.cpu_linear import (
+    PackedLinear,
+    is_packed,
+    onednn_amx,
+    released,
+    row_invariant,
+)
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.step_plan import ForwardPath, StepPlan
 from tests.conftest import make_tiny_llama
@@ -54,7 +60,8 @@ def test_plain_projection_weights_freed_where_both_packed_copies_hold_them(tiny_
     the plain projection weights; every decode step, 1 row on, runs the batched forward,
     prompt steps oneDNN's copy, and a decode step the fused path declines runs op by op on
     oneDNN's copy too; greedy tokens equal Hugging Face's throughout. The tied lm_head (the
-    embedding's table) stays. `keep_plain_weights=True` keeps them all."""
+    embedding's table) stays plain, its oneDNN copy dropped: every lm_head call runs the
+    panel copy. `keep_plain_weights=True` keeps them all."""
     hf = load_hf(tiny_llama_dir)
     llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512)
     model = llm.engine.runner.model
@@ -69,6 +76,15 @@ def test_plain_projection_weights_freed_where_both_packed_copies_hold_them(tiny_
         for p, o in zip(prompts, llm.generate(prompts, params)):
             assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
     assert fused.steps == 0 and fused.batch_steps >= 3 * (params.max_tokens - 1)
+    # every lm_head call on the panel copy, prompt steps' too: oneDNN's copy was dropped
+    assert not is_packed(model.lm_head_weight) and not released(model.lm_head_weight)
+    calls, panel = [], fused.lm_head.linear
+    fused.lm_head.linear = lambda x: calls.append(x.shape[0]) or panel(x)
+    try:
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    finally:
+        del fused.lm_head.linear
+    assert calls == [2, 2], calls  # the prompt step, then the decode step
     model.fused_decode = None  # every decode step op by op: the GEMVs decline released weights
     for p, o in zip(prompts[:3], llm.generate(prompts[:3], params)):
         assert o.token_ids == hf_greedy(hf, p, params.max_tokens)

@@ -204,6 +204,15 @@ def release_plain(weight: nn.Parameter) -> int:
     return nbytes
 
 
+def drop_packed(weight: torch.Tensor) -> int:
+    """Forget `weight`'s packed copy (`linear` then runs `F.linear` on the plain weight);
+    returns the plain weight's bytes (about what the copy held), 0 if there was none."""
+    entry = _PACKED.pop(weight.data_ptr(), None)
+    if entry is None or entry[0]() is None:
+        return 0
+    return weight.numel() * weight.element_size()
+
+
 def released(weight: torch.Tensor) -> bool:
     """Whether `weight`'s plain values were freed (`release_plain`)."""
     return weight.dim() == 2 and weight.stride() == (0, 0) and weight.numel() > 1

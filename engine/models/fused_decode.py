@@ -286,9 +286,15 @@ class FusedDecode:
         copy here (every decode step of up to BATCH_MAX_ROWS rows, 1 row on, then runs the
         batched forward) and oneDNN's (steps with prompt tokens, larger decode steps, the
         per-op path; engine/models/cpu_linear.py). The one-call path, which streams the
-        plain rows, never runs again. Returns the bytes freed (0: not both packed, nothing
-        done). A tied lm_head stays: it is the embedding's table."""
-        from pdserve.engine.models.cpu_linear import PackedLinear, is_packed, release_plain
+        plain rows, never runs again. Every lm_head call then takes the panel copy (`logits`),
+        and a tied lm_head's oneDNN copy is dropped (its plain weight stays: it is the
+        embedding's table). Returns the bytes freed (0: not both packed, nothing done)."""
+        from pdserve.engine.models.cpu_linear import (
+            PackedLinear,
+            drop_packed,
+            is_packed,
+            release_plain,
+        )
 
         linears = [m for m in self.model.modules() if isinstance(m, PackedLinear)]
         if not self.batched or not all(is_packed(m.weight) for m in linears):
@@ -298,7 +304,10 @@ class FusedDecode:
             lay.qkv = lay.o = lay.gate_up = lay.down = None
         self._plain.clear()
         self.batch_from = 0
-        return sum(release_plain(m.weight) for m in linears)
+        freed = sum(release_plain(m.weight) for m in linears)
+        if self.model.tie_word_embeddings:
+            freed += drop_packed(self.model.lm_head_weight)
+        return freed
 
     def clear_step(self) -> None:
         """A step ran another path: `logits` has no batched step to follow."""
@@ -307,12 +316,14 @@ class FusedDecode:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The lm_head of the batched decode step just run (its rows, fp32 [m, vocab]; bf16:
         the bf16 logits' values, as the model's own bf16 GEMM then .float()) on the packed
-        weight, or None (another step, or called twice: the model's own lm_head GEMM then)."""
+        weight, or None (another step, or called twice: the model's own lm_head GEMM then).
+        Once the plain weights are released (`release_plain`), every call's: any step's
+        rows, as many as there are."""
         m = hidden.shape[0] if hidden.dim() == 2 else 0
         rows, self._batched_rows = self._batched_rows, 0
-        if self.lm_head is None or m != rows or not self.batch_from < m <= BATCH_MAX_ROWS:
+        if self.lm_head is None or not m or hidden.dtype != self.dtype or not hidden.is_cpu:
             return None
-        if hidden.dtype != self.dtype or not hidden.is_cpu:
+        if self.batch_from and not (m == rows and self.batch_from < m <= BATCH_MAX_ROWS):
             return None
         return self.lm_head.linear(hidden.contiguous())
 

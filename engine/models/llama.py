@@ -243,8 +243,11 @@ class LlamaForCausalLM(nn.Module):
         """[S, hidden] -> [S, vocab] fp32 logits, only for the rows that sample; `plan`:
         the step's (None: a decode step's)."""
         fused = self.fused_decode
-        if fused is not None and (plan is None or plan.path is ForwardPath.FUSED):
-            logits = fused.logits(hidden)  # a batched fp32 decode step: the packed lm_head
+        # a batched decode step's rows (any step's once the plain weights are released):
+        # the packed lm_head
+        any_step = fused is not None and getattr(fused, "batch_from", None) == 0
+        if fused is not None and (any_step or plan is None or plan.path is ForwardPath.FUSED):
+            logits = fused.logits(hidden)
             if logits is not None:
                 return logits
         return linear(hidden, self.lm_head_weight, None, gemv=plan is None or plan.gemv).float()
