@@ -190,7 +190,7 @@ def pack_weight(weight: torch.Tensor, halves: bool = False) -> bool:
 
 def release_plain(weight: nn.Parameter) -> int:
     """Free a packed weight's plain values: its data becomes one zero broadcast to its shape
-    (no storage of its own, so the native GEMVs, which need contiguous rows, decline it)
+    (one element of storage, so the native GEMVs, which need contiguous rows, decline it)
     and calls through `linear` run the packed copy at any row count. Returns the bytes
     freed (0: not packed, nothing done). Whoever else points into the values must have
     let go of them (engine/models/fused_decode.py, `FusedDecode.release_plain`)."""

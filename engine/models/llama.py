@@ -245,8 +245,9 @@ class LlamaForCausalLM(nn.Module):
         fused = self.fused_decode
         # a batched decode step's rows (any step's once the plain weights are released):
         # the packed lm_head
-        any_step = fused is not None and getattr(fused, "batch_from", None) == 0
-        if fused is not None and (any_step or plan is None or plan.path is ForwardPath.FUSED):
+        if fused is not None and (
+            fused.batch_from == 0 or plan is None or plan.path is ForwardPath.FUSED
+        ):
             logits = fused.logits(hidden)
             if logits is not None:
                 return logits
