@@ -306,19 +306,30 @@ class ModelRunner:
             prompt_tokens=nd < len(rows)
             and any(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in rows),
         )
+        sampling = [i for i, s in enumerate(rows) if s.samples]
+        # the rows whose hidden state is used: the last row of each sequence that samples,
+        # unless a prompt's logprobs need every row (else every row is one token, and samples)
+        last_rows = None
+        if len(sampling) < len(input_ids):
+            last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=self.device)
+        prompt_lp = any(s.request.wants_prompt_logprobs for s in rows)
+        # the model prunes its last layer to them (engine/models/llama.py, `out_rows`)
+        prune = last_rows is not None and not prompt_lp and self.model.prunes_out_rows
         with _phase("step.forward"):
-            hidden = self.model(input_ids, positions, self.kv_cache, meta, plan)
+            hidden = self.model(
+                input_ids, positions, self.kv_cache, meta, plan, last_rows if prune else None
+            )
         if self._step_done is not None:
             self._step_done.record()
-        for i, s in enumerate(rows):
-            if s.request.wants_prompt_logprobs:
-                self._prompt_logprobs(s.request, hidden[cu[i] : cu[i + 1]], s.num_new_tokens, plan)
-        sampling = [i for i, s in enumerate(rows) if s.samples]
+        if prompt_lp:
+            for i, s in enumerate(rows):
+                if s.request.wants_prompt_logprobs:
+                    hid = hidden[cu[i] : cu[i + 1]]
+                    self._prompt_logprobs(s.request, hid, s.num_new_tokens, plan)
         if not sampling:
             return {}, {}
         with _phase("step.logits"):
-            if len(sampling) < hidden.shape[0]:  # else every row is one token, and samples
-                last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=self.device)
+            if last_rows is not None and not prune:
                 hidden = hidden[last_rows]
             logits = self.model.compute_logits(hidden, plan)
         reqs = [rows[i].request for i in sampling]

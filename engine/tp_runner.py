@@ -50,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = 120.0  # no rank waits longer on a peer inside a step
 START_TIMEOUT_S = 600.0  # workers loading their shard
-_HEADER = 8  # int64 words: op, T, nd, n_prefill, table width, gemv, rows, cols
+# int64 words: op, T, nd, n_prefill, table width, gemv, rows, cols; a forward's "rows":
+# its out_rows' count, -1 for none
+_HEADER = 8
 _FORWARD, _LOGITS, _STOP = 1, 2, 3
 
 
@@ -112,11 +114,14 @@ class TPRank(ModelRunner):
             if op == _STOP:
                 return
             if op == _FORWARD:
-                ids, pos, meta = _unpack(head, np.frombuffer(msg, np.int64, offset=8 * _HEADER))
+                body = np.frombuffer(msg, np.int64, offset=8 * _HEADER)
+                ids, pos, meta, out_rows = _unpack(head, body)
                 dev = self.device
                 meta = _meta_to(meta, dev)
                 plan = StepPlan(gemv=bool(head[5]))
-                self.model(ids.to(dev), pos.to(dev), self.kv_cache, meta, plan)
+                if out_rows is not None:
+                    out_rows = out_rows.to(dev)
+                self.model(ids.to(dev), pos.to(dev), self.kv_cache, meta, plan, out_rows)
             elif op == _LOGITS:
                 rows, cols = int(head[6]), int(head[7])
                 hidden = torch.frombuffer(bytearray(msg[8 * _HEADER :]), dtype=self.dtype)
@@ -221,10 +226,12 @@ class _Leader:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, input_ids, positions, kv_cache, meta: AttentionMetadata, plan=None):
+    def __call__(
+        self, input_ids, positions, kv_cache, meta: AttentionMetadata, plan=None, out_rows=None
+    ):
         gemv = True if plan is None else plan.gemv
-        self.runner.send(_pack(input_ids, positions, meta, gemv))
-        return self.model(input_ids, positions, kv_cache, meta, plan)
+        self.runner.send(_pack(input_ids, positions, meta, gemv, out_rows))
+        return self.model(input_ids, positions, kv_cache, meta, plan, out_rows)
 
     def compute_logits(self, hidden: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
         gemv = plan is None or plan.gemv
@@ -236,7 +243,7 @@ class _Leader:
         return torch.cat(parts, dim=-1)[:, : self.vocab]
 
 
-def _pack(input_ids, positions, meta: AttentionMetadata, gemv: bool) -> bytes:
+def _pack(input_ids, positions, meta: AttentionMetadata, gemv: bool, out_rows=None) -> bytes:
     nd, np_ = meta.num_decode_tokens, meta.num_prefills
     tables = torch.cat([meta.decode_block_tables, meta.prefill_block_tables])
     parts = [
@@ -248,15 +255,22 @@ def _pack(input_ids, positions, meta: AttentionMetadata, gemv: bool) -> bytes:
         meta.prefill_query_start_loc,
         meta.prefill_seq_lens,
     ]
+    n_out = -1
+    if out_rows is not None:  # every rank prunes its last layer to the same rows
+        parts.append(out_rows)
+        n_out = out_rows.shape[0]
     body = torch.cat([p.reshape(-1).to("cpu", torch.int64) for p in parts]).numpy()
-    head = np.array([_FORWARD, input_ids.shape[0], nd, np_, tables.shape[1], gemv, 0, 0], np.int64)
+    head = np.array(
+        [_FORWARD, input_ids.shape[0], nd, np_, tables.shape[1], gemv, n_out, 0], np.int64
+    )
     return head.tobytes() + body.tobytes()
 
 
 def _unpack(head, body: np.ndarray):
     t, nd, np_, width = (int(x) for x in head[1:5])
-    sizes = [t, t, t, (nd + np_) * width, nd, np_ + 1, np_]
-    ids, pos, slots, tables, dcl, qsl, psl = np.split(body, np.cumsum(sizes)[:-1])
+    n_out = int(head[6])
+    sizes = [t, t, t, (nd + np_) * width, nd, np_ + 1, np_, max(n_out, 0)]
+    ids, pos, slots, tables, dcl, qsl, psl, rows = np.split(body, np.cumsum(sizes)[:-1])
     tables = torch.from_numpy(tables.astype(np.int32)).view(nd + np_, width)
     i32 = lambda a: torch.from_numpy(a.astype(np.int32))  # noqa: E731
     meta = AttentionMetadata(
@@ -268,7 +282,8 @@ def _unpack(head, body: np.ndarray):
         prefill_query_start_loc=i32(qsl),
         prefill_seq_lens=i32(psl),
     )
-    return torch.from_numpy(ids.copy()), torch.from_numpy(pos.copy()), meta
+    out_rows = torch.from_numpy(rows.copy()) if n_out >= 0 else None
+    return torch.from_numpy(ids.copy()), torch.from_numpy(pos.copy()), meta, out_rows
 
 
 def _meta_to(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:

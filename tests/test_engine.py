@@ -66,6 +66,44 @@ def test_prefix_cache_reuse(tiny_llama_dir, hf_model):
     assert out_a2.num_cached_tokens == 40
 
 
+def _count_rows(llm: LLM, layer: int) -> list[int]:
+    """Rows entering `layer`'s o_proj + MLP, one entry per call (per step)."""
+    mod = llm.engine.runner.model.model.layers[layer]
+    seen, inner = [], mod.after_attention
+
+    def after_attention(o, residual, gemv=True):
+        seen.append(o.shape[0])
+        return inner(o, residual, gemv)
+
+    mod.after_attention = after_attention
+    return seen
+
+
+def test_last_layer_runs_only_the_rows_that_sample(tiny_llama_dir, hf_model):
+    """A step with prompt tokens computes the last layer's o_proj, MLP and final norm only
+    for the rows that sample (engine/models/llama.py `out_rows`); its K/V for every row.
+    The tokens stay Hugging Face's, whole prompts and chunked ones."""
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256)
+    first, last = _count_rows(llm, 0), _count_rows(llm, -1)
+    prompts = random_prompts(3, [5, 17, 33], seed=11)
+    check_against_hf(llm, hf_model, prompts)
+    # the prompt step: 55 rows, 3 sample (decode steps run the fused native forward)
+    assert first == [55] and last == [3]
+    # chunks of 7 tokens: a step whose chunks all end mid-prompt skips the last layer's
+    # o_proj and MLP; the later steps' K/V (written by every layer) are still right
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256, max_num_batched_tokens=7)
+    first, last = _count_rows(llm, 0), _count_rows(llm, -1)
+    check_against_hf(llm, hf_model, random_prompts(1, [20], seed=12))
+    assert first == [7, 7, 6] and last == [1]  # 2 chunks without a sampling row
+    # prompt logprobs need every prompt row's hidden state: no pruning there
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256)
+    last = _count_rows(llm, -1)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    (out,) = llm.generate([prompts[1]], params)
+    assert last == [17] and len(out.prompt_logprobs) == 16
+    assert out.token_ids == hf_greedy(hf_model, prompts[1], 2)
+
+
 @pytest.mark.parametrize("length", [41, 43, 47])  # 1, 3 and 7 tokens after the cached blocks
 def test_same_request_twice_same_logprobs(tiny_llama_dir, length):
     """A prompt computed whole, then again with all but its last few tokens from the prefix

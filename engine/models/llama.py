@@ -188,6 +188,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # forward takes `out_rows` (the runner prunes the last layer to the rows that sample)
+    prunes_out_rows = True
+
     def __init__(self, cfg: ModelArch, ops: ModuleType):
         super().__init__()
         self.config = cfg
@@ -219,23 +222,34 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # [L, 2, N, bs, Hkv, D]
         meta: AttentionMetadata,
         plan: StepPlan | None = None,  # the runner's choice; None: plan_step's default
-    ) -> torch.Tensor:  # [T, hidden]
+        out_rows: torch.Tensor | None = None,  # [S] rows whose hidden state is returned
+    ) -> torch.Tensor:  # [T, hidden], or [S, hidden] with out_rows
+        """The final hidden states. `out_rows` (a step with prompt tokens: the rows that
+        sample): the last layer computes its K/V and attention for every row (later steps
+        read the K/V), then o_proj, the MLP and the final norm only for these rows: every
+        other row's output is unused. A row's result is the one it would get unpruned."""
         if plan is None:
             plan = plan_step(self, meta)
         if plan.path is ForwardPath.COMPILED:
-            return self.compiled_decode(input_ids, positions, kv_cache, meta)
+            hidden = self.compiled_decode(input_ids, positions, kv_cache, meta)
+            return hidden if out_rows is None else hidden[out_rows]
         if plan.path is ForwardPath.FUSED:
             hidden = self.fused_decode(input_ids, positions, kv_cache, meta)
             if hidden is not None:  # None: inputs it declines (out of range), nothing written
-                return hidden
+                return hidden if out_rows is None else hidden[out_rows]
         elif self.fused_decode is not None:
             self.fused_decode.clear_step()
         gemv = plan.gemv
         x = self.model.embed_tokens(input_ids)
         residual = None
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             q, k, v, residual = layer.before_attention(positions, x, residual, self.cos_sin, gemv)
             o = layer.self_attn.attn(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta)  # [T, H, D]
+            if i == last and out_rows is not None:
+                if out_rows.numel() == 0:  # no row samples (a prompt's earlier chunk)
+                    return x.new_empty(0, x.shape[1])
+                o, residual = o[out_rows], residual[out_rows]
             x, residual = layer.after_attention(o, residual, gemv)
         return final_norm(self.model.norm, x, residual)
 
