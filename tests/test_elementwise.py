@@ -62,6 +62,36 @@ def test_rms_norm_and_fused_add(dtype, rows, threads):
     )
 
 
+def test_bf16_rounding_of_denormals_ties_and_specials(threads):
+    """The residual add rounds to bf16 exactly as torch does for every input: denormals
+    (the AVX-512 BF16 path's vcvtneps2bf16 reads one as zero; such lanes take the integer
+    rounding, kernels/csrc/bf16.h), ties to even, infinities; NaN stays NaN."""
+    tiny = 2.0**-133  # a bf16 denormal
+    pairs = [
+        (tiny, tiny), (-3 * tiny, tiny), (5 * tiny, 0.0), (2.0**-126, -tiny),  # denormal sums
+        (1.0, 2.0**-8), (1.0 + 2.0**-7, 2.0**-8), (-1.0, -(2.0**-8)),  # ties: to even
+        (1.0, 3 * 2.0**-9), (3.0e38, 3.0e38), (float("-inf"), 1.0), (-0.0, 0.0),
+        (float("nan"), 1.0),
+    ]  # fmt: skip
+    for rows in (1, 3):
+        x = rand(rows, 576, dtype=torch.bfloat16, seed=8)
+        res = rand(rows, 576, dtype=torch.bfloat16, seed=9)
+        for j, (a, b) in enumerate(pairs):
+            x[:, 20 * j], res[:, 20 * j] = a, b  # in lanes 0, 4, 8, 12 of 16-lane groups
+        w = rand(576, dtype=torch.bfloat16, seed=3)
+        out, r = ew.fused_add_rms_norm(x, res, w, 1e-5)
+        out_ref, r_ref = ref.fused_add_rms_norm(x, res, w, 1e-5)
+        nan = torch.isnan(r_ref)
+        assert nan.sum() == rows and torch.equal(torch.isnan(r), nan)
+        assert torch.equal(r[~nan], r_ref[~nan])
+        assert r[0, 0].item() == 2 * tiny and r[0, 80].item() == 1.0  # kept; tie to even
+        # finite rows (the NaN and inf lanes cleared) also normalise as the reference
+        x[:, 160:240], res[:, 160:240] = 0.5, 0.25
+        out, _ = ew.fused_add_rms_norm(x, res, w, 1e-5)
+        out_ref, _ = ref.fused_add_rms_norm(x, res, w, 1e-5)
+        torch.testing.assert_close(out, out_ref, **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 32, 300])
 def test_silu_and_mul(dtype, rows, threads):
