@@ -36,6 +36,7 @@ from pdserve.engine.warmup import warm_up_kernels
 from pdserve.engine.weights import load_model_weights
 from pdserve.kernels import hugepages
 from pdserve.kernels.fault_in import BackgroundFault
+from pdserve.kernels.gemm_packed import bf16_amx
 from pdserve.kernels.ops import GEMV_MAX_ROWS, default_backend, get_ops, unsupported_head_dim
 
 logger = logging.getLogger(__name__)
@@ -144,9 +145,12 @@ class ModelRunner:
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         if self.device.type == "cpu" and self.single_device:
             # the batched forward's packed weights only where a step can have > 8 rows, and
-            # not for bf16 on AMX, where oneDNN's GEMMs are faster (`onednn_amx`)
+            # for bf16 on AMX (`onednn_amx`) only where its GEMMs run on AMX tiles too
+            # (faster than oneDNN's there at decode row counts, kernels/csrc/gemm_packed.cpp)
             batch = mc.batched_decode and config.scheduler.max_num_seqs > GEMV_MAX_ROWS
-            if batch and mc.cpu_onednn and onednn_amx(self.dtype):
+            ks = (arch.hidden_size, arch.num_attention_heads * arch.head_dim)
+            on_amx = all(bf16_amx(k) for k in (*ks, arch.intermediate_size))
+            if batch and mc.cpu_onednn and onednn_amx(self.dtype) and not on_amx:
                 logger.info("batched decode: off (bf16 on AMX: oneDNN's GEMMs are faster)")
                 batch = False
             model.fused_decode = fused = FusedDecode.build(model, batch=batch)

@@ -32,6 +32,14 @@ def bf16_native() -> bool:
     return lib is not None and bool(lib.pdserve_gemm_packed_bf16_native())
 
 
+def bf16_amx(k: int = 32) -> bool:
+    """True where bf16 GEMMs of inner dimension `k` run on AMX tiles (a CPU with AMX whose
+    kernel granted this process the tile state, `k` a multiple of 32; kernels/csrc/
+    gemm_packed.cpp `gemm_panels_amx`)."""
+    lib = native.load_library("gemm_packed")
+    return lib is not None and bool(lib.pdserve_gemm_packed_bf16_amx(k))
+
+
 def team_address(dtype: torch.dtype = torch.float32) -> int | None:
     """Address of `pdserve_gemm_packed[_bf16]_team` (for decode_forward.cpp), or None."""
     lib = native.load_library("gemm_packed")

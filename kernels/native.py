@@ -255,6 +255,7 @@ SIGNATURES: dict[str, dict[str, tuple[type, tuple[tuple[str, type], ...]]]] = {
         "pdserve_gemm_packed_bf16_team": (i32, _args(_GEMM_PACKED)),
         "pdserve_gemm_packed_isa": (i32, ()),
         "pdserve_gemm_packed_bf16_native": (i32, ()),
+        "pdserve_gemm_packed_bf16_amx": (i32, _args("k: i64")),
     },
     "paged_decode": {
         "pdserve_paged_decode_head_dim_ok": (i32, _args("head_dim: i64")),

@@ -5,6 +5,7 @@ Split from tests/test_fused_decode.py, whose helpers it shares."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,13 @@ from pdserve.engine.models.cpu_linear import (
 )
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.step_plan import ForwardPath, StepPlan
+from pdserve.kernels import gemm_packed
 from tests.conftest import make_tiny_llama
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_compiled_model import _decode_inputs
 from tests.test_engine import random_prompts
 from tests.test_fused_decode import _per_op_and_fused, _same_layout_cache
+from tests.test_gemm_packed import _cpu_flags
 
 pytestmark = pytest.mark.isa  # scripts/avx2_view.sh runs it as an AVX2-only CPU
 
@@ -43,16 +46,36 @@ def _batched(llm) -> FusedDecode:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_runner_leaves_the_batched_forward_off_only_for_bf16_on_amx(tiny_llama_dir, dtype):
-    """Where oneDNN runs bf16 on AMX tiles its GEMMs outrun the panel GEMM from 8 rows on
-    (benchmarks/weight_forms.py: 5-10x at 64-512 rows), so decode steps of more rows stay
-    on them and the panel copy of the weights is not made; everywhere else it is."""
-    llm = LLM(tiny_llama_dir, keep_plain_weights=True, dtype=str(dtype).removeprefix("torch."), block_size=4,
-              num_blocks=512)  # fmt: skip
-    fused = llm.engine.runner.model.fused_decode
-    off = onednn_amx(dtype)
-    assert (fused._batch_fn is None, fused.lm_head is None, not fused._packed) == (off,) * 3
-    assert off == (dtype == torch.bfloat16 and not row_invariant(dtype))
+def test_the_runner_leaves_the_batched_forward_off_only_for_bf16_on_amx(
+    tmp_path, tiny_llama_dir, dtype
+):
+    """Where oneDNN runs bf16 on AMX tiles its GEMMs outrun the panel GEMM on vdpbf16ps
+    from 8 rows on (benchmarks/weight_forms.py: 5-10x at 64-512 rows), so decode steps
+    stay on them and the panel copy is not made, unless the panel GEMM runs on AMX tiles
+    too (every projection's K a multiple of 32): then it streams the weights faster than
+    oneDNN at decode row counts and the batched forward is built. Everywhere else it is."""
+    # the tiny model's K: 64 (hidden, heads x head dim) and 128 (intermediate): whole tiles;
+    # a down projection of K 80 has none
+    odd = make_tiny_llama(str(tmp_path / "odd"), intermediate_size=80)
+    for path, k in ((tiny_llama_dir, 128), (odd, 80)):
+        llm = LLM(path, keep_plain_weights=True, dtype=str(dtype).removeprefix("torch."),
+                  block_size=4, num_blocks=512)  # fmt: skip
+        fused = llm.engine.runner.model.fused_decode
+        amx_panels = gemm_packed.bf16_amx(64) and gemm_packed.bf16_amx(k)
+        assert amx_panels == (k == 128 and gemm_packed.bf16_amx(64))
+        off = onednn_amx(dtype) and not amx_panels
+        assert (fused._batch_fn is None, fused.lm_head is None, not fused._packed) == (off,) * 3
+    assert onednn_amx(dtype) == (dtype == torch.bfloat16 and not row_invariant(dtype))
+
+
+def test_bf16_panels_on_amx_tiles_where_the_cpu_has_them():
+    """The bf16 panel GEMM runs on AMX tiles where the CPU has them (the library built for
+    it, the tile state granted), for a K that fills whole tiles."""
+    if os.environ.get("PDSERVE_KERNEL_MARCH"):
+        pytest.skip("the library is built for another CPU than this one")
+    amx = "amx_bf16" in _cpu_flags() and "avx512_bf16" in _cpu_flags()
+    assert gemm_packed.bf16_amx(576) == amx and gemm_packed.bf16_amx(1536) == amx
+    assert not gemm_packed.bf16_amx(48) and not gemm_packed.bf16_amx(0)
 
 
 def test_plain_projection_weights_freed_where_both_packed_copies_hold_them(tiny_llama_dir):
@@ -93,6 +116,33 @@ def test_plain_projection_weights_freed_where_both_packed_copies_hold_them(tiny_
     kept = keep.engine.runner.model
     assert not any(released(m.weight) for m in kept.modules() if isinstance(m, PackedLinear))
     assert kept.fused_decode.batch_from == 8
+
+
+def test_bf16_plain_weights_freed_where_the_panels_run_on_amx(tiny_llama_dir):
+    """bf16 on a CPU with AMX: oneDNN packs every projection and the batched forward runs
+    its panels on AMX tiles, so the runner frees the plain weights as in fp32: every decode
+    step, 1 row on, runs the batched forward; greedy tokens as the engine that keeps them
+    (1-8 row steps on the plain-weight GEMVs) gives but where bf16 rounding in other
+    places may flip a near-tie: the first token always, most of the rest."""
+    if not (onednn_amx(torch.bfloat16) and gemm_packed.bf16_amx(64) and gemm_packed.bf16_amx(128)):
+        pytest.skip("no AMX tiles here: bf16 keeps its plain weights (the test above)")
+    llm = LLM(tiny_llama_dir, dtype="bfloat16", block_size=4, num_blocks=512)
+    model = llm.engine.runner.model
+    linears = [m.weight for m in model.modules() if isinstance(m, PackedLinear)]
+    assert all(released(w) for w in linears) and model.fused_decode.batch_from == 0
+    keep = LLM(tiny_llama_dir, keep_plain_weights=True, dtype="bfloat16", block_size=4,
+               num_blocks=512)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for n in (1, 3):
+        prompts = random_prompts(n, [5, 40, 17], seed=20 + n)
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        ref = [o.token_ids for o in keep.generate(prompts, params)]
+        assert all(o[0] == r[0] for o, r in zip(outs, ref))
+        same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r))
+        assert same >= 0.9 * params.max_tokens * n, same
+    assert model.fused_decode.steps == 0 and model.fused_decode.batch_steps >= 20
+    assert keep.engine.runner.model.fused_decode.steps >= 20  # 1-3 rows: the GEMVs
+    llm.engine.check_integrity()
 
 
 def test_engine_takes_the_batched_forward_in_bf16(tiny_llama_dir):

@@ -1,4 +1,5 @@
-"""The packed-panel GEMM, fp32 and bf16 (kernels/csrc/gemm_packed.cpp, kernels/gemm_packed.py):
+"""The packed-panel GEMM, fp32 and bf16 (kernels/csrc/gemm_packed.cpp, kernels/gemm_packed.py;
+bf16 on AMX tiles where the CPU has them):
 equal to a float64 reference but for fp32 summation and (bf16) the rounding of its result, for every row count and ragged shapes, with its
 epilogues (bias, residual, SiLU * up); a row's bits independent of the other rows and of
 the thread count; the AVX2 and plain C++ builds too."""
@@ -46,7 +47,9 @@ def check_all(dtype=torch.float32) -> None:
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    for n, k in [(96, 64), (100, 37), (33, 5), (17, 130), (1, 1)]:
+    # K a multiple of 32 (64, 96): bf16 on AMX tiles where the CPU has them (a panel's
+    # columns past n: 40); the others on vdpbf16ps / widened pairs
+    for n, k in [(96, 64), (40, 96), (100, 37), (33, 5), (17, 130), (1, 1)]:
         w = rand(n, k)
         b, packed = rand(n), gemm_packed.Packed(w)
         for m in [1, 2, 5, 8, 9, 13, 32, 33, 70]:

@@ -34,6 +34,11 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PDSERVE_GEMM_AMX 1
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -311,11 +316,129 @@ inline void rows_chunk(const T* x, int64_t xs, const T* wp, int64_t k, int silu,
   micro<R>(x, xs, wp, k, silu, bias, res, rs, y, ys, j0, cols, prefetch, pf, pf_step);
 }
 
+#if defined(PDSERVE_GEMM_AMX)
+// bf16 on AMX tiles (Sapphire Rapids on), the same packed panels: a panel's k pairs
+// g .. g + 15 of weight vector v are a 16 x 64-byte tile, rows 2 P bf16 apart, which is
+// the layout TDPBF16PS takes for B; x's rows are the A tiles (16 rows x 32 k). Per panel
+// and 32-row chunk of x, C is 2 x 2 tiles of 16 x 16 fp32 (rows, vectors), one
+// TDPBF16PS chain over k; then the epilogue, row by row, from the stored C. oneDNN's AMX
+// GEMMs stream cold weights at ~12 GB/s at decode row counts on the benchmark box (2
+// threads, DRAM reads ~23 GB/s); this, one sequential stream per thread, at ~20.
+// Accumulation is fp32 (TDPBF16PS: each pair's two products, then the sum, as
+// vdpbf16ps: products of bf16 are exact, denormals read as zero), so results match the
+// vdpbf16ps path's but for summation order, and a row's result still does not depend on
+// the row count or thread split. Taken for every call where K is a multiple of 32 (whole
+// A / B tiles; the model shapes) once Linux has granted the process the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM); otherwise the vdpbf16ps path.
+constexpr int64_t kAmxK = 32;  // k values a tile row (16 pairs)
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_granted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// Tiles 0-3: C of rows 0-15 (vector 0, 1) and rows 16-31; 4, 5: A of those rows; 6, 7: B.
+inline void amx_config(int64_t r0, int64_t r1) {
+  TileConfig c;
+  const int64_t rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = static_cast<uint8_t>(rows[t] > 0 ? rows[t] : 1);
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+template <typename Y>
+void gemm_panels_amx(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t n, int64_t k,
+                     int silu, const uint16_t* bias, const uint16_t* res, int64_t rs, Y* y,
+                     int64_t ys, int64_t m, int64_t p0, int64_t p1) {
+  const int64_t cp = cols_per_panel(silu != 0), pe = panel_elems<uint16_t>(k);
+  const int64_t chunk_elems = kAmxK / 2 * 2 * P;  // a k chunk of a panel: 16 pair rows
+  alignas(64) float cbuf[32][P];
+  int64_t configured = -1;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t j0 = p * cp, cols = std::min(cp, n - j0);
+    const uint16_t* wpp = wp + p * pe;
+    for (int64_t m0 = 0; m0 < m; m0 += 32) {
+      const int64_t rows = std::min<int64_t>(32, m - m0);
+      if (rows != configured) {
+        amx_config(std::min<int64_t>(16, rows), rows - 16);
+        configured = rows;
+      }
+      const bool two = rows > 16;
+      const uint16_t* x0 = x + m0 * xs;
+      const uint16_t* x1 = x0 + 16 * xs;
+      _tile_zero(0);
+      _tile_zero(1);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k0 = 0, c = 0; k0 < k; k0 += kAmxK, ++c) {
+        const uint16_t* b = wpp + c * chunk_elems;
+        _mm_prefetch(reinterpret_cast<const char*>(b + 4 * chunk_elems), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + 4 * chunk_elems + 512), _MM_HINT_T0);
+        _tile_loadd(4, x0 + k0, xs * 2);
+        _tile_loadd(6, b, 2 * P * 2);
+        _tile_loadd(7, b + 2 * V, 2 * P * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, x1 + k0, xs * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, &cbuf[0][0], P * 4);
+      _tile_stored(1, &cbuf[0][V], P * 4);
+      if (two) {
+        _tile_stored(2, &cbuf[16][0], P * 4);
+        _tile_stored(3, &cbuf[16][V], P * 4);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        vf acc[1][NR] = {{vload(&cbuf[r][0]), vload(&cbuf[r][V])}};
+        epilogue<uint16_t, Y, 1>(acc, silu, bias, res == nullptr ? nullptr : res + (m0 + r) * rs,
+                                 rs, y + (m0 + r) * ys, ys, j0, cols);
+      }
+    }
+  }
+  if (configured >= 0) _tile_release();
+}
+#endif
+
+// Whether the bf16 GEMMs of a K run on AMX tiles (gemm_panels_amx).
+inline bool amx_takes(int64_t k) {
+#if defined(PDSERVE_GEMM_AMX)
+  static_assert(V == 16 && NR == 2, "a panel row is two 16-column vectors");
+  return k > 0 && k % kAmxK == 0 && amx_granted();
+#else
+  (void)k;
+  return false;
+#endif
+}
+
 // Panels [p0, p1) for all m rows.
 template <typename T, typename Y>
 void gemm_panels(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int silu,
                  const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
                  int64_t p0, int64_t p1) {
+#if defined(PDSERVE_GEMM_AMX)
+  if constexpr (sizeof(T) == 2) {
+    if (amx_takes(k)) {
+      if (p0 < p1)
+        gemm_panels_amx(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, p0, p1);
+      return;
+    }
+  }
+#endif
   const int64_t cp = cols_per_panel(silu != 0), pe = panel_elems<T>(k);
   // The next panel streams from DRAM while this one computes: chunk c of n prefetches the
   // c-th n-th of it, so the read is spread over the whole panel's time, not bunched into
@@ -452,5 +575,8 @@ int pdserve_gemm_packed_isa() { return V * 32; }
 
 // 1 where the bf16 GEMM runs on the CPU's own bf16 dot products (avx512_bf16), else 0.
 int pdserve_gemm_packed_bf16_native() { return kNativeBf16 ? 1 : 0; }
+
+// 1 where the bf16 GEMMs of a K (a multiple of 32) run on AMX tiles, else 0.
+int pdserve_gemm_packed_bf16_amx(int64_t k) { return amx_takes(k) ? 1 : 0; }
 
 }  // extern "C"
