@@ -28,7 +28,8 @@
 // decode forward of decode_forward.cpp is one parallel region. `pdserve_gemm_packed[_bf16]`
 // opens its own. Vector paths by -march (kernels/native.py): AVX-512 (V 16, MR 8), AVX2 +
 // FMA (V 8, MR 6), plain C++ (V 1, MR 4); the packed layout is the build's own (pack with
-// the same library). Called through ctypes (kernels/gemm_packed.py): no torch headers.
+// the same library). bf16 on a CPU with AMX: the same panels as AMX tiles
+// (gemm_panels_amx). Called through ctypes (kernels/gemm_packed.py): no torch headers.
 
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
