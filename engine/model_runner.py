@@ -36,8 +36,13 @@ from pdserve.engine.warmup import warm_up_kernels
 from pdserve.engine.weights import load_model_weights
 from pdserve.kernels import hugepages
 from pdserve.kernels.fault_in import BackgroundFault
-from pdserve.kernels.gemm_packed import bf16_amx
-from pdserve.kernels.ops import GEMV_MAX_ROWS, default_backend, get_ops, unsupported_head_dim
+from pdserve.kernels.ops import (
+    GEMV_MAX_ROWS,
+    default_backend,
+    get_ops,
+    packed_bf16_amx,
+    unsupported_head_dim,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +154,7 @@ class ModelRunner:
             # (faster than oneDNN's there at decode row counts, kernels/csrc/gemm_packed.cpp)
             batch = mc.batched_decode and config.scheduler.max_num_seqs > GEMV_MAX_ROWS
             ks = (arch.hidden_size, arch.num_attention_heads * arch.head_dim)
-            on_amx = all(bf16_amx(k) for k in (*ks, arch.intermediate_size))
+            on_amx = all(packed_bf16_amx(k) for k in (*ks, arch.intermediate_size))
             if batch and mc.cpu_onednn and onednn_amx(self.dtype) and not on_amx:
                 logger.info("batched decode: off (bf16 on AMX: oneDNN's GEMMs are faster)")
                 batch = False

@@ -94,6 +94,8 @@ def gemv_linear(
 # GEMM the fused decode forward calls inside its own parallel region.
 PackedWeight = gemm_packed.Packed
 packed_team_address = gemm_packed.team_address
+# whether bf16 panel GEMMs of an inner dimension run on AMX tiles
+packed_bf16_amx = gemm_packed.bf16_amx
 
 # The fused decode forward (kernels/decode_forward.py): the model described once
 # (`DecodeModel` with a `DecodeLayer` per layer), a step passes only its inputs.
