@@ -357,6 +357,69 @@ inline void amx_config(int64_t r0, int64_t r1) {
   _tile_loadconfig(&c);
 }
 
+// exp_approx on 16 lanes, the same operations in the same order (mul then add: this file
+// is built without FMA contraction), so the same bits as the scalar code's.
+inline __m512 exp_approx_v(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 fi = _mm512_sub_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), magic), magic);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(fi, _mm512_set1_ps(0.693145751953125f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(fi, _mm512_set1_ps(1.428606765330187e-06f)));
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  const float coef[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f};
+  for (float c : coef) p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fi), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// y = the value a bf16 tensor holds: bf16 (Y uint16_t) or fp32 holding it (Y float).
+inline void store_rounded(uint16_t* y, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16(y, m, pdserve_cpu::float_to_bf16_v(v));
+}
+inline void store_rounded(float* y, __mmask16 m, __m512 v) {
+  _mm512_mask_storeu_ps(y, m, pdserve_cpu::round_bf16_v(v));
+}
+
+// `epilogue<uint16_t, Y, R>` for the rows of a stored C block (row r: 2 vectors of fp32
+// sums), on 16-lane intrinsics: the same roundings (bf16.h float_to_bf16_v: the same bits
+// as float_to_bf16) and exp; one call a block, not a call a row.
+template <typename Y>
+void epilogue_amx(const float (*c)[P], int64_t rows, int silu, const uint16_t* bias,
+                  const uint16_t* res, int64_t rs, Y* y, int64_t ys, int64_t j0, int64_t cols) {
+  using pdserve_cpu::load_bf16_v;
+  using pdserve_cpu::round_bf16_v;
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (silu != 0) {  // cols <= V: gate in vector 0, up in vector 1
+    const __mmask16 m = pdserve_cpu::lanes(cols);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 g = _mm512_load_ps(&c[r][0]), u = _mm512_load_ps(&c[r][V]);
+      if (silu == kSiluRoundedInputs) {
+        g = round_bf16_v(g);
+        u = round_bf16_v(u);
+      }
+      const __m512 e = exp_approx_v(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 s = round_bf16_v(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+      store_rounded(y + r * ys + j0, m, _mm512_mul_ps(s, u));
+    }
+    return;
+  }
+  for (int64_t h = 0; h < NR; ++h) {
+    const int64_t c0 = h * V;
+    if (c0 >= cols) break;
+    const __mmask16 m = pdserve_cpu::lanes(cols - c0);
+    const __m512 b = bias != nullptr ? load_bf16_v(m, bias + j0 + c0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 t = _mm512_load_ps(&c[r][c0]);
+      if (bias != nullptr) t = _mm512_add_ps(t, b);
+      if (res != nullptr)
+        t = _mm512_add_ps(round_bf16_v(t), load_bf16_v(m, res + r * rs + j0 + c0));
+      store_rounded(y + r * ys + j0 + c0, m, t);
+    }
+  }
+}
+
 template <typename Y>
 void gemm_panels_amx(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t n, int64_t k,
                      int silu, const uint16_t* bias, const uint16_t* res, int64_t rs, Y* y,
@@ -404,11 +467,8 @@ void gemm_panels_amx(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t 
         _tile_stored(2, &cbuf[16][0], P * 4);
         _tile_stored(3, &cbuf[16][V], P * 4);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        vf acc[1][NR] = {{vload(&cbuf[r][0]), vload(&cbuf[r][V])}};
-        epilogue<uint16_t, Y, 1>(acc, silu, bias, res == nullptr ? nullptr : res + (m0 + r) * rs,
-                                 rs, y + (m0 + r) * ys, ys, j0, cols);
-      }
+      epilogue_amx(cbuf, rows, silu, bias, res == nullptr ? nullptr : res + m0 * rs, rs,
+                   y + m0 * ys, ys, j0, cols);
     }
   }
   if (configured >= 0) _tile_release();
