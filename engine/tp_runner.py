@@ -230,6 +230,11 @@ class _Leader:
         self, input_ids, positions, kv_cache, meta: AttentionMetadata, plan=None, out_rows=None
     ):
         gemv = True if plan is None else plan.gemv
+        if out_rows is not None and out_rows.numel() == 0:
+            # no row samples: still one row through the last layer, whose o_proj all-reduce
+            # is what makes rank 0 wait for every rank's last K/V store before the step's
+            # blocks are hashed or sent (an empty step would return before it)
+            out_rows = torch.tensor([input_ids.shape[0] - 1], device=input_ids.device)
         self.runner.send(_pack(input_ids, positions, meta, gemv, out_rows))
         return self.model(input_ids, positions, kv_cache, meta, plan, out_rows)
 
