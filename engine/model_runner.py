@@ -323,7 +323,7 @@ class ModelRunner:
             last_rows = torch.as_tensor(cu[1:][sampling] - 1, device=self.device)
         prompt_lp = any(s.request.wants_prompt_logprobs for s in rows)
         # the model prunes its last layer to them (engine/models/llama.py, `out_rows`)
-        prune = last_rows is not None and not prompt_lp and self.model.prunes_out_rows
+        prune = last_rows is not None and not prompt_lp
         with _phase("step.forward"):
             hidden = self.model(
                 input_ids, positions, self.kv_cache, meta, plan, last_rows if prune else None

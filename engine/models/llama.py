@@ -188,9 +188,6 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # forward takes `out_rows` (the runner prunes the last layer to the rows that sample)
-    prunes_out_rows = True
-
     def __init__(self, cfg: ModelArch, ops: ModuleType):
         super().__init__()
         self.config = cfg
