@@ -63,6 +63,8 @@ CASES = [  # (context lengths, H, Hkv, D, block_size)
     ([3, 1000, 64], 6, 1, 16, 8),  # MQA
     ([33, 70, 18], 4, 2, 80, 16),  # head dim 80: an odd number of 16-lane vectors
     ([20, 300], 2, 1, 256, 8),  # head dim 256: one head's accumulators fill the registers
+    ([45, 130], 7, 1, 64, 16),  # 7 query heads a kv head: V passes of 4 and 3 heads
+    ([60], 5, 1, 80, 16),  # head dim 80: passes of 3 and 2 heads
 ]
 
 

@@ -219,9 +219,17 @@ void pv_chunk(const Args& a, const int64_t* rows, int64_t kvh, int64_t h0, int64
 template <typename T, int NV>
 void pv_heads(const Args& a, const int64_t* rows, int64_t kvh, int64_t h0, int64_t count,
               int64_t n, const float* s, float* acc, const Next& nx) {
-  constexpr int kMax = kAccVectors / NV >= 4 ? 4 : (kAccVectors / NV >= 2 ? 2 : 1);
+  // as many heads a pass as their accumulators fit registers: each pass reads (and, bf16,
+  // converts) the V rows again, so a group of 3 heads (SmolLM2) is one pass, not 2 + 1
+  constexpr int kMax = std::clamp(kAccVectors / NV, 1, 4);
   for (; count >= kMax; count -= kMax, h0 += kMax)
     pv_chunk<T, NV, kMax>(a, rows, kvh, h0, n, s, acc, nx);
+  if constexpr (kMax == 4) {
+    if (count == 3) {
+      pv_chunk<T, NV, 3>(a, rows, kvh, h0, n, s, acc, nx);
+      return;
+    }
+  }
   for (; count >= 2; count -= 2, h0 += 2) pv_chunk<T, NV, 2>(a, rows, kvh, h0, n, s, acc, nx);
   if (count == 1) pv_chunk<T, NV, 1>(a, rows, kvh, h0, n, s, acc, nx);
 }
