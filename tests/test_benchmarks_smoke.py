@@ -130,6 +130,29 @@ def test_mem_bandwidth(tmp_path):
         assert 0 < row[key] < 10_000, (key, row)
 
 
+def test_roofline(tiny_model, tmp_path):
+    results, out = tmp_path / "engine.json", tmp_path / "roof.json"
+    results.write_text(json.dumps({"threads": 1, "results": [
+        {"workload": "B", "dtype": "float32", "mode": "eager", "engine_tok_s": 1.5,
+         "vllm_tok_s": 1.0}]}))  # fmt: skip
+    run("roofline", "--model", tiny_model, "--threads", "1", "--repeats", "1",
+        "--iters", "100000", "--results", str(results), "--out", str(out))  # fmt: skip
+    report = read(out)
+    (peak,) = report["peaks"]
+    assert peak["threads"] == 1 and 0 < peak["fp32_fma_gflops"] < 100_000
+    assert 0 < peak["read_GBps"] < 10_000
+    assert (peak["bf16_dot_gflops"] is None) == (not report["avx512_bf16"])
+    assert {(c["workload"], c["dtype"]) for c in report["ceilings"]} == {
+        (w, d) for w in "ABC" for d in ("float32", "bfloat16")}  # fmt: skip
+    # a decode step reads every weight: one sequence (A) cannot beat bandwidth / weight bytes
+    geo = report["geometry"]
+    a = next(c for c in report["ceilings"] if c["workload"] == "A" and c["dtype"] == "float32")
+    weight_bytes = (geo["layer_params"] + geo["head_params"]) * 4
+    assert a["ceiling_tok_s"] <= peak["read_GBps"] * 1e9 / weight_bytes * 1.01
+    (row,) = report["against_ceiling"]
+    assert row["pdserve"] == 1.5 and row["pdserve_of_ceiling"] == round(1.5 / row["ceiling"], 2)
+
+
 def test_openai_features(tiny_model, tmp_path):
     out = tmp_path / "of.json"
     run("openai_features", "--model", tiny_model, "--threads", "1", "--batch", "2",
