@@ -40,6 +40,9 @@ class ModelConfig:
     # CPU: the plain projection weights kept where the packed copies could replace them
     # (engine/models/fused_decode.py, `FusedDecode.release_plain`)
     keep_plain_weights: bool = default(ModelSettings, "keep_plain_weights")
+    # CPU: steps with prompt tokens on oneDNN's copy or the batched forward's panel copy
+    # (engine/models/fused_decode.py, `FusedDecode.serve_prompt_steps`)
+    prompt_gemm: str = default(ModelSettings, "prompt_gemm")
     # The model's name in the API, the registry and the block-hash root (default: `name`).
     served_name: str | None = None
     # True: plain torch (the reference). False: the decode step compiled

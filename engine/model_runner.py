@@ -145,7 +145,15 @@ class ModelRunner:
             raise
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if mc.cpu_onednn and onednn_available(self.device, self.dtype):
+        # model.prompt_gemm "panel": prompt steps on the batched forward's panel copies, no
+        # oneDNN copy (below); not for TP ranks or the compiled step (oneDNN's as before)
+        panels = (
+            mc.prompt_gemm == "panel" and self.device.type == "cpu" and self.single_device
+            and not mc.compiled
+        )  # fmt: skip
+        if mc.prompt_gemm == "panel" and self.device.type == "cpu" and not panels:
+            logger.info("prompt_gemm panel: not for a TP rank or the compiled step; oneDNN's")
+        if mc.cpu_onednn and onednn_available(self.device, self.dtype) and not panels:
             logger.info("oneDNN: %d projection weights prepacked", model.prepack())
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
         if self.device.type == "cpu" and self.single_device:
@@ -159,12 +167,19 @@ class ModelRunner:
                 logger.info("batched decode: off (bf16 on AMX: oneDNN's GEMMs are faster)")
                 batch = False
             model.fused_decode = fused = FusedDecode.build(model, batch=batch)
+            if panels and (fused.serve_prompt_steps() if fused is not None else 0):
+                logger.info("prompt steps on the batched forward's panel copies: no oneDNN copy")
+            elif panels and mc.cpu_onednn and onednn_available(self.device, self.dtype):
+                logger.info("prompt steps: no panel copies here (no batched forward): oneDNN's")
+                logger.info("oneDNN: %d projection weights prepacked", model.prepack())
+                model.fused_decode = fused = FusedDecode.build(model, batch=batch)
             freed = 0 if fused is None or mc.keep_plain_weights else fused.release_plain()
             if freed:
                 logger.info(
                     "plain projection weights freed (%.0f MiB): decode steps on the batched "
-                    "forward's copy from 1 row, the rest on oneDNN's",
+                    "forward's copy from 1 row, the rest on %s",
                     freed / 2**20,
+                    "the same copy" if panels and fused.batched else "oneDNN's",
                 )
             else:
                 how = "one native call" if fused is not None else "op by op"

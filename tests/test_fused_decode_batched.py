@@ -13,8 +13,10 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.models import cpu_linear
 from pdserve.engine.models.cpu_linear import (
     PackedLinear,
+    PanelForm,
     is_packed,
     onednn_amx,
     released,
@@ -116,6 +118,41 @@ def test_plain_projection_weights_freed_where_both_packed_copies_hold_them(tiny_
     kept = keep.engine.runner.model
     assert not any(released(m.weight) for m in kept.modules() if isinstance(m, PackedLinear))
     assert kept.fused_decode.batch_from == 8
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_steps_on_the_panel_copies(tiny_llama_dir, monkeypatch, dtype):
+    """`prompt_gemm="panel"`: no oneDNN copy is made; prompt steps (and every decode step)
+    run the batched forward's panel copies and the plain projections are freed, so each
+    projection is held once. fp32: greedy tokens equal Hugging Face's, for prompts of one
+    token (a lone row) and a prompt computed again from the prefix cache (its last token
+    alone) too. bf16: the first token equals the default engine's (oneDNN for prompts where
+    the CPU has native bf16), and a request run twice gives the same tokens."""
+    if dtype == "bfloat16" and onednn_amx(torch.bfloat16):
+        pytest.skip("bf16 on AMX: no batched forward here, prompts stay on oneDNN")
+    llm = LLM(tiny_llama_dir, dtype=dtype, prompt_gemm="panel", block_size=4, num_blocks=512)
+    model = llm.engine.runner.model
+    linears = [m.weight for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * len(model.model.layers)
+    assert all(released(w) for w in linears)
+    assert all(isinstance(cpu_linear._packed(w), PanelForm) for w in linears)
+    assert cpu_linear._packed(model.lm_head_weight) is None  # the logits: the panel copy
+    rows = []
+    call = PanelForm.__call__
+    monkeypatch.setattr(PanelForm, "__call__", lambda f, x, b: rows.append(len(x)) or call(f, x, b))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[7], *random_prompts(3, [5, 40, 17], seed=3)]
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    assert max(rows) == 1 + 5 + 40 + 17  # the prompt step: all four prompts' tokens at once
+    again = [o.token_ids for o in llm.generate(prompts[2:3], params)]  # the prefix cache's
+    assert again == outs[2:3]
+    if dtype == "float32":
+        hf = load_hf(tiny_llama_dir)
+        assert outs == [hf_greedy(hf, p, params.max_tokens) for p in prompts]
+    else:
+        ref = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
+        assert [o[0] for o in outs] == [r.token_ids[0] for r in ref.generate(prompts, params)]
+    llm.engine.check_integrity()
 
 
 def test_bf16_plain_weights_freed_where_the_panels_run_on_amx(tiny_llama_dir):

@@ -21,6 +21,11 @@ rows run SiLU(gate) * up inside the GEMMs (`silu_mul`): the gate GEMM applies Si
 fp32 accumulators as a oneDNN post-op ("swish"), the up GEMM multiplies its accumulators
 by that output (binary "mul" post-op). No [T, 2 I] intermediate is written and read back,
 and no separate SiLU * mul pass runs (docs/benchmarks-history.md, "Third round").
+
+With `model.prompt_gemm: panel` nothing is packed for oneDNN: each projection's entry is
+its `PanelForm`, the batched decode forward's panel copy (kernels/gemm_packed.py), which
+`linear` and `silu_mul` run at any row count (engine/models/fused_decode.py,
+`FusedDecode.serve_prompt_steps`).
 """
 
 from __future__ import annotations
@@ -33,9 +38,29 @@ from torch import nn
 
 from pdserve.kernels import ops
 
+
+class PanelForm:
+    """A projection's panel copy (kernels/gemm_packed.py, the batched decode forward's) in
+    place of oneDNN's (`model.prompt_gemm: panel`): `linear` and `silu_mul` run it at any
+    row count. A row's result does not depend on the rows beside it (one fp32 chain over k
+    per output), so no lone row is doubled (`_rows`). A gate_up copy gives SiLU(gate) * up
+    of the fp32 accumulators only, as oneDNN's post-ops do."""
+
+    def __init__(self, packed) -> None:
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return self.packed.gemm(rows, bias=bias).reshape(*x.shape[:-1], self.packed.n)
+
+
 # plain weight's data_ptr -> (weak ref to the plain weight, packed oneDNN weight; for a
-# gate_up weight, the (gate, up) halves packed apart)
-_PACKED: dict[int, tuple[weakref.ref, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = {}
+# gate_up weight, the (gate, up) halves packed apart; or the weight's PanelForm)
+_PACKED: dict[
+    int, tuple[weakref.ref, torch.Tensor | tuple[torch.Tensor, torch.Tensor] | PanelForm]
+] = {}
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -76,7 +101,9 @@ def silu_fused(weight: torch.Tensor) -> bool:
     return isinstance(_packed(weight), tuple)
 
 
-def _packed(weight: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+def _packed(
+    weight: torch.Tensor,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | PanelForm | None:
     entry = _PACKED.get(weight.data_ptr())
     if entry is None or entry[0]() is None:
         return None
@@ -110,6 +137,10 @@ def linear(
         if released(weight):
             raise RuntimeError("a released plain weight has no packed copy")
         return F.linear(x, weight, bias)
+    if isinstance(packed, PanelForm):
+        if packed.packed.silu:
+            raise RuntimeError("a gate_up weight's panel copy gives SiLU(gate) * up: silu_mul")
+        return packed(x, bias)
     x, lone = _rows(x)
     if isinstance(packed, tuple):  # gate_up packed as halves (bias-free): both, side by side
         y = torch.cat([torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
@@ -155,10 +186,12 @@ class PackedGateUp(PackedLinear):
         twice (SiLU(gate), then the product) where the reference's ops round four times
         (gate, up, SiLU, product): ~1 bf16 ulp apart where they differ, and the closer to
         fp32 (tests/test_cpu_linear.py)."""
-        if torch.compiler.is_compiling() or x.dim() != 2:
+        if torch.compiler.is_compiling():
             return None
         packed = _packed(self.weight)
-        if not isinstance(packed, tuple):
+        if isinstance(packed, PanelForm):
+            return packed(x, None)
+        if x.dim() != 2 or not isinstance(packed, tuple):
             return None
         gate_w, up_w = packed
         x, lone = _rows(x)
@@ -186,6 +219,14 @@ def pack_weight(weight: torch.Tensor, halves: bool = False) -> bool:
         packed = reorder(w, None)
     _PACKED[w.data_ptr()] = (weakref.ref(weight), packed)
     return True
+
+
+def serve_with_panel(weight: torch.Tensor, packed) -> None:
+    """Run `linear` (gate_up: `silu_mul`) on `weight` through its panel copy `packed` (a
+    kernels.gemm_packed.Packed of the same values), in place of any oneDNN copy."""
+    for key in [k for k, (ref, _) in _PACKED.items() if ref() is None]:
+        del _PACKED[key]
+    _PACKED[weight.data_ptr()] = (weakref.ref(weight), PanelForm(packed))
 
 
 def release_plain(weight: nn.Parameter) -> int:
@@ -219,7 +260,7 @@ def released(weight: torch.Tensor) -> bool:
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether `weight` has a packed oneDNN copy that `linear` runs."""
+    """Whether `weight` has a packed copy that `linear` runs (oneDNN's or a PanelForm)."""
     return _packed(weight) is not None
 
 

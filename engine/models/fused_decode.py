@@ -309,6 +309,27 @@ class FusedDecode:
             freed += drop_packed(self.model.lm_head_weight)
         return freed
 
+    def serve_prompt_steps(self) -> int:
+        """Run steps with prompt tokens, and any step the batched forward declines, on the
+        panel copies too (`model.prompt_gemm: panel`, where the runner made no oneDNN copy):
+        every projection's `linear` goes to its panel copy (cpu_linear.PanelForm), gate_up
+        with SiLU * up of the fp32 accumulators (silu mode 1, as the decode forward is set
+        to here). `release_plain` then leaves one form of each projection. Returns how many
+        weights were given their panel copy (0: no batched forward, nothing done)."""
+        from pdserve.engine.models.cpu_linear import serve_with_panel
+
+        if not self.batched:
+            return 0
+        weights = []
+        for layer in self.model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            weights += [a.qkv_proj.weight, a.o_proj.weight, mlp.gate_up_proj.weight,
+                        mlp.down_proj.weight]  # fmt: skip
+        for w, p in zip(weights, self._packed, strict=True):
+            serve_with_panel(w, p)
+        self._model.silu_mode = 1
+        return len(weights)
+
     def clear_step(self) -> None:
         """A step ran another path: `logits` has no batched step to follow."""
         self._batched_rows = 0
