@@ -124,6 +124,22 @@ class Cluster:
             assert time.monotonic() < deadline, f"cluster not up in {timeout_s} s: {services}"
             time.sleep(0.5)
 
+    def diagnosis(self, lines: int = 15) -> str:
+        """The launcher's view of every service and the last lines of each process's log:
+        what a failed drill prints, so a failure on CI (whose temporary files are gone once
+        it ends) can be read from its output."""
+        out = []
+        try:
+            out.append(f"services: {self.state()['services']}")
+        except Exception as e:  # the launcher's state file may be what broke
+            out.append(f"services: unreadable ({e!r})")
+        runs = sorted(p for p in self.run_root.iterdir() if p.is_dir() and p.name[-1].isdigit())
+        logs = sorted(runs[-1].glob("*.log")) if runs else []
+        for log in [self.output, *logs]:
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {log.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+        return "\n".join(out)
+
     @property
     def router_url(self) -> str:
         return self.service("router")["url"]

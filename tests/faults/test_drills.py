@@ -60,7 +60,10 @@ def run_drill(cluster: Cluster, name: str, inject, *, routers=None, disconnect_r
     t_fault = time.monotonic()
     inject()
     # Recovery: the cluster answers again, from the routers the clients use.
-    recovery_s = max(wait_serving(r, recover_timeout_s) for r in routers)
+    try:
+        recovery_s = max(wait_serving(r, recover_timeout_s) for r in routers)
+    except AssertionError as e:
+        raise AssertionError(f"{name}: {e}\n{cluster.diagnosis()}") from None
     time.sleep(2.0)  # a little load on the recovered cluster too
     load.stop()
     if restarted:

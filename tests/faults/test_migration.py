@@ -286,13 +286,17 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     assert ref.error is None and len(ref.texts) == 2, ref.error
     warm_grammars(c)
     m0 = migrations(c)
-    # the buffered requests go just before the last: still generating when their node dies
+    # The requests that end on their own (the JSON document, the tool call) and the buffered
+    # ones go last, just before the last greedy stream: all still generating when their node
+    # dies. Placed first, the JSON document (~140 tokens) ended before the last request had
+    # begun on a loaded 2-core box (CI).
+    schema, seeded, tools, batch, *greedy = reqs
     buffered_tools = ("chat/completions", {**TOOLS, "stream": False})
-    victim, placed = place_on_one_node(
-        c, [*reqs[:-1], ("completions", BUFFERED), buffered_tools, reqs[-1]]
-    )
-    buffered, tools_answer = placed.pop(-3), placed.pop(-2)
-    streams = placed
+    order = [seeded, batch, *greedy[:-1], schema, tools, ("completions", BUFFERED),
+             buffered_tools, greedy[-1]]  # fmt: skip
+    victim, placed = place_on_one_node(c, order)
+    s_seeded, s_batch, *s_greedy, s_schema, s_tools, buffered, tools_answer, s_last = placed
+    streams = [s_schema, s_seeded, s_tools, s_batch, *s_greedy, s_last]
     assert not any(s.finish for s in streams), [(s.finish, s.events, s.calls) for s in streams]
     assert buffered.is_alive() and tools_answer.is_alive()
     os.killpg(c.service(victim)["pid"], signal.SIGKILL)
