@@ -170,8 +170,11 @@ class ModelRunner:
             if panels and (fused.serve_prompt_steps() if fused is not None else 0):
                 logger.info("prompt steps on the batched forward's panel copies: no oneDNN copy")
             elif panels and mc.cpu_onednn and onednn_available(self.device, self.dtype):
-                logger.info("prompt steps: no panel copies here (no batched forward): oneDNN's")
-                logger.info("oneDNN: %d projection weights prepacked", model.prepack())
+                logger.info(
+                    "prompt steps: no batched forward, so no panel copies: oneDNN's (%d "
+                    "projection weights prepacked)",
+                    model.prepack(),
+                )
                 model.fused_decode = fused = FusedDecode.build(model, batch=batch)
             freed = 0 if fused is None or mc.keep_plain_weights else fused.release_plain()
             if freed:

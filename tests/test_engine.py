@@ -234,6 +234,8 @@ def test_config_errors_name_the_field(tiny_llama_dir):
         LLM(tiny_llama_dir, max_num_seqs=0)
     with pytest.raises(ConfigError, match="model.max_model_len"):
         LLM(tiny_llama_dir, max_model_len=100_000)
+    with pytest.raises(ConfigError, match="model.prompt_gemm"):
+        LLM(tiny_llama_dir, prompt_gemm="fast")
 
 
 def test_sequence_capped_by_context(tiny_llama_dir):

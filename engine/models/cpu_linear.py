@@ -208,8 +208,6 @@ def pack_weight(weight: torch.Tensor, halves: bool = False) -> bool:
     `F.linear` on it, as on any weight never packed."""
     if not onednn_available(weight.device, weight.dtype):
         return False
-    for key in [k for k, (ref, _) in _PACKED.items() if ref() is None]:
-        del _PACKED[key]
     w = weight.detach()
     reorder = torch.ops.mkldnn._reorder_linear_weight
     if halves:
@@ -217,16 +215,21 @@ def pack_weight(weight: torch.Tensor, halves: bool = False) -> bool:
         packed = (reorder(w[:n].contiguous(), None), reorder(w[n:].contiguous(), None))
     else:
         packed = reorder(w, None)
-    _PACKED[w.data_ptr()] = (weakref.ref(weight), packed)
+    _register(weight, packed)
     return True
 
 
 def serve_with_panel(weight: torch.Tensor, packed) -> None:
     """Run `linear` (gate_up: `silu_mul`) on `weight` through its panel copy `packed` (a
     kernels.gemm_packed.Packed of the same values), in place of any oneDNN copy."""
+    _register(weight, PanelForm(packed))
+
+
+def _register(weight: torch.Tensor, form) -> None:
+    """`form` becomes what `linear` runs for `weight`; entries of dead weights go."""
     for key in [k for k, (ref, _) in _PACKED.items() if ref() is None]:
         del _PACKED[key]
-    _PACKED[weight.data_ptr()] = (weakref.ref(weight), PanelForm(packed))
+    _PACKED[weight.data_ptr()] = (weakref.ref(weight), form)
 
 
 def release_plain(weight: nn.Parameter) -> int:
