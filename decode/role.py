@@ -82,6 +82,7 @@ class DecodeRole:
             "pd_failures": self.num_failures,
             "pd_bad_dones": self.connector.num_bad_dones,
             "kv_checksum_mismatches": self.connector.num_checksum_mismatches,
+            "kv_data_fences": self.connector.num_data_fences,
             "kv_bytes_received": self.bytes_received,
             "kv_poison_violations": self.poison.violations if self.poison else 0,
         }

@@ -115,6 +115,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_bytes_received: int = 0  # decode
     kv_poison_violations: int = 0  # decode, PDSERVE_KV_POISON=1: WRITEs after release
     kv_checksum_mismatches: int = 0  # decode: transfers whose blocks failed their checksums
+    kv_data_fences: int = 0  # decode: incoming KV connections all dropped (a peer fenced)
     # requests by where their prompt was prefilled (`PREFILL_PATHS`), at their first token
     prefill_paths: dict[str, int] = msgspec.field(default_factory=dict)
     pd_orders: int = 0  # prefill: orders taken

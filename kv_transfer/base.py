@@ -135,6 +135,7 @@ class DecodeConnector(_Connector):
     vocab_size: int | None = None  # the model's, set on attach: a peer's token ids are checked
     num_bad_dones: int = 0  # PrefillDones that failed their checks (a broken or hostile peer)
     num_checksum_mismatches: int = 0  # attempts whose landed blocks failed their checksums
+    num_data_fences: int = 0  # times every incoming data-plane connection was dropped
 
     @abc.abstractmethod
     def poll(self) -> list[DecodeEvent]: ...

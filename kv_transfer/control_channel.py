@@ -142,6 +142,7 @@ class DecodeControl:
         self._closed: dict[int, float] = {}  # generation -> nothing of it lands after
         self._gens = 0
         self._seq = 0
+        self.hello_missing = False  # a link was opened while `hello` could not be made
 
     # -- sending -------------------------------------------------------------------------
     def send(self, node: str, msg: m.ToPrefill, key: tuple[str, int] | None = None) -> bool:
@@ -187,9 +188,19 @@ class DecodeControl:
             peer.dead, peer.ping_sent_at = like.dead, like.ping_sent_at
             peer.steps, peer.busy, peer.progressed_at = like.steps, like.busy, like.progressed_at
         self._peers[node] = peer
-        peer.queue.append((self._frame(self._hello()), None))
+        try:
+            peer.queue.append((self._frame(self._hello()), None))
+        except RuntimeError as e:  # our data plane is down: the owner says hello later
+            logger.warning("no hello for %s yet: %s", node, e)
+            self.hello_missing = True
         self._flush(peer)
         return peer
+
+    def hello_all(self, hello: m.PeerHello) -> None:
+        """Introduce our data plane again on every open link (its metadata changed)."""
+        self.hello_missing = False
+        for node in list(self._peers):
+            self.send(node, hello)
 
     def _flush(self, peer: _Peer) -> None:
         while peer.queue and self._try_send(peer, peer.queue[0][0]):

@@ -11,6 +11,10 @@ Each attempt `(request_id, attempt)` is in one `RecvState`:
                                                                     if it was ORDERED)
     FENCED --the link's last lease ran out, plus abort_grace_s----> gone (Released)
 
+Entering FENCED without an end message also fences the data plane
+(`DataPlane.fence_incoming`: NIXL rebuilds the agent, dropping every incoming
+connection), so the blocks never wait on the network draining within the grace.
+
 All times are this host's monotonic clock (`clock`); the order carries only a duration
 (`ttl_s`), which the prefill node counts from its own receipt. Blocks are never reused on
 "the deadline passed" alone: only an end message from the prefill node (`PrefillRejected`,
@@ -98,6 +102,8 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         self.clock = clock
         self._attempts: dict[TransferKey, _Attempt] = {}
         self._events: list[DecodeEvent] = []
+        self.num_data_fences = 0
+        self._hello_due = False  # the data plane was fenced: its new metadata goes out
 
     def _hello(self) -> m.PeerHello:
         return m.PeerHello(agent_metadata=self._data.local_metadata())
@@ -139,6 +145,8 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
     # -- polling ---------------------------------------------------------------------------
     def poll(self) -> list[DecodeEvent]:
         events, self._events = self._events, []
+        if self._hello_due or self.control.hello_missing:
+            self._send_hellos()
         for agent, msgs in self._data.get_notifs().items():
             for raw in msgs:
                 try:  # sealed by a holder of the cluster secret (a no-op without one)
@@ -162,17 +170,22 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         self.control.tick({a.node for a in self._attempts.values()})
         return events + self._expire()
 
-    def _expire(self) -> list[DecodeEvent]:
+    def _expire(self, data_fenced: bool = False) -> list[DecodeEvent]:
         events: list[DecodeEvent] = []
-        now, fence = self.clock(), set()
+        now, fence, fenced = self.clock(), set(), False
+        for key, att in self._attempts.items():
+            if att.state is RecvState.FENCED:
+                continue
+            until = self.control.closed_until(att.gen)
+            if until is not None:  # its link is gone: no lease of it is renewed
+                if att.state is RecvState.ORDERED:
+                    events.append(RecvFailed(key, f"connection to {att.node} fenced"))
+                grace = self.abort_grace_s if self.peer_writes else float("-inf")
+                att.state, att.release_at = RecvState.FENCED, until + grace
+                fenced = self.peer_writes
+        if fenced and not data_fenced:  # before any of their blocks is released
+            self._fence_data()
         for key, att in list(self._attempts.items()):
-            if att.state is not RecvState.FENCED:
-                until = self.control.closed_until(att.gen)
-                if until is not None:  # its link is gone: no lease of it is renewed
-                    if att.state is RecvState.ORDERED:
-                        events.append(RecvFailed(key, f"connection to {att.node} fenced"))
-                    grace = self.abort_grace_s if self.peer_writes else float("-inf")
-                    att.state, att.release_at = RecvState.FENCED, until + grace
             if att.state is RecvState.FENCED:
                 if now >= att.release_at:
                     del self._attempts[key]
@@ -190,9 +203,32 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
                     events.append(Released(key))
                 elif now > att.end_by or self.control.dead(att.node):
                     fence.add(att.node)  # no end message in time: stop its leases
+        if fence and self.peer_writes:  # first: the new links' hellos name the new agent
+            self._fence_data()
         for node in fence:
             self.control.fence(node)
-        return events + (self._expire() if fence else [])
+        return events + (self._expire(data_fenced=True) if fence else [])
+
+    def _fence_data(self) -> None:
+        """An attempt was fenced without an end message: its peer may have WRITEs in the
+        network, or in its kernel's buffers for a socket it closed, which a healed
+        partition delivers long after the lease and the grace (tests/multihost/
+        test_cancel.py). Drop every incoming data-plane connection before its blocks can
+        be reused, so that none of it can land. Other peers' WRITEs in flight fail, and
+        their attempts end; the new metadata goes to every connected peer."""
+        self._data.fence_incoming()
+        self.num_data_fences += 1
+        self._hello_due = True
+        logger.warning("dropped every incoming KV connection (fence %d)", self.num_data_fences)
+
+    def _send_hellos(self) -> None:
+        try:
+            hello = self._hello()
+        except RuntimeError as e:  # the data plane is down (our link is): a later poll
+            logger.debug("no hello yet: %s", e)
+            return
+        self._hello_due = False
+        self.control.hello_all(hello)
 
     def _on_done(self, agent: str, msg: m.PrefillDone) -> list[DecodeEvent]:
         key = (msg.request_id, msg.attempt)

@@ -160,6 +160,10 @@ class LMCacheDataPlane:
         retrieves into its own), and ends by its deadline; its handle stays as it is."""
         return 0
 
+    def fence_incoming(self) -> None:
+        """Nothing to drop: no peer writes our blocks (the decode node retrieves into its
+        own, and a retrieve ends by its deadline)."""
+
     @property
     def num_inflight(self) -> int:
         """Handles not released, plus released ones whose job still runs (it may still

@@ -130,7 +130,8 @@ class NixlTransport:
         self._peers: dict[str, PeerMetadata] = {}
         self._requests = RequestTable(name, self._free_staged)
         self.staged_writes = 0  # WRITEs from staging buffers, in all
-        self.agent_restarts = 0  # `stop_writes` rebuilt the agent
+        self.agent_restarts = 0  # `stop_writes` or `fence_incoming` rebuilt the agent
+        self.incoming_fences = 0  # `fence_incoming` calls
         self._notifs: dict[str, list[bytes]] = {}  # received while connecting, not yet read
         self._closed = False
         logger.info(
@@ -197,14 +198,26 @@ class NixlTransport:
         if self._agent is None:  # down: nothing is in flight
             return 0
         pending = self._requests.num_pending
+        self._rebuild(f"to stop {pending} WRITE(s) in flight")
+        return pending
+
+    def fence_incoming(self) -> None:
+        """Drop every connection into our memory (`DataPlane.fence_incoming`): the agent
+        is rebuilt, so its UCX worker's sockets close and the kernel discards what they
+        had not read; a segment a peer's kernel retransmits later (an orphaned socket's
+        data after a partition heals: tests/multihost/test_cancel.py) meets no socket and
+        is reset. The rebuilt worker has a new address: `local_metadata()` changes."""
+        self._check_open()
+        if self._agent is not None:  # down: no connection is left to drop
+            self._rebuild("to drop every incoming connection")
+        self.incoming_fences += 1
+
+    def _rebuild(self, why: str) -> None:
         self._close_agent()
         self.agent_restarts += 1
-        logger.warning(
-            "nixl transport %s: agent destroyed to stop %d WRITE(s) in flight", self.name, pending
-        )
+        logger.warning("nixl transport %s: agent destroyed %s", self.name, why)
         self._reopen_backoff_s = REOPEN_FIRST_S
         self._reopen()
-        return pending
 
     def _reopen(self) -> bool:
         """Build the agent again after `stop_writes`, with every peer; False if UCX cannot

@@ -122,6 +122,15 @@ class DataPlane(Protocol):
         built again on a later call once it can be."""
         ...
 
+    def fence_incoming(self) -> None:
+        """Drop every connection into this plane's memory, so that nothing a peer posted
+        lands in it afterwards: not what the network or a kernel's socket buffer still
+        carries, not what a peer's kernel retransmits once a partition heals (NIXL: the
+        agent is rebuilt under the same name; its metadata changes, so peers need a new
+        hello). Peers' WRITEs in flight end FAILED on their side. Never raises for a plane
+        that cannot start again at once (it stays down, as after `stop_writes`)."""
+        ...
+
     def get_notifs(self) -> dict[str, list[bytes]]: ...
 
     def send_notif(self, peer: str, msg: bytes) -> None: ...

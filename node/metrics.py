@@ -129,6 +129,12 @@ class _EngineStatsCollector(Collector):
                 "PD decode: transfers whose landed KV blocks failed their checksums",
                 s.kv_checksum_mismatches,
             ),
+            (
+                "pdserve_kv_data_fences",
+                "PD decode: times every incoming KV connection was dropped (a peer fenced "
+                "with an attempt unanswered; transfers in flight to this node failed)",
+                s.kv_data_fences,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         paths = CounterMetricFamily(

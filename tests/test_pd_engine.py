@@ -172,6 +172,33 @@ def test_prefill_never_answers_times_out_then_local(tiny_llama_dir, hf_model):
         pair.close()
 
 
+def test_a_fence_drops_incoming_kv_connections_and_the_peer_is_introduced_again(
+    tiny_llama_dir, hf_model
+):
+    """An attempt the prefill node never answers is fenced: the decode node drops every
+    incoming KV connection (its NIXL agent rebuilt, a new address) before the blocks are
+    released, and says hello again; the same prefill node's next transfer reaches the new
+    agent, and its tokens equal Hugging Face's."""
+    pair = Pair(tiny_llama_dir, timeout_s=0.5)
+    try:
+        first_md = pair.dconn.data.local_metadata()
+        p, q = prompts_of([30, 41], seed=9)
+        (outs,) = pair.run([p], GREEDY, step_prefill=False)  # the prefill node never steps
+        assert tokens(outs) == hf_greedy(hf_model, p, 8)  # prefilled locally
+        assert pair.dconn.num_data_fences == 1 and pair.dconn.data.incoming_fences == 1
+        assert pair.decode.stats().kv_data_fences == 1
+        assert pair.dconn.data.local_metadata() != first_md  # a new UCX worker address
+        assert pair.decode.kv.pool.num_used_blocks == 0
+        (outs,) = pair.run([q], GREEDY)  # now it steps: hellos, then the new order
+        assert tokens(outs) == hf_greedy(hf_model, q, 8)
+        assert outs[0].timings.prefill == "remote"
+        for core in (pair.decode, pair.prefill):
+            core.check_integrity()
+            assert core.kv.pool.num_used_blocks == 0
+    finally:
+        pair.close()
+
+
 def test_prefill_failure_ends_with_error(tiny_llama_dir):
     pair = Pair(tiny_llama_dir, timeout_s=0.3, prefill_locally=False)
     try:

@@ -54,6 +54,7 @@ def test_a_lapsed_lease_cancels_writes_in_flight_so_none_lands_in_reused_blocks(
         clocks=Clocks([(2 * HOURS, 1.0), prefill_clock]),
     )
     side = c.prefills[c.addrs[0]].kv_role.connector
+    c.dside.data.fence_incoming = lambda: None  # the prefill side's layer alone (below)
     c.submit("a", PROMPT, 2)
     key = ("a", 1)
     step_until(c, lambda: [w for w in c.world.writes if w.key == key])
@@ -113,3 +114,104 @@ def test_a_peer_dropped_with_writes_in_flight_has_them_stopped(guard, monkeypatc
         with pytest.raises(InvariantViolation, match="reused under a WRITE"):
             c.run_until_idle(max_s=30)
             c.check_final()
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["decode-fences", "no-fence"])
+def test_the_decode_nodes_fence_alone_keeps_late_writes_out(fence, monkeypatch):
+    """The other layer: the prefill node never stops its WRITEs (a lease it cannot see
+    lapse, a kernel still retransmitting a closed socket's data after a partition heals:
+    tests/multihost/test_cancel.py), and the decode node's fence of its data plane
+    (`DataPlane.fence_incoming` when it fences the connection) is all that keeps "a"'s
+    late WRITE out of the blocks "b" reuses. Without it, the WRITE lands in them."""
+    from pdserve.kv_transfer import prefill_side
+
+    monkeypatch.setattr(prefill_side.PrefillSide, "_stop_writes", lambda self: None)
+    t = Timing(transfer_timeout_s=120.0, abort_grace_s=1.0, peer_timeout_s=0.4)
+    c = Cluster(
+        faults=Faults(write_delay=0.0, write_floor=SLOW_LINK_S, ctl_delay=0.0),
+        timing=t,
+        num_prefill=1,
+        prefill_budget=8,
+        decode_blocks=14,
+    )
+    if not fence:
+        c.dside.data.fence_incoming = lambda: None
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
+    blocks = set(c.decode.kv.get_block_ids("a"))
+    c.abort("a")
+    step_until(c, lambda: c.dside.states().get(key) is RecvState.FENCED)
+    if fence:
+        assert c.world.incoming_fences == 1 and c.dside.num_data_fences == 1
+        assert not [w for w in c.world.writes if w.key == key]  # dropped at the fence
+    other = list(range(100, 140))
+
+    def reuse_and_run() -> None:  # without the fence, a's blocks go back under its WRITE
+        step_until(c, lambda: key not in c.decode.kv.holds)
+        c.submit("b", other, 3)
+        c.step()
+        assert blocks & set(c.decode.kv.get_block_ids("b"))
+        c.run_until_idle(max_s=SLOW_LINK_S * 3)
+        c.check_final()
+
+    if fence:
+        reuse_and_run()
+        assert c.reqs["b"].tokens == expected_output(other, 3)
+    else:
+        with pytest.raises(InvariantViolation, match="reused under a WRITE"):
+            reuse_and_run()
+
+
+def test_a_data_plane_down_at_the_fence_says_hello_once_it_is_up():
+    """The decode node's rebuilt agent cannot start at once (its host's link is down:
+    NIXL's `local_metadata` raises while down): the fence's new link goes out without a
+    hello, nothing escapes the engine loop, and once the plane is up every link gets the
+    new hello; the next request is prefilled remotely again."""
+    t = Timing(transfer_timeout_s=120.0, abort_grace_s=1.0, peer_timeout_s=0.4)
+    c = Cluster(
+        faults=Faults(write_delay=0.0, write_floor=SLOW_LINK_S, ctl_delay=0.0),
+        timing=t,
+        num_prefill=1,
+        prefill_budget=8,
+        decode_blocks=14,
+    )
+    plane, control = c.dside.data, c.dside.control
+    up, real_md, real_fence = [True], plane.local_metadata, plane.fence_incoming
+    hellos: list[bytes] = []
+
+    def local_metadata() -> bytes:
+        if not up[0]:
+            raise RuntimeError("nixl transport d is down (agent not rebuilt yet)")
+        return real_md()
+
+    def fence_incoming() -> None:
+        real_fence()
+        up[0] = False  # as NIXL when UCX finds no usable device
+
+    def hello_all(hello) -> None:
+        hellos.append(hello.agent_metadata)
+        real_hello_all(hello)
+
+    real_hello_all = control.hello_all
+    plane.local_metadata, plane.fence_incoming = local_metadata, fence_incoming
+    control.hello_all = hello_all
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
+    c.abort("a")
+    step_until(c, lambda: c.dside.states().get(key) is RecvState.FENCED)
+    assert c.dside.num_data_fences == 1 and control.hello_missing and not hellos
+    for _ in range(20):  # down: the loop goes on, no hello goes out
+        c.step()
+    assert control.hello_missing and not hellos
+    up[0] = True
+    c.step()
+    assert hellos == [real_md()] and not control.hello_missing
+    c.run_until_idle(max_s=SLOW_LINK_S * 3)
+    other = list(range(100, 140))
+    c.submit("b", other, 3)
+    c.run_until_idle(max_s=SLOW_LINK_S * 3)
+    c.check_final()
+    assert c.reqs["b"].tokens == expected_output(other, 3)
+    assert c.decode.stats().prefill_paths.get("remote") == 1  # b's, over the new hello

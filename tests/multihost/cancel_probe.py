@@ -10,8 +10,11 @@
               handle (with --stop: `NixlTransport.stop_writes()` first) and goes on
               progressing its agent for A s, as the prefill node's engine loop goes on
               after a cancel. With --stop it then WRITEs its last 8 blocks, set to 2.0, to
-              the same peer through the rebuilt agent. Prints JSON lines: "posted",
+              the same peer through the rebuilt agent (loading the target's metadata
+              again if it changed). Prints JSON lines: "posted",
               "stopped", "released" (the state the handle had), "second", "done".
+    target --fence: once D/fence exists, `NixlTransport.fence_incoming()` (as a decode
+              node fencing a peer), printing "fenced"; it goes on sampling.
 
 Both run the project's own `NixlTransport` with no progress thread, as the connector does.
 """
@@ -52,7 +55,14 @@ def target(args: argparse.Namespace) -> None:
         md.with_suffix(".tmp").rename(md)
         end = time.monotonic() + args.for_s
         next_sample = 0.0
+        fence, fenced = Path(args.dir) / "fence", False
         while time.monotonic() < end:
+            if args.fence and not fenced and fence.exists():
+                t.fence_incoming()
+                fenced = True
+                md.with_suffix(".tmp").write_bytes(t.local_metadata())  # a new worker address
+                md.with_suffix(".tmp").rename(md)
+                emit(fenced=t.incoming_fences, landed=int(raw.count_nonzero()))
             t.get_notifs()  # progresses the agent: what arrives is written
             now = time.monotonic()
             if now >= next_sample:
@@ -61,6 +71,17 @@ def target(args: argparse.Namespace) -> None:
             time.sleep(0.002)
         tail = kv[:, :, args.blocks - 8 :]
         emit(landed=int(raw.count_nonzero()), final=True, tail_twos=bool((tail == 2.0).all()))
+
+
+def warm_up(t: NixlTransport) -> None:
+    deadline = time.monotonic() + 30
+    while t.num_warming:
+        for name, reason in t.progress_warmups():
+            if reason is not None:
+                sys.exit(f"warm-up of {name} failed: {reason}")
+        if time.monotonic() > deadline:
+            sys.exit("warm-up did not end")
+        time.sleep(0.001)
 
 
 def initiator(args: argparse.Namespace) -> None:
@@ -72,15 +93,9 @@ def initiator(args: argparse.Namespace) -> None:
             sys.exit("no target metadata")
         time.sleep(0.05)
     with NixlTransport("probe-initiator", kv, progress_thread=False) as t:
-        peer = t.add_peer(md.read_bytes())
-        deadline = time.monotonic() + 30
-        while t.num_warming:
-            for name, reason in t.progress_warmups():
-                if reason is not None:
-                    sys.exit(f"warm-up of {name} failed: {reason}")
-            if time.monotonic() > deadline:
-                sys.exit("warm-up did not end")
-            time.sleep(0.001)
+        first_md = md.read_bytes()
+        peer = t.add_peer(first_md)
+        warm_up(t)
         ids = list(range(args.blocks))
         handle = t.write_blocks(peer, ids, ids)
         emit(posted=handle.stats.bytes)
@@ -98,6 +113,10 @@ def initiator(args: argparse.Namespace) -> None:
             t.get_notifs()
             time.sleep(0.002)
         if args.stop:  # the rebuilt agent carries the next WRITE to the same peer
+            if md.read_bytes() != first_md:  # the target fenced: its new address
+                t.progress_warmups()  # the old address's failure, if reported: expected
+                peer = t.add_peer(md.read_bytes())
+                warm_up(t)
             tail = list(range(args.blocks - 8, args.blocks))
             kv[:, :, tail] = 2.0
             handle = t.write_blocks(peer, tail, tail)
@@ -120,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--release-after", type=float, default=1.0)
     p.add_argument("--after-s", type=float, default=8.0)
     p.add_argument("--stop", action="store_true", help="stop_writes() before the release")
+    p.add_argument(
+        "--fence", action="store_true", help="target: fence_incoming() once D/fence exists"
+    )
     args = p.parse_args(argv)
     (target if args.role == "target" else initiator)(args)
 

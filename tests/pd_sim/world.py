@@ -73,6 +73,7 @@ class World:
         self.on_land = None  # callback(write) just before a WRITE's bytes land
         self.landed = 0
         self.failed = 0
+        self.incoming_fences = 0  # `SimData.fence_incoming` calls
 
     def clock(self) -> float:
         return self.now
@@ -320,6 +321,16 @@ class SimData:
                 w.cancelled = True
                 self.world.writes.remove(w)
         return stopped
+
+    def fence_incoming(self) -> None:
+        """As NIXL's rebuilt agent: every WRITE into this plane still moving never lands
+        (its sender's PENDING handle ends FAILED), wherever it was held or delayed."""
+        for w in [w for w in self.world.writes if w.peer is self]:
+            if w.handle.id >= 0 and w.handle.state is TransferState.PENDING:
+                w.handle.state = TransferState.FAILED
+            w.cancelled = True
+            self.world.writes.remove(w)
+        self.world.incoming_fences += 1
 
     def get_notifs(self) -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {}
