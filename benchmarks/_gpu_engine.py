@@ -183,7 +183,7 @@ def load_memory(ctx: dict) -> dict:
     if not ctx["cuda"]:
         raise Skip("dry run: needs CUDA memory statistics")
     from pdserve.engine.model_arch import ModelArch
-    from pdserve.engine.model_runner import build_model
+    from pdserve.engine.model_build import build_model
     from pdserve.engine.weights import load_model_weights
     from pdserve.kernels.ops import get_ops
 

@@ -22,7 +22,7 @@ import msgspec
 from pdserve.decode.poison import PoisonAudit, poison_enabled
 from pdserve.engine.kv_cache_manager import HoldKey
 from pdserve.engine.kv_role import EngineHandle
-from pdserve.engine.model_runner import kv_bytes_per_block
+from pdserve.engine.model_build import kv_bytes_per_block
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams

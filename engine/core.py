@@ -22,7 +22,8 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_role import KVRole
 from pdserve.engine.kv_store import KVStore
 from pdserve.engine.model_arch import ModelArch
-from pdserve.engine.model_runner import ModelRunner, kv_bytes_per_block
+from pdserve.engine.model_build import kv_bytes_per_block
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineCoreOutput, EngineStats, RequestTimings, TokenLogprobs
 from pdserve.engine.pending_grammars import PendingGrammars
 from pdserve.engine.request import Request, RequestStatus

@@ -25,9 +25,7 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_tensor import allocate_kv_cache
 from pdserve.engine.model_arch import ModelArch
-from pdserve.engine.models import get_model_class
-from pdserve.engine.models.cpu_linear import onednn_amx, onednn_available
-from pdserve.engine.models.fused_decode import FusedDecode
+from pdserve.engine.model_build import build_model, pack_weights, resolve_device
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampled, prompt_logprobs, sample
 from pdserve.engine.scheduler import SchedulerOutput
@@ -37,10 +35,8 @@ from pdserve.engine.weights import load_model_weights
 from pdserve.kernels import hugepages
 from pdserve.kernels.fault_in import BackgroundFault
 from pdserve.kernels.ops import (
-    GEMV_MAX_ROWS,
     default_backend,
     get_ops,
-    packed_bf16_amx,
     unsupported_head_dim,
 )
 
@@ -57,55 +53,6 @@ def _phase(name: str):
     record_function is a torch op, and after a decode step's weights have streamed through
     the caches the step's own Python runs cold, so labels are added only when profiling."""
     return record_function(name) if torch.autograd._profiler_enabled() else _NO_PHASE
-
-
-def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
-
-
-def build_model(arch: ModelArch, ops: ModuleType, device: torch.device, dtype: torch.dtype):
-    """The model with uninitialised weights, allocated once on `device` in `dtype`.
-
-    Built under the meta device and cast there, so no fp32 copy of the weights ever
-    exists on the device (on a GPU that would double the memory needed to load).
-    """
-    with torch.device("meta"):
-        model = get_model_class(arch.architectures)(arch, ops)
-    model.to(dtype)
-    # `to_empty` would do, but its empty_like of meta tensors first imports much of torch's
-    # Python decompositions (~5 s of CPU at an engine start); plain `empty` imports nothing
-    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tied tensors stay one
-
-    def empty(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in made:  # (the meta tensor is kept: its id is not reused meanwhile)
-            new = torch.empty(t.shape, dtype=t.dtype, device=device)
-            if isinstance(t, torch.nn.Parameter):
-                new = torch.nn.Parameter(new, t.requires_grad)
-            made[id(t)] = (t, new)
-        return made[id(t)][1]
-
-    for module in model.modules():
-        for group in (module._parameters, module._buffers):
-            for name, t in group.items():
-                if t is not None:
-                    group[name] = empty(t)
-    return model
-
-
-def resolve_device(name: str) -> torch.device:
-    """`cpu`, or `cuda[:N]` with the index filled in and checked against this machine."""
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise ConfigError("model.device", f"{name!r}: no CUDA device on this machine")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= torch.cuda.device_count():
-        raise ConfigError(
-            "model.device", f"{name!r}: this machine has {torch.cuda.device_count()} GPU(s)"
-        )
-    return torch.device("cuda", index)
 
 
 def _is_decode(s) -> bool:
@@ -145,48 +92,8 @@ class ModelRunner:
             raise
         self.load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        # model.prompt_gemm "panel": prompt steps on the batched forward's panel copies, no
-        # oneDNN copy (below); not for TP ranks or the compiled step (oneDNN's as before)
-        panels = (
-            mc.prompt_gemm == "panel" and self.device.type == "cpu" and self.single_device
-            and not mc.compiled
-        )  # fmt: skip
-        if mc.prompt_gemm == "panel" and self.device.type == "cpu" and not panels:
-            logger.info("prompt_gemm panel: not for a TP rank or the compiled step; oneDNN's")
-        if mc.cpu_onednn and onednn_available(self.device, self.dtype) and not panels:
-            logger.info("oneDNN: %d projection weights prepacked", model.prepack())
+        pack_weights(model, config, arch, self.device, self.dtype, self.single_device)
         self.model = model.train(False)  # inference only (no dropout in these models anyway)
-        if self.device.type == "cpu" and self.single_device:
-            # the batched forward's packed weights only where a step can have > 8 rows, and
-            # for bf16 on AMX (`onednn_amx`) only where its GEMMs run on AMX tiles too
-            # (faster than oneDNN's there at decode row counts, kernels/csrc/gemm_packed.cpp)
-            batch = mc.batched_decode and config.scheduler.max_num_seqs > GEMV_MAX_ROWS
-            ks = (arch.hidden_size, arch.num_attention_heads * arch.head_dim)
-            on_amx = all(packed_bf16_amx(k) for k in (*ks, arch.intermediate_size))
-            if batch and mc.cpu_onednn and onednn_amx(self.dtype) and not on_amx:
-                logger.info("batched decode: off (bf16 on AMX: oneDNN's GEMMs are faster)")
-                batch = False
-            model.fused_decode = fused = FusedDecode.build(model, batch=batch)
-            if panels and (fused.serve_prompt_steps() if fused is not None else 0):
-                logger.info("prompt steps on the batched forward's panel copies: no oneDNN copy")
-            elif panels and mc.cpu_onednn and onednn_available(self.device, self.dtype):
-                logger.info(
-                    "prompt steps: no batched forward, so no panel copies: oneDNN's (%d "
-                    "projection weights prepacked)",
-                    model.prepack(),
-                )
-                model.fused_decode = fused = FusedDecode.build(model, batch=batch)
-            freed = 0 if fused is None or mc.keep_plain_weights else fused.release_plain()
-            if freed:
-                logger.info(
-                    "plain projection weights freed (%.0f MiB): decode steps on the batched "
-                    "forward's copy from 1 row, the rest on %s",
-                    freed / 2**20,
-                    "the same copy" if panels and fused.batched else "oneDNN's",
-                )
-            else:
-                how = "one native call" if fused is not None else "op by op"
-                logger.info("decode steps of <= %d rows: %s", GEMV_MAX_ROWS, how)
         self.pack_s = time.perf_counter() - t0
         logger.info("model weights loaded in %.1f s, packed in %.1f s", self.load_s, self.pack_s)
         attn = model.model.layers[0].self_attn

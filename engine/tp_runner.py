@@ -41,7 +41,8 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_tensor import KVRanks, shared_kv_cache
 from pdserve.engine.model_arch import ModelArch
-from pdserve.engine.model_runner import ModelRunner, build_model
+from pdserve.engine.model_build import build_model
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.step_plan import StepPlan
 from pdserve.engine.tp_shard import Comm, Shard, check_divides, parallelize
 from pdserve.engine.weights import iter_safetensors

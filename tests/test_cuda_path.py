@@ -22,7 +22,7 @@ from pdserve.common.errors import ConfigError  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.config import ModelConfig  # noqa: E402
 from pdserve.engine.model_arch import ModelArch  # noqa: E402
-from pdserve.engine.model_runner import build_model  # noqa: E402
+from pdserve.engine.model_build import build_model  # noqa: E402
 from pdserve.engine.models.rope import build_cos_sin_cache  # noqa: E402
 from pdserve.engine.request import Request  # noqa: E402
 from pdserve.kernels.ops import DECODE_MAX_SPLITS, get_ops  # noqa: E402

@@ -258,9 +258,9 @@ def test_batched_bf16_rounds_as_the_unfused_per_op_mlp(tiny_llama_dir, monkeypat
     to the per-op path as where oneDNN fuses SiLU * up. (It kept the fused rounding and
     matched a quarter of the elements on AVX2.) The GEMMs' summation order is torch's on
     such a CPU, hence "close", not equal (scripts/avx2_view.sh runs this on AVX2 itself)."""
-    from pdserve.engine import model_runner
+    from pdserve.engine import model_build
 
-    monkeypatch.setattr(model_runner, "onednn_available", lambda device, dtype: False)
+    monkeypatch.setattr(model_build, "onednn_available", lambda device, dtype: False)
     llm = LLM(
         tiny_llama_dir, keep_plain_weights=True, dtype="bfloat16", block_size=4, num_blocks=512
     )
