@@ -36,9 +36,10 @@ class DecodePeers:
         self._data = data
         self.control = control
         self.agents: dict[bytes, str] = {}  # control identity -> its data-plane agent
+        self.epochs: dict[str, int] = {}  # agent -> the epoch of its last hello (PeerHello)
         self.refused: dict[bytes, str] = {}  # control identity -> why it is refused
 
-    def hello(self, ident: bytes, metadata: bytes, busy: set[bytes]) -> None:
+    def hello(self, ident: bytes, metadata: bytes, busy: set[bytes], epoch: int = 0) -> None:
         """`busy`: identities that own transfers (a replaced one is kept for those)."""
         data = self._data()
         loaded, known = set(data.peers), set(self.agents.values())
@@ -61,6 +62,7 @@ class DecodePeers:
                     self.control.forget(old)
         self.refused.pop(ident, None)
         self.agents[ident] = name
+        self.epochs[name] = epoch
         logger.info("decode peer %s introduced itself", name)
 
     def failed(self, agent: str, problem: str) -> None:
@@ -71,6 +73,7 @@ class DecodePeers:
                 del self.agents[ident]
                 self.refuse(ident, f"peer refused: {problem}")
         self._data().remove_peer(agent)
+        self.epochs.pop(agent, None)
 
     def refuse(self, ident: bytes, reason: str) -> None:
         if len(self.refused) < MAX_REFUSED:
@@ -92,6 +95,7 @@ class DecodePeers:
             if not self._in_use(agent, busy_agents):
                 logger.info("forgetting decode peer %s (no connection, no transfer)", agent)
                 data.remove_peer(agent)
+                self.epochs.pop(agent, None)
 
     def _in_use(self, agent: str, busy_agents: set[str]) -> bool:
         return agent in busy_agents or agent in self.agents.values()

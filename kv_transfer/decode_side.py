@@ -13,7 +13,10 @@ Each attempt `(request_id, attempt)` is in one `RecvState`:
 
 Entering FENCED without an end message also fences the data plane
 (`DataPlane.fence_incoming`: NIXL rebuilds the agent, dropping every incoming
-connection), so the blocks never wait on the network draining within the grace.
+connection), and so does an end message whose `unsettled_epoch` names the current agent (a
+WRITE of the attempt was stopped or failed, its data perhaps still in the network), so
+the blocks never wait on the network draining within a grace. `PeerHello.epoch` is the
+count of those fences: a WRITE that failed because of one names an older epoch.
 
 All times are this host's monotonic clock (`clock`); the order carries only a duration
 (`ttl_s`), which the prefill node counts from its own receipt. Blocks are never reused on
@@ -106,7 +109,7 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         self._hello_due = False  # the data plane was fenced: its new metadata goes out
 
     def _hello(self) -> m.PeerHello:
-        return m.PeerHello(agent_metadata=self._data.local_metadata())
+        return m.PeerHello(agent_metadata=self._data.local_metadata(), epoch=self.num_data_fences)
 
     # -- requests from the decode role ---------------------------------------------------
     def request_prefill(self, order: m.PrefillOrder, prefill_node: str) -> None:
@@ -311,6 +314,12 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
             if self.control.send(node, self._hello()) and self.control.send(node, att.order, key):
                 return []
         del self._attempts[key]
+        if self.peer_writes and getattr(msg, "unsettled_epoch", -1) >= self.num_data_fences:
+            # a WRITE of it was stopped or failed, its data perhaps still in the network
+            # or in the prefill host's kernel for a socket it closed: the agent it went to
+            # is dropped before the blocks are (one fence per attempt at most)
+            logger.warning("request %s (attempt %d): %s ended with a WRITE unsettled", *key, node)
+            self._fence_data()
         if att.state is not RecvState.ORDERED:
             return [Released(key)]
         reason = getattr(msg, "reason", "the prefill node ended the transfer")

@@ -44,6 +44,9 @@ from pdserve.engine.sampling_params import SamplingParams
 
 class PeerHello(msgspec.Struct, tag=True, kw_only=True):
     agent_metadata: bytes
+    # how many times the decode node has fenced its data plane (each fence: a new agent,
+    # new metadata); end messages name the epoch of the agent their WRITEs went to
+    epoch: int = 0
 
 
 class PrefillOrder(msgspec.Struct, tag=True, kw_only=True):
@@ -88,11 +91,15 @@ class PrefillFailed(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
     attempt: int
     reason: str
+    # >= 0: a WRITE of the attempt did not end DONE (stopped, failed), the last posted to
+    # the decode agent of this epoch; its data may still be in the network (decode_side)
+    unsettled_epoch: int = -1
 
 
 class AbortAck(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
     attempt: int
+    unsettled_epoch: int = -1  # as PrefillFailed's
 
 
 class HeartbeatAck(msgspec.Struct, tag=True, kw_only=True):

@@ -50,6 +50,8 @@ class _Send:
     deadline: float = float("inf")  # this clock: no WRITE is posted after it
     deferred: list[tuple[list[int], list[int]]] = field(default_factory=list)  # no lease yet
     quiet_until: float = float("-inf")  # ENDING: no end message before (stopped WRITEs)
+    epoch: int = -1  # the decode agent's epoch (PeerHello) of the last WRITE posted
+    unsettled: bool = False  # a WRITE ended FAILED (stopped or failed): its data may move
     checksums: list[int] = field(default_factory=list)  # of the blocks sent, in order
 
     @property

@@ -16,7 +16,10 @@ node runs (`PrefillControl.lease_until`); without a lease the WRITE waits (bound
 the deadline), so a decode node that fenced the connection knows when the last WRITE
 could have been posted, and a WRITE still in flight when the lease lapses is cancelled
 (`kv_transfer/prefill_send.py`). The decode node hears of an early end as soon as nothing
-of the attempt is in flight (`PrefillFailed`/`AbortAck`), so it releases at once.
+of the attempt is in flight (`PrefillFailed`/`AbortAck`), so it releases at once; when a
+WRITE of it ended FAILED (stopped or failed: its data may still move) the message names
+the decode agent's epoch it went to (`unsettled_epoch`), and the decode node drops that
+agent's connections first.
 
 Peers are validated and bounded by liveness (`kv_transfer/decode_peers.py`): a
 `PeerHello` whose layout does not match ours marks that peer bad (its orders are
@@ -31,6 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
 import torch
 
 from pdserve.kv_transfer import messages as m
@@ -122,6 +126,7 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
     def _post(self, key, s: _Send, src: list[int], dst: list[int], notif: bytes | None) -> bool:
         try:
             s.handles.append(self._data.write_blocks(s.order.decode_agent, src, dst, notif))
+            s.epoch = self.peers.epochs.get(s.order.decode_agent, 0)
         except ValueError as e:  # e.g. the peer was dropped meanwhile
             self._end(key, s, f"cannot post a WRITE: {e}")
             return False
@@ -274,7 +279,8 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
                 self.control.reply(ident, _rejected(*msg.key, f"malformed message: {msg}"))
             return []
         if isinstance(msg, m.PeerHello):
-            self.peers.hello(ident, msg.agent_metadata, {s.ident for s in self._sends.values()})
+            busy = {s.ident for s in self._sends.values()}
+            self.peers.hello(ident, msg.agent_metadata, busy, msg.epoch)
         elif isinstance(msg, m.PrefillOrder):
             return self._on_order(ident, msg, at)
         elif isinstance(msg, m.AbortPrefill):
@@ -323,11 +329,14 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
         if s.deferred and s.state is not SendState.ENDING:
             self._post_deferred(key, s)
         states = [t.poll(h) for h in s.handles]
+        s.unsettled = s.unsettled or TransferState.FAILED in states
         if TransferState.FAILED in states and s.state is not SendState.ENDING:
             self._end(key, s, "a block WRITE to the decode node failed")
         if s.state is SendState.ENDING:
             if TransferState.PENDING in states or self.clock() < s.quiet_until:
                 return []  # wait for in-flight writes; bounded by the deadline + grace
+            if s.unsettled:  # the decode node fences its agent of that epoch first
+                s.reply = msgspec.structs.replace(s.reply, unsettled_epoch=s.epoch)
             self.control.reply(s.ident, s.reply)
             return self._close(key, s, s.reply.reason if hasattr(s.reply, "reason") else "aborted")
         if s.state is SendState.FINISHING and not s.final_posted:

@@ -85,10 +85,13 @@ def test_a_peer_dropped_with_writes_in_flight_has_them_stopped(guard, monkeypatc
     """A decode peer whose data-plane warm-up fails is removed while a WRITE to it is in
     flight: removing the peer ends the handle but not the data (as NIXL), so the prefill
     side stops every WRITE first; without that, the late WRITE lands in a reused block."""
-    from pdserve.kv_transfer import prefill_side
+    from pdserve.kv_transfer import decode_side, prefill_side
 
     if not guard:  # the code before the stop: the peer is only removed
         monkeypatch.setattr(prefill_side.PrefillSide, "_stop_writes", lambda self: None)
+    # the prefill side's layer alone: the decode node's fence on the unsettled end
+    # message (test_an_end_message_after_a_stop_has_the_decode_node_fence_first) is off
+    monkeypatch.setattr(decode_side.DecodeSide, "_fence_data", lambda self: None)
     c = Cluster(
         faults=Faults(write_delay=0.0, write_floor=3.0, ctl_delay=0.0),
         num_prefill=1,
@@ -215,3 +218,79 @@ def test_a_data_plane_down_at_the_fence_says_hello_once_it_is_up():
     c.check_final()
     assert c.reqs["b"].tokens == expected_output(other, 3)
     assert c.decode.stats().prefill_paths.get("remote") == 1  # b's, over the new hello
+
+
+@pytest.mark.parametrize("honoured", [True, False], ids=["fenced", "ignored"])
+def test_an_end_message_after_a_stop_has_the_decode_node_fence_first(honoured, monkeypatch):
+    """A prefill node stops a WRITE in flight (its decode peer's warm-up failed) and sends
+    its end message before the network has drained: here at once (grace 0), as on a link
+    slower than `abort_grace_s / 2` can carry the kernel's buffers. The message says a
+    WRITE to the decode agent of this epoch is unsettled, so the decode node fences its
+    data plane before releasing the blocks; ignoring that, the stopped WRITE lands in
+    blocks "b" was given (for some seeds: half the stopped WRITEs land, within
+    `CANCEL_WINDOW_S`)."""
+    from pdserve.kv_transfer import decode_side
+
+    if not honoured:
+        monkeypatch.setattr(decode_side.DecodeSide, "_fence_data", lambda self: None)
+    violated = [_stop_with_no_grace_then_reuse(seed, honoured) for seed in range(8)]
+    assert not any(violated) if honoured else any(violated)
+
+
+def _stop_with_no_grace_then_reuse(seed: int, honoured: bool) -> bool:
+    """True if a WRITE of "a" landed in a block reused by "b"."""
+    c = Cluster(
+        seed=seed,
+        faults=Faults(write_delay=0.0, write_floor=3.0, ctl_delay=0.0),
+        num_prefill=1,
+        prefill_budget=8,
+        decode_blocks=14,  # 10 for "a", so "b" (10 blocks) must reuse a's blocks
+    )
+    side = c.prefills[c.addrs[0]].kv_role.connector
+    side.grace_s = 0.0  # the end message does not wait for the network
+    plane = c.world.planes["p0"]
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
+    plane.progress_warmups = lambda: [("d", "the warm-up WRITE failed")]
+    c.step()
+    del plane.progress_warmups
+    assert side.write_stops == 1
+    try:
+        step_until(c, lambda: "a" not in c.decode.requests or key not in c.decode.kv.holds)
+        c.submit("b", list(range(100, 140)), 3)
+        c.run_until_idle(max_s=30)
+        c.check_final()
+    except InvariantViolation:
+        return True
+    assert c.reqs["b"].tokens == expected_output(list(range(100, 140)), 3)
+    if honoured:  # a's unsettled end message's (b's slow WRITEs may cost another)
+        assert c.dside.num_data_fences >= 1
+    return False
+
+
+def test_a_fence_costs_no_second_fence_through_the_writes_it_failed():
+    """The decode node fences its data plane while two prefill nodes' WRITEs are in flight:
+    both fail (their agent is gone), and both end messages say so, naming epoch 0; the
+    decode node is at epoch 1, so neither costs another fence (no cascade), and both
+    requests still end with the right tokens. The next hello says epoch 1."""
+    c = Cluster(
+        faults=Faults(write_delay=0.0, write_floor=2.0, ctl_delay=0.0),
+        timing=Timing(transfer_timeout_s=60.0),
+        num_prefill=2,
+        prefill_budget=8,
+        decode_blocks=40,
+    )
+    c.submit("a", PROMPT, 2, node=c.addrs[0])
+    c.submit("b", list(range(100, 140)), 2, node=c.addrs[1])
+    step_until(c, lambda: {w.key[0] for w in c.world.writes if w.key} == {"a", "b"})
+    c.dside._fence_data()  # as for a peer fenced with an attempt unanswered
+    assert c.world.incoming_fences == 1 and not c.world.writes
+    assert c.dside._hello().epoch == 1
+    c.run_until_idle(max_s=60)
+    c.check_final()
+    assert c.dside.num_data_fences == 1 and c.world.incoming_fences == 1
+    assert c.reqs["a"].tokens == expected_output(PROMPT, 2)
+    assert c.reqs["b"].tokens == expected_output(list(range(100, 140)), 2)
+    for addr in c.addrs:  # each prefill node took the new hello's epoch
+        assert c.prefills[addr].kv_role.connector.peers.epochs == {"d": 1}
