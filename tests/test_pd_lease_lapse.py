@@ -35,6 +35,48 @@ def step_until(c: Cluster, cond, max_s: float = 20.0) -> None:
         c.step()
 
 
+# a long order ttl: the prefill node's own deadline would cancel far too late
+SLOW_TIMING = Timing(transfer_timeout_s=120.0, abort_grace_s=1.0, peer_timeout_s=0.4)
+
+
+def slow_link_cluster(**kw) -> Cluster:
+    """One prefill node, every WRITE taking `SLOW_LINK_S`; 14 decode blocks: 10 for "a",
+    so "b" (10 blocks) must reuse a's blocks."""
+    return Cluster(
+        faults=Faults(write_delay=0.0, write_floor=SLOW_LINK_S, ctl_delay=0.0),
+        timing=SLOW_TIMING,
+        num_prefill=1,
+        prefill_budget=8,
+        decode_blocks=14,
+        **kw,
+    )
+
+
+def fail_warm_up_mid_write(c: Cluster) -> tuple[str, int]:
+    """Submit "a"; while its WRITE moves, the prefill node's warm-up of the decode peer
+    fails (so it drops the peer); a's key."""
+    plane = c.world.planes["p0"]
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
+    plane.progress_warmups = lambda: [("d", "the warm-up WRITE failed")]
+    c.step()
+    del plane.progress_warmups
+    return key
+
+
+def abort_a_mid_write(c: Cluster) -> tuple[tuple[str, int], set[int]]:
+    """Submit "a", abort it while its WRITE moves, step until the decode node fenced it
+    (the prefill node answers only once its WRITEs ended: too late); its key and blocks."""
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
+    blocks = set(c.decode.kv.get_block_ids("a"))
+    c.abort("a")
+    step_until(c, lambda: c.dside.states().get(key) is RecvState.FENCED)
+    return key, blocks
+
+
 @pytest.mark.parametrize(
     "prefill_clock",
     [(0.0, 1.0), (-5 * HOURS, 1.004), (7 * HOURS, 0.996), (-1e6, 1.0)],
@@ -43,27 +85,13 @@ def step_until(c: Cluster, cond, max_s: float = 20.0) -> None:
 def test_a_lapsed_lease_cancels_writes_in_flight_so_none_lands_in_reused_blocks(
     prefill_clock,
 ):
-    # a long order ttl: the prefill node's own deadline would cancel far too late
-    t = Timing(transfer_timeout_s=120.0, abort_grace_s=1.0, peer_timeout_s=0.4)
-    c = Cluster(
-        faults=Faults(write_delay=0.0, write_floor=SLOW_LINK_S, ctl_delay=0.0),
-        timing=t,
-        num_prefill=1,
-        prefill_budget=8,
-        decode_blocks=14,  # 10 for "a", so "b" (10 blocks) must reuse a's blocks
-        clocks=Clocks([(2 * HOURS, 1.0), prefill_clock]),
-    )
+    c = slow_link_cluster(clocks=Clocks([(2 * HOURS, 1.0), prefill_clock]))
     side = c.prefills[c.addrs[0]].kv_role.connector
     c.dside.data.fence_incoming = lambda: None  # the prefill side's layer alone (below)
-    c.submit("a", PROMPT, 2)
-    key = ("a", 1)
-    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
-    blocks = set(c.decode.kv.get_block_ids("a"))
-    c.abort("a")  # the prefill node answers only once its WRITEs ended: too late
-    step_until(c, lambda: c.dside.states().get(key) is RecvState.FENCED)
+    key, blocks = abort_a_mid_write(c)
     assert side.states()[key] is SendState.ENDING  # still waiting for its WRITEs
     # the decode node stopped granting; the prefill node cancels once its lease lapsed
-    step_until(c, lambda: key not in side.states(), max_s=2 * t.peer_timeout_s + 1)
+    step_until(c, lambda: key not in side.states(), max_s=2 * SLOW_TIMING.peer_timeout_s + 1)
     assert side.lapsed_cancels == 1 and side.write_stops == 1  # stopped, not just released
     c.world.advance(0.2)  # past the sim's cancel window: what can land has landed
     assert not [w for w in c.world.writes if w.key == key]  # nothing of "a" still moves
@@ -99,13 +127,7 @@ def test_a_peer_dropped_with_writes_in_flight_has_them_stopped(guard, monkeypatc
         decode_blocks=14,  # 10 for "a", so "b" (10 blocks) must reuse a's blocks
     )
     side = c.prefills[c.addrs[0]].kv_role.connector
-    plane = c.world.planes["p0"]
-    c.submit("a", PROMPT, 2)
-    key = ("a", 1)
-    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
-    plane.progress_warmups = lambda: [("d", "the warm-up WRITE failed")]
-    c.step()
-    del plane.progress_warmups
+    key = fail_warm_up_mid_write(c)
     step_until(c, lambda: "a" not in c.decode.requests or key not in c.decode.kv.holds)
     c.submit("b", list(range(100, 140)), 3)
     if guard:
@@ -129,22 +151,10 @@ def test_the_decode_nodes_fence_alone_keeps_late_writes_out(fence, monkeypatch):
     from pdserve.kv_transfer import prefill_side
 
     monkeypatch.setattr(prefill_side.PrefillSide, "_stop_writes", lambda self: None)
-    t = Timing(transfer_timeout_s=120.0, abort_grace_s=1.0, peer_timeout_s=0.4)
-    c = Cluster(
-        faults=Faults(write_delay=0.0, write_floor=SLOW_LINK_S, ctl_delay=0.0),
-        timing=t,
-        num_prefill=1,
-        prefill_budget=8,
-        decode_blocks=14,
-    )
+    c = slow_link_cluster()
     if not fence:
         c.dside.data.fence_incoming = lambda: None
-    c.submit("a", PROMPT, 2)
-    key = ("a", 1)
-    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
-    blocks = set(c.decode.kv.get_block_ids("a"))
-    c.abort("a")
-    step_until(c, lambda: c.dside.states().get(key) is RecvState.FENCED)
+    key, blocks = abort_a_mid_write(c)
     if fence:
         assert c.world.incoming_fences == 1 and c.dside.num_data_fences == 1
         assert not [w for w in c.world.writes if w.key == key]  # dropped at the fence
@@ -171,14 +181,7 @@ def test_a_data_plane_down_at_the_fence_says_hello_once_it_is_up():
     NIXL's `local_metadata` raises while down): the fence's new link goes out without a
     hello, nothing escapes the engine loop, and once the plane is up every link gets the
     new hello; the next request is prefilled remotely again."""
-    t = Timing(transfer_timeout_s=120.0, abort_grace_s=1.0, peer_timeout_s=0.4)
-    c = Cluster(
-        faults=Faults(write_delay=0.0, write_floor=SLOW_LINK_S, ctl_delay=0.0),
-        timing=t,
-        num_prefill=1,
-        prefill_budget=8,
-        decode_blocks=14,
-    )
+    c = slow_link_cluster()
     plane, control = c.dside.data, c.dside.control
     up, real_md, real_fence = [True], plane.local_metadata, plane.fence_incoming
     hellos: list[bytes] = []
@@ -199,11 +202,7 @@ def test_a_data_plane_down_at_the_fence_says_hello_once_it_is_up():
     real_hello_all = control.hello_all
     plane.local_metadata, plane.fence_incoming = local_metadata, fence_incoming
     control.hello_all = hello_all
-    c.submit("a", PROMPT, 2)
-    key = ("a", 1)
-    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
-    c.abort("a")
-    step_until(c, lambda: c.dside.states().get(key) is RecvState.FENCED)
+    abort_a_mid_write(c)
     assert c.dside.num_data_fences == 1 and control.hello_missing and not hellos
     for _ in range(20):  # down: the loop goes on, no hello goes out
         c.step()
@@ -248,13 +247,7 @@ def _stop_with_no_grace_then_reuse(seed: int, honoured: bool) -> bool:
     )
     side = c.prefills[c.addrs[0]].kv_role.connector
     side.grace_s = 0.0  # the end message does not wait for the network
-    plane = c.world.planes["p0"]
-    c.submit("a", PROMPT, 2)
-    key = ("a", 1)
-    step_until(c, lambda: [w for w in c.world.writes if w.key == key])
-    plane.progress_warmups = lambda: [("d", "the warm-up WRITE failed")]
-    c.step()
-    del plane.progress_warmups
+    key = fail_warm_up_mid_write(c)
     assert side.write_stops == 1
     try:
         step_until(c, lambda: "a" not in c.decode.requests or key not in c.decode.kv.holds)
