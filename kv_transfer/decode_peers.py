@@ -22,11 +22,20 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
+from pdserve.kv_transfer.transfer_types import PeerMetadata
+
 logger = logging.getLogger(__name__)
 
 MAX_DECODE_PEERS = 256  # data-plane peers this node loads (each costs NIXL state)
 MAX_REFUSED = 100_000  # refused identities remembered (beyond: their orders need a hello)
 PEER_IDLE_S = 120.0  # twice a decode node's idle close: its connection is gone by then
+
+
+def peer_name(metadata: bytes) -> str:
+    """The agent name a `PeerHello`'s metadata gives (raises on malformed bytes)."""
+    return msgspec.msgpack.decode(metadata, type=PeerMetadata).agent_name
 
 
 class DecodePeers:
@@ -36,14 +45,23 @@ class DecodePeers:
         self._data = data
         self.control = control
         self.agents: dict[bytes, str] = {}  # control identity -> its data-plane agent
-        self.epochs: dict[str, int] = {}  # agent -> the epoch of its last hello (PeerHello)
+        self.epochs: dict[str, int] = {}  # agent -> the epoch of its metadata loaded
+        self.hello_epochs: dict[bytes, int] = {}  # control identity -> its hello's epoch
         self.refused: dict[bytes, str] = {}  # control identity -> why it is refused
 
     def hello(self, ident: bytes, metadata: bytes, busy: set[bytes], epoch: int = 0) -> None:
         """`busy`: identities that own transfers (a replaced one is kept for those)."""
         data = self._data()
         loaded, known = set(data.peers), set(self.agents.values())
+        if len(self.hello_epochs) < MAX_REFUSED or ident in self.hello_epochs:
+            self.hello_epochs[ident] = epoch  # its orders WRITE only to that epoch's agent
         try:
+            name = peer_name(metadata)
+            if epoch < self.epochs.get(name, epoch):  # a stale hello (an older link's)
+                logger.info(
+                    "ignoring a hello of %s's epoch %d (at %d)", name, epoch, self.epochs[name]
+                )
+                return
             name = data.add_peer(metadata)  # same bytes again: a no-op
         except Exception as e:  # a bad peer is refused, never trusted
             logger.warning("refusing a decode peer: %s", e)
@@ -90,6 +108,8 @@ class DecodePeers:
                 self.control.forget(ident)
         for ident in [i for i in self.refused if i not in heard]:
             del self.refused[ident]
+        for ident in [i for i in self.hello_epochs if i not in heard and i not in busy]:
+            del self.hello_epochs[ident]
         data = self._data()
         for agent in data.peers:
             if not self._in_use(agent, busy_agents):

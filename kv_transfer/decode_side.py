@@ -309,7 +309,10 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
             return []  # stale, or another peer's word about a transfer it does not own
         if att.gen != self.control.generation(node):  # heard on another connection
             return []
-        if isinstance(msg, m.PrefillRejected) and msg.need_hello and not att.hello_resent:
+        if (
+            isinstance(msg, m.PrefillRejected) and msg.need_hello and not att.hello_resent
+            and att.state is RecvState.ORDERED  # not once aborted: that order must not run
+        ):  # fmt: skip
             att.hello_resent = True
             if self.control.send(node, self._hello()) and self.control.send(node, att.order, key):
                 return []

@@ -124,9 +124,16 @@ class PrefillSide(DataPlaneOwner, PrefillConnector):
                 return
 
     def _post(self, key, s: _Send, src: list[int], dst: list[int], notif: bytes | None) -> bool:
+        epoch = self.peers.epochs.get(s.order.decode_agent, 0)
+        if self.peers.hello_epochs.get(s.ident, 0) != epoch:
+            # the decode node fenced its data plane after this connection's hello: the
+            # agent it meant is gone, and its blocks may be reused once this connection's
+            # lease ends, which nothing sent to the new agent would respect
+            self._end(key, s, "the decode node dropped its KV connections since the order")
+            return False
         try:
             s.handles.append(self._data.write_blocks(s.order.decode_agent, src, dst, notif))
-            s.epoch = self.peers.epochs.get(s.order.decode_agent, 0)
+            s.epoch = epoch
         except ValueError as e:  # e.g. the peer was dropped meanwhile
             self._end(key, s, f"cannot post a WRITE: {e}")
             return False

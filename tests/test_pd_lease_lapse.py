@@ -17,6 +17,8 @@ compares two hosts' readings.
 
 import pytest
 
+from pdserve.kv_transfer import messages as m
+from pdserve.kv_transfer.base import Released
 from pdserve.kv_transfer.decode_side import RecvState
 from pdserve.kv_transfer.prefill_side import SendState
 from tests.pd_sim.cluster import Clocks, Cluster, InvariantViolation, Timing
@@ -287,3 +289,68 @@ def test_a_fence_costs_no_second_fence_through_the_writes_it_failed():
     assert c.reqs["b"].tokens == expected_output(list(range(100, 140)), 2)
     for addr in c.addrs:  # each prefill node took the new hello's epoch
         assert c.prefills[addr].kv_role.connector.peers.epochs == {"d": 1}
+
+
+def test_a_need_hello_reject_after_the_abort_releases_and_sends_no_order_again():
+    """An order the prefill node rejected for want of a hello, the reject arriving after the
+    decode node had failed the attempt and sent its abort: the decode node used to say
+    hello and send the order again, which a prefill node whose abort tombstone had
+    expired then ran, WRITEing into blocks released on the abort's ack (seed 1426 of the
+    seeded simulation with long drains). The reject is now the attempt's end message."""
+    c = Cluster(faults=Faults(ctl_delay=0.0), num_prefill=1)
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: key in c.dside.states())
+    att = c.dside._attempts[key]
+    c.dside._fail(key, att, "no KV within the deadline (test)")
+    sent = []
+    real_send = c.dside.control.send
+    c.dside.control.send = lambda node, msg, k=None: sent.append(msg) or real_send(node, msg, k)
+    reject = m.PrefillRejected(request_id="a", attempt=1, reason="unknown decode agent")
+    reject.need_hello = True
+    assert c.dside._on_control(att.node, reject) == [Released(key)]
+    assert sent == [] and key not in c.dside._attempts
+
+
+def test_an_attempt_of_a_connection_from_before_a_fence_posts_nothing_to_the_new_agent():
+    """The prefill node has loaded the decode agent's new metadata (epoch 1, from a new
+    connection's hello) while "a", ordered on a connection whose hello named epoch 0,
+    still has blocks to send. Its WRITE would reach the new agent under a lease the decode
+    node no longer counts, so it is not posted and "a" ends; an attempt of a connection
+    that said hello under epoch 1 posts. (Without the check the seeded simulation with
+    long drains found a block reused under such a WRITE, seed 1659.)"""
+    c = slow_link_cluster()
+    side = c.prefills[c.addrs[0]].kv_role.connector
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: key in side.states())
+    s = side._sends[key]
+    assert side.peers.hello_epochs[s.ident] == 0
+    side.peers.epochs["d"] = 1  # as after the new connection's hello
+    before = len(s.handles)
+    assert not side._post(key, s, [0], [s.order.dst_block_ids[0]], None)
+    assert len(s.handles) == before and s.state is SendState.ENDING
+    assert "dropped its KV connections" in s.reply.reason
+    side.peers.hello_epochs[s.ident] = 1  # a connection that said hello under epoch 1
+    s.state = SendState.COMPUTING
+    assert side._post(key, s, [0], [s.order.dst_block_ids[0]], None)
+    assert len(s.handles) == before + 1 and s.epoch == 1
+
+
+def test_a_stale_hello_does_not_load_the_dropped_agent_again():
+    """A hello of an older epoch (an older connection's, delivered late) is ignored: the
+    prefill node keeps the decode agent's newer metadata loaded, and the late hello's
+    connection can post nothing (its epoch is not the loaded one)."""
+    c = slow_link_cluster()
+    side = c.prefills[c.addrs[0]].kv_role.connector
+    plane, target = c.world.planes["p0"], c.world.planes["d"]
+    c.submit("a", PROMPT, 2)
+    step_until(c, lambda: side.peers.epochs.get("d") == 0)
+    old_md = target.local_metadata()
+    target.fence_incoming()
+    side.peers.hello(b"new-link", target.local_metadata(), set(), 1)
+    assert side.peers.epochs["d"] == 1 and plane._peer_md["d"] == b"sim:1"
+    side.peers.hello(b"late-old-link", old_md, set(), 0)
+    assert side.peers.epochs["d"] == 1 and plane._peer_md["d"] == b"sim:1"
+    assert side.peers.hello_epochs[b"late-old-link"] == 0
+    assert b"late-old-link" not in side.peers.agents  # its orders ask for a hello again

@@ -2,7 +2,9 @@
 KV cache managers and connector sides (`pdserve.kv_transfer.decode_side`/`prefill_side`, the real
 `DecodeControl` liveness and queues) over an in-memory transport that delays, reorders
 and drops control messages, delays and fails WRITEs, stalls and kills prefill nodes, and
-aborts and retries requests at random points (tests/pd_sim/).
+aborts and retries requests at random points (tests/pd_sim/). For a quarter of the seeds a
+stopped or dead sender's data goes on landing for 5 s (`Faults.drain_s`), longer than any
+grace: only the decode node's data fences keep it out of reused blocks.
 
 Invariants at every simulated step (`Cluster.check_step`): no block is handed to another
 owner while a WRITE into it may still land; every request ends within its deadlines

@@ -21,7 +21,6 @@ from pdserve.kv_transfer.prefill_side import PrefillSide
 from pdserve.prefill.role import PrefillRole
 from tests.pd_sim.stub_model import StubRunner, expected_output, stub_arch
 from tests.pd_sim.world import (
-    CANCEL_WINDOW_S,
     Faults,
     SimData,
     SimDealerLink,
@@ -203,16 +202,17 @@ class Cluster:
     def _hold_unprogressed_writes(self) -> None:
         """A node's NIXL moves data only while its engine thread calls into it (the
         connector runs no progress thread): a WRITE of a node that is stopped, hung or
-        dead moves no further than what the kernel already holds (`CANCEL_WINDOW_S`).
+        dead moves no further than what the kernel already holds (`Faults.drain_s`).
         A dead node's lands by then; a stopped or hung node's is held until the node
         runs again, and cancelling it then lands nothing more (see `SimData.release`)."""
         now, names = self.world.now, {f"p{i}": a for i, a in enumerate(self.addrs)}
+        drain = self.world.faults.drain_s
         for w in self.world.writes:
             addr = names.get(w.plane.name)
-            if addr is None or w.at <= now + CANCEL_WINDOW_S:
+            if addr is None or w.at <= now + drain:
                 continue
             if addr in self.dead:
-                w.at = now + CANCEL_WINDOW_S
+                w.at = now + drain
             elif max(self.stalled_until.get(addr, 0), self.hung_until.get(addr, 0)) > now:
                 w.at, w.held = w.at + self.t.dt, True
 

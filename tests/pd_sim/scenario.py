@@ -21,6 +21,9 @@ def run_seed(seed: int) -> Cluster:
         # a slow link now and then (drawn apart, so the other draws stay as they were):
         # WRITEs outlive leases, so a fence must cancel them (kv_transfer/prefill_send.py)
         write_floor=random.Random(seed * 31 + 7).choice([0.0] * 9 + [2.5]),
+        # a stopped or dead sender's data drains for longer than any grace now and then:
+        # only the decode node's data fence keeps it out of reused blocks (decode_side)
+        drain_s=random.Random(seed * 17 + 3).choice([0.1] * 3 + [5.0]),
     )
     num_prefill = rng.choice([1, 2])
     # every host's clock: any offset at all, and a rate error within the protocol's bound

@@ -36,9 +36,12 @@ class Faults:
     write_fail: float = 0.0  # probability a WRITE fails
     notif_delay: float = 0.01
     step_time: float = 0.0  # max time a prefill step's model execution takes (s)
+    # how long after its sender stopped (or died) a WRITE may still land: what the kernel's
+    # buffers hold, at the link's rate, or a partition's length (tests/multihost/test_cancel.py)
+    drain_s: float = 0.1
 
 
-CANCEL_WINDOW_S = 0.1  # a stopped WRITE may still land this long after (grace covers it)
+CANCEL_WINDOW_S = Faults.drain_s  # the default drain (within the grace)
 
 
 class Inbox:
@@ -237,13 +240,18 @@ class SimData:
         self.world, self.name, self.kv = world, name, kv
         self.layout = KVLayout.from_tensor(kv)
         self._peers: dict[str, KVLayout] = {}
+        self._peer_md: dict[str, bytes] = {}  # the agent instance each peer's metadata names
+        self.instance = 0  # as NIXL's agent: a new one (new address) at each fence_incoming
         self.notifs = Inbox(world)
         self._inflight: dict[int, SimWrite | None] = {}
         self._ids = itertools.count()
         world.planes[name] = self
 
     def local_metadata(self) -> bytes:
-        return msgspec.msgpack.encode(PeerMetadata(self.name, b"sim", self.layout))
+        return msgspec.msgpack.encode(PeerMetadata(self.name, self._address(), self.layout))
+
+    def _address(self) -> bytes:
+        return f"sim:{self.instance}".encode()
 
     def add_peer(self, metadata: bytes) -> str:
         md = msgspec.msgpack.decode(metadata, type=PeerMetadata)
@@ -251,6 +259,7 @@ class SimData:
         if md.agent_name not in self.world.planes:
             raise ValueError(f"unknown agent {md.agent_name!r}")
         self._peers[md.agent_name] = md.layout
+        self._peer_md[md.agent_name] = md.agent_metadata
         return md.agent_name
 
     @property
@@ -260,6 +269,7 @@ class SimData:
     def remove_peer(self, peer: str) -> None:
         """As NIXL: pending WRITEs to `peer` end FAILED, but their data goes on moving."""
         self._peers.pop(peer, None)
+        self._peer_md.pop(peer, None)
         for w in self._inflight.values():
             if w is not None and w.handle.peer == peer and w.handle.state is TransferState.PENDING:
                 w.let_go()
@@ -285,6 +295,12 @@ class SimData:
                 raise ValueError("block id out of range")
         f = self.world.faults
         h = TransferHandle(next(self._ids), peer, TransferStats(bytes=len(src), descriptors=1))
+        if self._peer_md[peer] != self.world.planes[peer]._address():
+            # metadata of an agent the peer has since dropped (fence_incoming): as UCX's
+            # refused connection, the WRITE fails at once and nothing of it moves
+            h.state = TransferState.FAILED
+            self._inflight[h.id] = None
+            return h
         fails = self.world.rng.random() < f.write_fail
         w = SimWrite(self, self.world.planes[peer], src, dst, notif, h, 0.0, fails)
         w.at = self.world.now + f.write_floor + self.world.delay(f.write_delay)
@@ -315,7 +331,7 @@ class SimData:
                 w.handle.state = TransferState.FAILED
                 stopped += 1
             if not w.held and self.world.rng.random() < 0.5:
-                w.at = min(w.at, self.world.now + CANCEL_WINDOW_S)
+                w.at = min(w.at, self.world.now + self.world.faults.drain_s)
                 w.let_go()
             else:
                 w.cancelled = True
@@ -330,6 +346,7 @@ class SimData:
                 w.handle.state = TransferState.FAILED
             w.cancelled = True
             self.world.writes.remove(w)
+        self.instance += 1
         self.world.incoming_fences += 1
 
     def get_notifs(self) -> dict[str, list[bytes]]:
