@@ -142,7 +142,9 @@ class DecodeControl:
         self._closed: dict[int, float] = {}  # generation -> nothing of it lands after
         self._gens = 0
         self._seq = 0
-        self.hello_missing = False  # a link was opened while `hello` could not be made
+        # a link lacks our current hello: opened while `hello` could not be made, or the
+        # owner's data plane changed since (its owner then calls `hello_all`)
+        self.hello_missing = False
 
     # -- sending -------------------------------------------------------------------------
     def send(self, node: str, msg: m.ToPrefill, key: tuple[str, int] | None = None) -> bool:

@@ -25,9 +25,9 @@ All times are this host's monotonic clock (`clock`); the order carries only a du
 land, or fencing does: the control connection is closed, so the prefill node's lease to
 post WRITEs on it is not renewed, and once the last lease granted on it ran out (with
 the clocks' rate bound) and `abort_grace_s` more (the prefill node cancels what is in
-flight when its lease lapses, kv_transfer/prefill_send.py, and what the network still
-carried lands within the grace) nothing of it can land (`DecodeControl.fence`). An order still in the
-local send queue when its attempt fails or is cancelled was never sent: it is withdrawn
+flight when its lease lapses, kv_transfer/prefill_send.py, and the data fence above drops
+what the network still carries) nothing of it can land (`DecodeControl.fence`). An order
+still in the local send queue when its attempt fails or is cancelled was never sent: it is withdrawn
 and released at once. A message from another peer, or another connection, about the
 attempt is ignored. The control channel and the data plane are passed in, so the same
 logic runs over ZMQ + NIXL and over the seeded simulator's in-memory transport.
@@ -106,7 +106,6 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         self._attempts: dict[TransferKey, _Attempt] = {}
         self._events: list[DecodeEvent] = []
         self.num_data_fences = 0
-        self._hello_due = False  # the data plane was fenced: its new metadata goes out
 
     def _hello(self) -> m.PeerHello:
         return m.PeerHello(agent_metadata=self._data.local_metadata(), epoch=self.num_data_fences)
@@ -148,7 +147,7 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
     # -- polling ---------------------------------------------------------------------------
     def poll(self) -> list[DecodeEvent]:
         events, self._events = self._events, []
-        if self._hello_due or self.control.hello_missing:
+        if self.control.hello_missing:
             self._send_hellos()
         for agent, msgs in self._data.get_notifs().items():
             for raw in msgs:
@@ -221,7 +220,7 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         their attempts end; the new metadata goes to every connected peer."""
         self._data.fence_incoming()
         self.num_data_fences += 1
-        self._hello_due = True
+        self.control.hello_missing = True  # every link's hello names the dropped agent
         logger.warning("dropped every incoming KV connection (fence %d)", self.num_data_fences)
 
     def _send_hellos(self) -> None:
@@ -230,7 +229,6 @@ class DecodeSide(DataPlaneOwner, DecodeConnector):
         except RuntimeError as e:  # the data plane is down (our link is): a later poll
             logger.debug("no hello yet: %s", e)
             return
-        self._hello_due = False
         self.control.hello_all(hello)
 
     def _on_done(self, agent: str, msg: m.PrefillDone) -> list[DecodeEvent]:

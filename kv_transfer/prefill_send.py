@@ -4,10 +4,11 @@ may still be moving.
 A WRITE is posted only while the decode node's lease on the connection runs
 (`PrefillSide._may_post`), but a WRITE posted in time may still be moving when the lease
 ends: a slow link, a long engine step before NIXL was progressed again, or a prefill
-process stopped and resumed. The decode node releases a fenced connection's blocks after its last lease plus
-`abort_grace_s`, whatever the two hosts' clocks read (and drops its incoming data-plane
-connections before that, kv_transfer/decode_side.py, for what the network holds), so once the lease has lapsed (this host's monotonic clock) with a WRITE of the
-connection still PENDING, the prefill side stops every WRITE in flight
+process stopped and resumed. The decode node releases a fenced connection's blocks after
+its last lease plus `abort_grace_s`, whatever the two hosts' clocks read (and drops its
+incoming data-plane connections before that, for what the network still holds:
+kv_transfer/decode_side.py), so once the lease has lapsed (this host's monotonic clock)
+with a WRITE of the connection still PENDING, the prefill side stops every WRITE in flight
 (`DataPlane.stop_writes`) before anything progresses a transfer further. Releasing the
 handle would not do: NIXL frees the request while UCX goes on sending its data until the
 whole WRITE has landed (measured over real NIXL between two hosts,

@@ -6,7 +6,7 @@ it land in blocks the decode node has since released and given to another reques
 Runs on the simulated cluster (tests/pd_sim: real roles, schedulers, KV managers and
 connector sides, an in-memory data plane that behaves as NIXL was measured to: a
 released WRITE goes on landing, `stop_writes` stops it, though it may still land up to
-`CANCEL_WINDOW_S` later; tests/multihost/test_cancel.py). `Cluster.check_step` fails the
+`Faults.drain_s` later; tests/multihost/test_cancel.py). `Cluster.check_step` fails the
 run the moment a block is reused while a WRITE into it may still land, and the stub
 model reads only KV equal to its true prefix, so the reused blocks' next owner decodes
 exactly only if nothing late landed. With releases alone (the code before the stop) every
@@ -229,7 +229,7 @@ def test_an_end_message_after_a_stop_has_the_decode_node_fence_first(honoured, m
     WRITE to the decode agent of this epoch is unsettled, so the decode node fences its
     data plane before releasing the blocks; ignoring that, the stopped WRITE lands in
     blocks "b" was given (for some seeds: half the stopped WRITEs land, within
-    `CANCEL_WINDOW_S`)."""
+    `Faults.drain_s`)."""
     from pdserve.kv_transfer import decode_side
 
     if not honoured:

@@ -41,9 +41,6 @@ class Faults:
     drain_s: float = 0.1
 
 
-CANCEL_WINDOW_S = Faults.drain_s  # the default drain (within the grace)
-
-
 class Inbox:
     """Messages that become readable at their delivery time (delays reorder them)."""
 
