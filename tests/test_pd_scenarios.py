@@ -6,6 +6,7 @@ real `DecodeControl` over real ZMQ sockets. Scenario 3 (NaN temperature) is in
 test_request_validation.py and test_server.py; scenario 7 (CUDA event) is issue 16's.
 """
 
+import contextlib
 import math
 import time
 
@@ -305,3 +306,56 @@ def _order(rid, attempt, *, dst, prompt=None, agent="d") -> m.PrefillOrder:
         dst_block_ids=dst,
         ttl_s=60.0,
     )
+
+
+@pytest.mark.parametrize("epoch", ["x", -5, 2**62], ids=["not-an-int", "negative", "huge"])
+def test_5_a_hostile_epoch_costs_the_prefill_node_nothing(epoch):
+    """A peer's `PeerHello.epoch` that is not an int is a malformed frame (dropped); a
+    negative or huge one only governs that peer's own agent. The honest decode node's
+    transfers go on."""
+    c = Cluster(num_prefill=1)
+    link = _hostile_link(c)
+    md = msgspec.msgpack.encode(PeerMetadata("evil", b"", c.world.planes["evil"].layout))
+    link.send(msgspec.msgpack.encode({"type": "PeerHello", "agent_metadata": md, "epoch": epoch}))
+    with pytest.raises(m.MalformedMessage) if isinstance(epoch, str) else contextlib.nullcontext():
+        m.decode_to_prefill(
+            msgspec.msgpack.encode({"type": "PeerHello", "agent_metadata": md, "epoch": epoch})
+        )
+    c.submit("ok", PROMPT, 3)
+    c.run_until_idle()
+    c.check_final()
+    assert c.reqs["ok"].tokens == expected_output(PROMPT, 3)
+    peers = c.prefills[c.addrs[0]].kv_role.connector.peers
+    assert peers.epochs["d"] == 0 and c.decode.stats().prefill_paths == {"remote": 1}
+
+
+@pytest.mark.parametrize("epoch", ["x", -5, 2**62], ids=["not-an-int", "negative", "huge"])
+def test_5_a_hostile_unsettled_epoch_costs_the_decode_node_one_fence_at_most(epoch):
+    """An end message's `unsettled_epoch` from a prefill node: not an int, the frame is
+    malformed (dropped, the attempt ends by its own deadline); any int ends the attempt,
+    a huge one with one data fence (at most one per attempt: it is gone after). The next
+    request is prefilled remotely and decodes exactly."""
+    c = Cluster(faults=Faults(ctl_delay=0.0), num_prefill=1)
+    c.submit("a", PROMPT, 2)
+    key = ("a", 1)
+    step_until(c, lambda: key in c.dside.states())
+    frame = msgspec.msgpack.encode(
+        {"type": "AbortAck", "request_id": "a", "attempt": 1, "unsettled_epoch": epoch}
+    )
+    if isinstance(epoch, str):
+        with pytest.raises(m.MalformedMessage):
+            m.decode_to_decode(frame)
+    else:
+        msg = m.decode_to_decode(frame)
+        node = c.dside._attempts[key].node
+        events = c.dside._on_control(node, msg)  # as `poll` does with a received frame
+        assert events  # the attempt ended (RecvFailed, Released)
+        c.dside._events += events  # for the decode role's next poll
+        assert c.dside._on_control(node, msg) == []  # once: the attempt is gone
+        assert c.dside.num_data_fences == (1 if epoch > 0 else 0)
+    c.run_until_idle(max_s=60)
+    c.submit("b", list(range(100, 140)), 3)
+    c.run_until_idle(max_s=60)
+    c.check_final()
+    assert c.reqs["b"].tokens == expected_output(list(range(100, 140)), 3)
+    assert c.decode.stats().prefill_paths.get("remote", 0) >= 1
