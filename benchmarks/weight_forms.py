@@ -81,7 +81,13 @@ def cpu() -> dict:
     return info
 
 
-def run(dtype: torch.dtype, name: str, out_in: tuple[int, int], budget_s: float) -> list[dict]:
+def run(
+    dtype: torch.dtype,
+    name: str,
+    out_in: tuple[int, int],
+    budget_s: float,
+    rows_wanted: tuple[int, ...] = ROWS,
+) -> list[dict]:
     n, k = out_in
     silu = name == "gate_up"
     w = torch.randn(n, k).mul_(0.05).to(dtype)
@@ -94,7 +100,7 @@ def run(dtype: torch.dtype, name: str, out_in: tuple[int, int], budget_s: float)
     else:
         onednn = cpu_linear.pack_weight(w)
     rows = []
-    for m in ROWS:
+    for m in rows_wanted:
         x = torch.randn(m, k).to(dtype)
         row = {"dtype": str(dtype).removeprefix("torch."), "weight": name, "shape": [n, k]}
         row["rows"] = m
@@ -120,8 +126,11 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
     ap.add_argument("--budget-s", type=float, default=0.3, help="timing per cell")
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)),
+                    help="comma list of row counts (a prompt step of C: 4096)")  # fmt: skip
     ap.add_argument("--out", default="results/weight_forms.json")
     args = ap.parse_args()
+    rows_wanted = tuple(int(r) for r in args.rows.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
     if not gemm_packed.available():
@@ -130,7 +139,7 @@ def main() -> None:
     rows: list[dict] = []
     for dt in args.dtypes.split(","):
         for name, out_in in shapes(args.model).items():
-            rows += run(getattr(torch, dt), name, out_in, args.budget_s)
+            rows += run(getattr(torch, dt), name, out_in, args.budget_s, rows_wanted)
     result = {"cpu": cpu(), "threads": torch.get_num_threads(), "model": args.model}
     result["rows"] = rows
     out = Path(args.out)

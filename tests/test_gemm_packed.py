@@ -52,7 +52,7 @@ def check_all(dtype=torch.float32) -> None:
     for n, k in [(96, 64), (40, 96), (100, 37), (33, 5), (17, 130), (1, 1)]:
         w = rand(n, k)
         b, packed = rand(n), gemm_packed.Packed(w)
-        for m in [1, 2, 5, 8, 9, 13, 32, 33, 70]:
+        for m in [1, 2, 5, 8, 9, 13, 32, 33, 70]:  # 70: bf16 12-row chunks on vdpbf16ps
             x, res = rand(m, k), rand(m, n)
             ref = x.double() @ w.double().T
             got = packed.linear(x)
@@ -68,7 +68,7 @@ def check_all(dtype=torch.float32) -> None:
                 assert torch.equal(_gemm(x[:rows], packed, b, res[:rows], threads), y[:rows])
         wg = rand(2 * n, k)
         gate_up = gemm_packed.Packed(wg, silu=True)
-        for m in [1, 9, 33]:
+        for m in [1, 9, 33, 70]:  # 70: a bf16 call of 12-row chunks on vdpbf16ps
             x = rand(m, k)
             h = x.double() @ wg.double().T
             ref = torch.nn.functional.silu(h[:, :n]) * h[:, n:]
@@ -86,6 +86,18 @@ def check_all(dtype=torch.float32) -> None:
                 assert (rounded.float() - want.float()).abs().sum() < (
                     y.float() - want.float()
                 ).abs().sum()
+    # x larger than the kernel's row-block threshold (2 MiB: 1100 rows of K 1031, fp32 and
+    # bf16), so the call runs in blocks of rows: each row's bits as in a call of a few rows
+    n, k, m = 40, 1031, 1100
+    w, wg = rand(n, k), rand(2 * n, k)
+    b, packed, gate_up = rand(n), gemm_packed.Packed(w), gemm_packed.Packed(wg, silu=True)
+    x, res = rand(m, k), rand(m, n)
+    y, g = _gemm(x, packed, b, res), gate_up.gemm(x)
+    ref = x.double() @ w.double().T
+    _close(y, ref + b.double() + res.double(), k, dtype, inner=ref + b.double())
+    for r0, r1 in [(0, 9), (500, 570), (1030, 1100)]:
+        assert torch.equal(_gemm(x[r0:r1], packed, b, res[r0:r1], threads=1), y[r0:r1])
+        assert torch.equal(gate_up.gemm(x[r0:r1], threads=1), g[r0:r1])
     print("ok")
 
 

@@ -26,10 +26,11 @@
 // `pdserve_gemm_packed[_bf16]_team` runs inside an enclosing OpenMP parallel region (every
 // thread of the team calls it; panels split statically, no barrier at the end): the whole
 // decode forward of decode_forward.cpp is one parallel region. `pdserve_gemm_packed[_bf16]`
-// opens its own. Vector paths by -march (kernels/native.py): AVX-512 (V 16, MR 8), AVX2 +
-// FMA (V 8, MR 6), plain C++ (V 1, MR 4); the packed layout is the build's own (pack with
-// the same library). bf16 on a CPU with AMX: the same panels as AMX tiles
-// (gemm_panels_amx). Called through ctypes (kernels/gemm_packed.py): no torch headers.
+// opens its own. Vector paths by -march (kernels/native.py): AVX-512 (V 16, MR 8; bf16 on
+// vdpbf16ps MR 12 from kTallRows rows), AVX2 + FMA (V 8, MR 6), plain C++ (V 1, MR 4); the
+// packed layout is the build's own (pack with the same library). bf16 on a CPU with AMX:
+// the same panels as AMX tiles (gemm_panels_amx). Called through ctypes
+// (kernels/gemm_packed.py): no torch headers.
 
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -486,7 +487,69 @@ inline bool amx_takes(int64_t k) {
 #endif
 }
 
-// Panels [p0, p1) for all m rows.
+// Panels [p0, p1) for m rows, in chunks of RC rows.
+template <int RC, typename T, typename Y>
+void gemm_panels_block(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int silu,
+                       const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
+                       int64_t p0, int64_t p1) {
+  const int64_t cp = cols_per_panel(silu != 0), pe = panel_elems<T>(k);
+  // The next panel streams from DRAM while this one computes: chunk c of n prefetches the
+  // c-th n-th of it, so the read is spread over the whole panel's time, not bunched into
+  // its first chunk (which then ran memory-bound). The thread's first panel prefetches
+  // itself PF rows ahead in its first chunk.
+  const int64_t chunks = (m + RC - 1) / RC;
+  const int64_t panel_bytes = pe * static_cast<int64_t>(sizeof(T));
+  const int64_t group_bytes = P * Elem<T>::KP * static_cast<int64_t>(sizeof(T));
+  const int64_t pf_step = std::max<int64_t>(1, group_bytes / chunks);
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t j0 = p * cp, cols = std::min(cp, n - j0);
+    const T* wpp = wp + p * pe;
+    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(wpp + pe) : nullptr;
+    for (int64_t c = 0, m0 = 0; m0 < m; ++c, m0 += RC)
+      rows_chunk<RC>(x + m0 * xs, xs, wpp, k, silu, bias, res == nullptr ? nullptr : res + m0 * rs,
+                     rs, y + m0 * ys, ys, j0, cols, std::min<int64_t>(RC, m - m0),
+                     p == p0 && m0 == 0, next == nullptr ? nullptr : next + c * panel_bytes / chunks,
+                     pf_step);
+  }
+}
+
+// Rows of x in blocks where x is larger than an L2 cache (a prompt step's): each block runs
+// every panel of the thread before the next block starts, so x's block stays in L2 while
+// the panels stream past it (a panel, 36-110 KiB for the default model, is read again for
+// each block from L3 or DRAM). Unblocked, every panel read all of x again from L3: at a
+// prompt step of 4096 rows (workload C) the panel GEMM took 1.08x (bf16) and 1.18x (fp32)
+// oneDNN's time on Zen 4; blocked 0.98x and 0.94-0.99x (benchmarks/weight_forms.py
+// --rows 4096). Decode steps (up to 256 rows, the weights cold) stay unblocked: there a
+// second pass over a panel is a second read from DRAM. A row's result is the same either way.
+constexpr int64_t kBlockAboveBytes = 2 << 20;  // x larger than this: blocked
+constexpr int64_t kRowBlockBytes = 256 << 10;  // x's rows a block (L2 is 512 KiB-2 MiB)
+
+// Panels [p0, p1) for all m rows, in chunks of RC rows, in blocks of rows where x is large.
+template <int RC, typename T, typename Y>
+void gemm_panels_rc(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int silu,
+                    const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
+                    int64_t p0, int64_t p1) {
+  const int64_t row_bytes = std::max<int64_t>(1, k * static_cast<int64_t>(sizeof(T)));
+  int64_t mb = m;
+  if (m * row_bytes > kBlockAboveBytes)
+    mb = std::max<int64_t>(RC, kRowBlockBytes / row_bytes / RC * RC);
+  for (int64_t b0 = 0; b0 < m; b0 += mb)
+    gemm_panels_block<RC>(x + b0 * xs, xs, wp, n, k, silu, bias,
+                          res == nullptr ? nullptr : res + b0 * rs, rs, y + b0 * ys, ys,
+                          std::min(mb, m - b0), p0, p1);
+}
+
+// bf16 on vdpbf16ps, calls of kTallRows rows or more: chunks of MR_TALL rows (24
+// accumulators + 2 weight vectors + 1 broadcast of the 32 zmm registers), each weight vector
+// loaded once for 12 rows, not 8. On Zen 4 (2 threads, the default model's projections,
+// benchmarks/weight_forms.py) this took the panel GEMM from 1.03-1.11x oneDNN's time to
+// 0.93-0.99x at 64-512 rows; fp32 was as fast or slower with it, so fp32 keeps MR. A row's
+// result is the same either way (its own accumulators, k in order).
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr int MR_TALL = 12;
+constexpr int64_t kTallRows = 64;
+#endif
+
 template <typename T, typename Y>
 void gemm_panels(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int silu,
                  const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
@@ -500,25 +563,13 @@ void gemm_panels(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int 
     }
   }
 #endif
-  const int64_t cp = cols_per_panel(silu != 0), pe = panel_elems<T>(k);
-  // The next panel streams from DRAM while this one computes: chunk c of n prefetches the
-  // c-th n-th of it, so the read is spread over the whole panel's time, not bunched into
-  // its first chunk (which then ran memory-bound). The thread's first panel prefetches
-  // itself PF rows ahead in its first chunk.
-  const int64_t chunks = (m + MR - 1) / MR;
-  const int64_t panel_bytes = pe * static_cast<int64_t>(sizeof(T));
-  const int64_t group_bytes = P * Elem<T>::KP * static_cast<int64_t>(sizeof(T));
-  const int64_t pf_step = std::max<int64_t>(1, group_bytes / chunks);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t j0 = p * cp, cols = std::min(cp, n - j0);
-    const T* wpp = wp + p * pe;
-    const char* next = p + 1 < p1 ? reinterpret_cast<const char*>(wpp + pe) : nullptr;
-    for (int64_t c = 0, m0 = 0; m0 < m; ++c, m0 += MR)
-      rows_chunk<MR>(x + m0 * xs, xs, wpp, k, silu, bias, res == nullptr ? nullptr : res + m0 * rs,
-                     rs, y + m0 * ys, ys, j0, cols, std::min<int64_t>(MR, m - m0),
-                     p == p0 && m0 == 0, next == nullptr ? nullptr : next + c * panel_bytes / chunks,
-                     pf_step);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == 2) {
+    if (m >= kTallRows)
+      return gemm_panels_rc<MR_TALL>(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, p0, p1);
   }
+#endif
+  gemm_panels_rc<MR>(x, xs, wp, n, k, silu, bias, res, rs, y, ys, m, p0, p1);
 }
 
 // This thread's share of the panels, for a team of nt threads.
