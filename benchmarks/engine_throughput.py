@@ -8,8 +8,9 @@ Workloads (prompts are seeded random token ids, EOS ignored):
   C: 32 prompts x 128 tokens -> 1 new token     (prompt tok/s; prefill)
 Each in fp32 and bf16, and with `--modes eager,compiled` both ways in the same run (the
 compiled step: engine/compiled_model.py), `eager+plain` for the engine with its plain
-projection weights kept (`model.keep_plain_weights`), and `eager+panel` for prompt steps on
-the batched forward's panel copies, no oneDNN copy (`model.prompt_gemm: panel`). Prints one
+projection weights kept (`model.keep_plain_weights`), and `eager+panel` / `eager+onednn` for
+prompt steps on the batched forward's panel copies (no oneDNN copy) / on oneDNN's copy
+(`model.prompt_gemm: panel` / `onednn`; plain `eager` is the default, `auto`). Prints one
 JSON line per workload and writes them all to --out.
 
     python benchmarks/engine_throughput.py --dtypes float32 --repeats 3 --peer vllm
@@ -150,8 +151,8 @@ def main() -> None:
     ap.add_argument("--modes", default="eager",
                     help="comma list of eager, compiled: the model step (engine/compiled_model.py); "
                          "+plain (eager+plain): the plain projection weights kept "
-                         "(`model.keep_plain_weights`); +panel (eager+panel): prompt "
-                         "steps on the panel copies (`model.prompt_gemm: panel`)")  # fmt: skip
+                         "(`model.keep_plain_weights`); +panel / +onednn (eager+panel): "
+                         "`model.prompt_gemm` panel / onednn, not the default auto")  # fmt: skip
     ap.add_argument("--kv-cache-bytes", type=int, default=1 << 30,
                     help="B needs ~380 MB in fp32; less leaves memory to a shared box")  # fmt: skip
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -187,7 +188,7 @@ def main() -> None:
                 kv_cache_bytes=args.kv_cache_bytes,
                 enforce_eager=mode.split("+")[0] == "eager",
                 keep_plain_weights="+plain" in mode,
-                prompt_gemm="panel" if "+panel" in mode else "onednn",
+                prompt_gemm=next((g for g in ("panel", "onednn") if f"+{g}" in mode), "auto"),
                 tensor_parallel_size=args.tensor_parallel_size,
             )
             comm = getattr(llm.engine.runner, "comm", None)  # a TP node's collectives

@@ -7,8 +7,10 @@ RSS. Modes, alternated run by run on the same box:
 - `lazy`: `--no-kv-populate`: each page faults in at its first write, on the request path.
 - `plain`: `background` with `--keep-plain-weights`: the plain projection weights kept beside
   their packed copies (by default they are freed where both packed copies hold them).
-- `panel`: `background` with `--prompt-gemm panel`: prompt steps on the batched forward's
-  panel copies, no oneDNN copy of the projections (one form of each weight).
+- `panel` / `onednn`: `background` with `--prompt-gemm panel` / `onednn`: prompt steps on
+  the batched forward's panel copies, no oneDNN copy of the projections (one form of each
+  weight) / on oneDNN's copy (two forms). `background` is the default, `auto`, which is one
+  of the two by the CPU (engine/model_build.py, `prompt_gemm_form`).
 
 The earlier design (the whole cache faulted in before the engine is ready) took load +
 pack + fault-in seconds to become healthy: the split below gives that sum too.
@@ -97,8 +99,8 @@ def one_run(mode: str, seed: int, args) -> dict:
         cmd.append("--no-kv-populate")
     if mode == "plain":
         cmd.append("--keep-plain-weights")
-    if mode == "panel":
-        cmd += ["--prompt-gemm", "panel"]
+    if mode in ("panel", "onednn"):
+        cmd += ["--prompt-gemm", mode]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PDSERVE_KV_POPULATE", None)
     started = dt.datetime.now()

@@ -39,7 +39,7 @@ class LLM:
         kv_layout: str = "layer_major",  # or "block_major" (engine/kv_tensor.py)
         batched_decode: bool = True,  # CPU fp32/bf16: engine/models/fused_decode.py
         keep_plain_weights: bool = False,  # CPU: FusedDecode.release_plain
-        prompt_gemm: str = "onednn",  # CPU: or "panel" (FusedDecode.serve_prompt_steps)
+        prompt_gemm: str = "auto",  # CPU: "onednn", "panel" (FusedDecode.serve_prompt_steps)
         kv_populate: bool = True,  # CPU: fault the KV cache in on a thread (kernels/fault_in.py)
         tensor_parallel_size: int = 1,  # ranks executing each step (engine/tp_runner.py)
     ):

@@ -15,6 +15,7 @@ from pdserve.engine.model_arch import ModelArch
 from pdserve.engine.models import get_model_class
 from pdserve.engine.models.cpu_linear import onednn_amx, onednn_available
 from pdserve.engine.models.fused_decode import FusedDecode
+from pdserve.kernels import ops as kernel_ops
 from pdserve.kernels.ops import GEMV_MAX_ROWS, packed_bf16_amx
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", index)
 
 
+def prompt_gemm_form(setting: str, dtype: torch.dtype) -> str:
+    """`model.prompt_gemm` for this CPU: `onednn` or `panel` as set; `auto` the panel copies
+    where their GEMM was measured at least as fast as oneDNN's at prompt row counts, so each
+    projection is held once: an AVX-512 build on a CPU without AMX, fp32, or bf16 on the
+    CPU's bf16 dot products (Zen 4, `benchmarks/weight_forms.py`: 0.86-0.97x oneDNN's time
+    at 64-512 rows in fp32, 0.93-0.99x in bf16, 0.94-0.99x at a 4096-row prompt step; C as
+    fast: docs/benchmarks.md, "One form"). Elsewhere oneDNN's: on a Xeon with AMX the panels
+    were 3-17 % slower in fp32 and bf16 runs on oneDNN's AMX kernels; on AVX2 they are not
+    measured yet."""
+    if setting != "auto":
+        return setting
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if kernel_ops.packed_vector_bits() != 512 or (amx is not None and amx()):
+        return "onednn"
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and kernel_ops.packed_bf16_native()):
+        return "panel"
+    return "onednn"
+
+
 def pack_weights(
     model: torch.nn.Module,
     config: EngineConfig,
@@ -82,12 +102,11 @@ def pack_weights(
     forward's panels), the fused native decode (engine/models/fused_decode.py), and the
     plain projection weights freed where the packed copies hold them all."""
     mc = config.model
-    # model.prompt_gemm "panel": prompt steps on the batched forward's panel copies, no
-    # oneDNN copy (below); not for TP ranks or the compiled step (oneDNN's as before)
-    panels = (
-        mc.prompt_gemm == "panel" and device.type == "cpu" and single_device
-        and not mc.compiled
-    )  # fmt: skip
+    # model.prompt_gemm "panel" (or "auto" on a CPU where it resolves so): prompt steps on
+    # the batched forward's panel copies, no oneDNN copy (below); not for TP ranks or the
+    # compiled step (oneDNN's as before)
+    form = prompt_gemm_form(mc.prompt_gemm, dtype) if device.type == "cpu" else "onednn"
+    panels = form == "panel" and single_device and not mc.compiled
     if mc.prompt_gemm == "panel" and device.type == "cpu" and not panels:
         logger.info("prompt_gemm panel: not for a TP rank or the compiled step; oneDNN's")
     if mc.cpu_onednn and onednn_available(device, dtype) and not panels:

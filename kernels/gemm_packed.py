@@ -32,6 +32,13 @@ def bf16_native() -> bool:
     return lib is not None and bool(lib.pdserve_gemm_packed_bf16_native())
 
 
+def vector_bits() -> int:
+    """The library build's vector width in bits: 512 (AVX-512), 256 (AVX2), 32 (plain C++);
+    0 where it cannot be built."""
+    lib = native.load_library("gemm_packed")
+    return 0 if lib is None else int(lib.pdserve_gemm_packed_isa())
+
+
 def bf16_amx(k: int = 32) -> bool:
     """True where bf16 GEMMs of inner dimension `k` run on AMX tiles (a CPU with AMX whose
     kernel granted this process the tile state, `k` a multiple of 32; kernels/csrc/

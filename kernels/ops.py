@@ -96,6 +96,10 @@ PackedWeight = gemm_packed.Packed
 packed_team_address = gemm_packed.team_address
 # whether bf16 panel GEMMs of an inner dimension run on AMX tiles
 packed_bf16_amx = gemm_packed.bf16_amx
+# the panel GEMM library's vector width in bits (512, 256, 32; 0: none), and whether its
+# bf16 runs on the CPU's bf16 dot products (avx512_bf16)
+packed_vector_bits = gemm_packed.vector_bits
+packed_bf16_native = gemm_packed.bf16_native
 
 # The fused decode forward (kernels/decode_forward.py): the model described once
 # (`DecodeModel` with a `DecodeLayer` per layer), a step passes only its inputs.

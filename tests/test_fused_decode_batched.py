@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.model_build import prompt_gemm_form
 from pdserve.engine.models import cpu_linear
 from pdserve.engine.models.cpu_linear import (
     PackedLinear,
@@ -25,6 +26,7 @@ from pdserve.engine.models.cpu_linear import (
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.engine.step_plan import ForwardPath, StepPlan
 from pdserve.kernels import gemm_packed
+from pdserve.kernels import ops as kernel_ops
 from tests.conftest import make_tiny_llama
 from tests.hf_reference import hf_greedy, load_hf
 from tests.test_compiled_model import _decode_inputs
@@ -88,12 +90,14 @@ def test_plain_projection_weights_freed_where_both_packed_copies_hold_them(tiny_
     embedding's table) stays plain, its oneDNN copy dropped: every lm_head call runs the
     panel copy. `keep_plain_weights=True` keeps them all."""
     hf = load_hf(tiny_llama_dir)
-    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=512)
+    llm = LLM(tiny_llama_dir, prompt_gemm="onednn", block_size=4, num_blocks=512)
     model = llm.engine.runner.model
     fused = model.fused_decode
     linears = [m.weight for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * len(model.model.layers)
     assert all(released(w) and w.untyped_storage().nbytes() == 4 for w in linears)
+    # oneDNN's copies, for the prompt steps
+    assert all(is_packed(w) and not isinstance(cpu_linear._packed(w), PanelForm) for w in linears)
     assert not released(model.model.embed_tokens.weight)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for n in (1, 3, 10):
@@ -114,7 +118,8 @@ def test_plain_projection_weights_freed_where_both_packed_copies_hold_them(tiny_
     for p, o in zip(prompts[:3], llm.generate(prompts[:3], params)):
         assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
     llm.engine.check_integrity()
-    keep = LLM(tiny_llama_dir, keep_plain_weights=True, block_size=4, num_blocks=64)
+    keep = LLM(tiny_llama_dir, prompt_gemm="onednn", keep_plain_weights=True, block_size=4,
+               num_blocks=64)  # fmt: skip
     kept = keep.engine.runner.model
     assert not any(released(m.weight) for m in kept.modules() if isinstance(m, PackedLinear))
     assert kept.fused_decode.batch_from == 8
@@ -150,8 +155,57 @@ def test_prompt_steps_on_the_panel_copies(tiny_llama_dir, monkeypatch, dtype):
         hf = load_hf(tiny_llama_dir)
         assert outs == [hf_greedy(hf, p, params.max_tokens) for p in prompts]
     else:
-        ref = LLM(tiny_llama_dir, dtype=dtype, block_size=4, num_blocks=512)
+        ref = LLM(tiny_llama_dir, dtype=dtype, prompt_gemm="onednn", block_size=4,
+                  num_blocks=512)  # fmt: skip
         assert [o[0] for o in outs] == [r.token_ids[0] for r in ref.generate(prompts, params)]
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "bits,amx,bf16_native,want",
+    [
+        (512, False, True, ("panel", "panel")),  # Zen 4: measured as fast
+        (512, False, False, ("panel", "onednn")),  # bf16 widened to fp32: not measured
+        (512, True, True, ("onednn", "onednn")),  # a Xeon with AMX: the panels slower
+        (256, False, False, ("onednn", "onednn")),  # AVX2: not measured yet
+        (32, False, False, ("onednn", "onednn")),
+    ],
+)
+def test_prompt_gemm_auto_by_the_cpu(monkeypatch, bits, amx, bf16_native, want):
+    """`prompt_gemm: auto` is the panel copies where they measured as fast as oneDNN's, by
+    the library's vector width, AMX and native bf16 (fp32, bf16); a setting other than auto
+    is taken as it is."""
+    monkeypatch.setattr(kernel_ops, "packed_vector_bits", lambda: bits)
+    monkeypatch.setattr(kernel_ops, "packed_bf16_native", lambda: bf16_native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    got = tuple(prompt_gemm_form("auto", d) for d in (torch.float32, torch.bfloat16))
+    assert got == want
+    for setting in ("onednn", "panel"):
+        assert prompt_gemm_form(setting, torch.float32) == setting
+
+
+def test_the_default_engine_holds_one_form_where_auto_picks_the_panels(tiny_llama_dir):
+    """The default engine (`prompt_gemm: auto`) on this CPU: one form of each projection (no
+    oneDNN copy, the plain weights freed) where auto resolves to the panels, as on an
+    AVX-512 CPU without AMX; oneDNN's copy beside the panels elsewhere; greedy tokens equal
+    Hugging Face's either way."""
+    form = prompt_gemm_form("auto", torch.float32)
+    if not os.environ.get("PDSERVE_KERNEL_MARCH"):  # the library built for this CPU
+        flags = _cpu_flags()
+        assert (form == "panel") == ("avx512f" in flags and "amx_tile" not in flags)
+    llm = LLM(tiny_llama_dir, block_size=4, num_blocks=256)
+    model = llm.engine.runner.model
+    linears = [m.weight for m in model.modules() if isinstance(m, PackedLinear)]
+    forms = [cpu_linear._packed(w) for w in linears]
+    assert [isinstance(f, PanelForm) for f in forms] == [form == "panel"] * len(linears)
+    assert all(f is not None for f in forms)  # oneDNN's copy where not the panels
+    if form == "panel":
+        assert all(released(w) for w in linears)
+    hf = load_hf(tiny_llama_dir)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(3, [5, 40, 17], seed=11)
+    for p, o in zip(prompts, llm.generate(prompts, params)):
+        assert o.token_ids == hf_greedy(hf, p, params.max_tokens)
     llm.engine.check_integrity()
 
 
@@ -261,9 +315,8 @@ def test_batched_bf16_rounds_as_the_unfused_per_op_mlp(tiny_llama_dir, monkeypat
     from pdserve.engine import model_build
 
     monkeypatch.setattr(model_build, "onednn_available", lambda device, dtype: False)
-    llm = LLM(
-        tiny_llama_dir, keep_plain_weights=True, dtype="bfloat16", block_size=4, num_blocks=512
-    )
+    llm = LLM(tiny_llama_dir, keep_plain_weights=True, dtype="bfloat16", block_size=4,
+              num_blocks=512, prompt_gemm="onednn")  # as `auto` there: no native bf16  # fmt: skip
     runner = llm.engine.runner
     assert _batched(llm)._model.silu_mode == 2
     _batched_close_to_per_op(runner, [(9, 1), (33, 2), (64, 2)])

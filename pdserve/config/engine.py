@@ -44,13 +44,14 @@ class ModelSettings(Settings):
         "`batched_decode` and oneDNN both pack them, the plain copy is freed and every "
         "decode step of up to 256 rows runs on the batched forward",
     )
-    prompt_gemm: Literal["onednn", "panel"] = setting(
-        "onednn",
+    prompt_gemm: Literal["auto", "onednn", "panel"] = setting(
+        "auto",
         "CPU fp32/bf16: what the GEMMs of steps with prompt tokens run on. onednn: a copy of "
         "every projection prepacked for oneDNN; panel: the batched decode forward's panel "
         "copy (with `batched_decode`), so no oneDNN copy is made and, the plain weights "
-        "freed, each projection is held once (fp32 as fast on Zen 4, bf16 prompts slower: "
-        "docs/benchmarks.md)",
+        "freed, each projection is held once; auto: panel on an AVX-512 CPU without AMX "
+        "(fp32, or bf16 with avx512_bf16), where it measured as fast, else onednn "
+        "(docs/benchmarks.md)",
     )
     max_model_len: int | None = setting(
         None, "longest sequence, prompt + output (default: the model's)", ge=2
