@@ -72,13 +72,12 @@ def resolve_device(name: str) -> torch.device:
 
 def prompt_gemm_form(setting: str, dtype: torch.dtype) -> str:
     """`model.prompt_gemm` for this CPU: `onednn` or `panel` as set; `auto` the panel copies
-    where their GEMM was measured at least as fast as oneDNN's at prompt row counts, so each
+    where their GEMM measured about as fast as oneDNN's at prompt row counts, so each
     projection is held once: an AVX-512 build on a CPU without AMX, fp32, or bf16 on the
     CPU's bf16 dot products (Zen 4, `benchmarks/weight_forms.py`: 0.86-0.97x oneDNN's time
-    at 64-512 rows in fp32, 0.93-0.99x in bf16, 0.94-0.99x at a 4096-row prompt step; C as
-    fast: docs/benchmarks.md, "One form"). Elsewhere oneDNN's: on a Xeon with AMX the panels
-    were 3-17 % slower in fp32 and bf16 runs on oneDNN's AMX kernels; on AVX2 they are not
-    measured yet."""
+    at 64-4096 rows in fp32, 0.93-1.04x in bf16; workload C as fast: docs/benchmarks.md,
+    "One form"). Elsewhere oneDNN's: on a Xeon with AMX the panels were 3-17 % slower in
+    fp32 and bf16 runs on oneDNN's AMX kernels; on AVX2 they are not measured yet."""
     if setting != "auto":
         return setting
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
