@@ -13,7 +13,7 @@ from pdserve.common.errors import ConfigError
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_arch import ModelArch
 from pdserve.engine.models import get_model_class
-from pdserve.engine.models.cpu_linear import onednn_amx, onednn_available
+from pdserve.engine.models.cpu_linear import cpu_amx, onednn_amx, onednn_available
 from pdserve.engine.models.fused_decode import FusedDecode
 from pdserve.kernels import ops as kernel_ops
 from pdserve.kernels.ops import GEMV_MAX_ROWS, packed_bf16_amx
@@ -80,8 +80,7 @@ def prompt_gemm_form(setting: str, dtype: torch.dtype) -> str:
     fp32 and bf16 runs on oneDNN's AMX kernels; on AVX2 they are not measured yet."""
     if setting != "auto":
         return setting
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if kernel_ops.packed_vector_bits() != 512 or (amx is not None and amx()):
+    if kernel_ops.packed_vector_bits() != 512 or cpu_amx():
         return "onednn"
     if dtype == torch.float32 or (dtype == torch.bfloat16 and kernel_ops.packed_bf16_native()):
         return "panel"

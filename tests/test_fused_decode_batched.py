@@ -315,8 +315,9 @@ def test_batched_bf16_rounds_as_the_unfused_per_op_mlp(tiny_llama_dir, monkeypat
     from pdserve.engine import model_build
 
     monkeypatch.setattr(model_build, "onednn_available", lambda device, dtype: False)
+    # prompt_gemm: what `auto` is on such a CPU (no native bf16)
     llm = LLM(tiny_llama_dir, keep_plain_weights=True, dtype="bfloat16", block_size=4,
-              num_blocks=512, prompt_gemm="onednn")  # as `auto` there: no native bf16  # fmt: skip
+              num_blocks=512, prompt_gemm="onednn")  # fmt: skip
     runner = llm.engine.runner
     assert _batched(llm)._model.silu_mode == 2
     _batched_close_to_per_op(runner, [(9, 1), (33, 2), (64, 2)])

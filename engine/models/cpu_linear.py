@@ -89,6 +89,11 @@ def onednn_amx(dtype: torch.dtype) -> bool:
     them (engine/model_runner.py)."""
     if dtype != torch.bfloat16 or not onednn_available(torch.device("cpu"), dtype):
         return False
+    return cpu_amx()
+
+
+def cpu_amx() -> bool:
+    """Whether this CPU has AMX tiles (as torch's CPU capability check reports them)."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return amx is not None and bool(amx())
 

@@ -550,6 +550,8 @@ constexpr int MR_TALL = 12;
 constexpr int64_t kTallRows = 64;
 #endif
 
+// Panels [p0, p1) for all m rows: on AMX tiles where they take the call, else the vector
+// micro kernels in chunks of MR rows (MR_TALL for tall bf16 calls).
 template <typename T, typename Y>
 void gemm_panels(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k, int silu,
                  const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
