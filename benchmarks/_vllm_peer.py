@@ -67,6 +67,8 @@ def peer_env(threads: int, cache_root: str | None = None) -> dict[str, str]:
     )
     if cache_root:
         env["VLLM_CACHE_ROOT"] = cache_root
+    if os.environ.get("PDSERVE_PEER_PYTHONPATH"):  # scripts/avx2_cap.sh's sitecustomize
+        env["PYTHONPATH"] = os.environ["PDSERVE_PEER_PYTHONPATH"]
     return env
 
 

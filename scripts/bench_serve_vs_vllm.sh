@@ -45,7 +45,10 @@ echo "== vllm serve ($THREADS threads on CPUs $CPUS)"
 # taskset pins all of vLLM's processes (front end, EngineCore, worker) to CPUS, as pdserve's
 # node (API process and engine) is pinned below; VLLM_CPU_OMP_THREADS_BIND alone pins only
 # the worker's compute threads and leaves its front end free to use the other cores.
-taskset -c "$CPUS" env -u PYTHONPATH VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND="$CPUS" \
+# PDSERVE_PEER_PYTHONPATH: scripts/avx2_cap.sh's sitecustomize for vLLM's processes
+PEER_PATH=(-u PYTHONPATH)
+[ -z "${PDSERVE_PEER_PYTHONPATH:-}" ] || PEER_PATH=(PYTHONPATH="$PDSERVE_PEER_PYTHONPATH")
+taskset -c "$CPUS" env "${PEER_PATH[@]}" VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND="$CPUS" \
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 \
     nice -n "$NICE" "$VENV/bin/vllm" serve "$MODEL_DIR" --served-model-name smollm2-135m-instruct \
     --dtype "$DTYPE" --host 127.0.0.1 --port "$VPORT" --max-model-len 2048 \
