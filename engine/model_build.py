@@ -72,17 +72,27 @@ def resolve_device(name: str) -> torch.device:
 
 def prompt_gemm_form(setting: str, dtype: torch.dtype) -> str:
     """`model.prompt_gemm` for this CPU: `onednn` or `panel` as set; `auto` the panel copies
-    where their GEMM measured about as fast as oneDNN's at prompt row counts, so each
-    projection is held once: an AVX-512 build on a CPU without AMX, fp32, or bf16 on the
-    CPU's bf16 dot products (Zen 4, `benchmarks/weight_forms.py`: 0.86-0.97x oneDNN's time
-    at 64-4096 rows in fp32, 0.93-1.04x in bf16; workload C as fast: docs/benchmarks.md,
-    "One form"). Elsewhere oneDNN's: on a Xeon with AMX the panels were 3-17 % slower in
-    fp32 and bf16 runs on oneDNN's AMX kernels; on AVX2 they are not measured yet."""
+    where their GEMM measured about as fast as oneDNN's at prompt row counts (or faster than
+    what runs instead), so each projection is held once:
+    - an AVX-512 build on a CPU without AMX, fp32, or bf16 on the CPU's bf16 dot products
+      (Zen 4, `benchmarks/weight_forms.py`: 0.86-0.97x oneDNN's time at 64-4096 rows in
+      fp32, 0.93-1.04x in bf16; workload C as fast: docs/benchmarks.md, "One form");
+    - an AVX2 build (no AVX-512), fp32 and bf16: with the CPU held to AVX2
+      (`scripts/avx2_cap.sh` on Zen 4; docs/benchmarks.md, "One form on AVX2") fp32
+      workload B ran as fast (median 237 vs 230 out tok/s), C about 7 % slower (636 vs 680
+      prompt tok/s), the engine ~0.5 GB smaller; bf16, which oneDNN does not pack without
+      AVX-512, 3.3x as fast in C as the bf16 GEMM that runs instead.
+    Elsewhere oneDNN's: on a Xeon with AMX the panels were 3-17 % slower in fp32 and bf16
+    runs on oneDNN's AMX kernels; bf16 on AVX-512 without its dot products, and the plain
+    C++ build, are not measured."""
     if setting != "auto":
         return setting
-    if kernel_ops.packed_vector_bits() != 512 or cpu_amx():
+    bits = kernel_ops.packed_vector_bits()
+    if cpu_amx() or bits not in (256, 512):
         return "onednn"
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and kernel_ops.packed_bf16_native()):
+    if bits == 256 or dtype == torch.float32:
+        return "panel"
+    if dtype == torch.bfloat16 and kernel_ops.packed_bf16_native():
         return "panel"
     return "onednn"
 

@@ -49,9 +49,9 @@ class ModelSettings(Settings):
         "CPU fp32/bf16: what the GEMMs of steps with prompt tokens run on. onednn: a copy of "
         "every projection prepacked for oneDNN; panel: the batched decode forward's panel "
         "copy (with `batched_decode`), so no oneDNN copy is made and, the plain weights "
-        "freed, each projection is held once; auto: panel on an AVX-512 CPU without AMX "
-        "(fp32, or bf16 with avx512_bf16), where it measured as fast, else onednn "
-        "(docs/benchmarks.md)",
+        "freed, each projection is held once; auto: panel on an AVX2 or AVX-512 CPU without "
+        "AMX (fp32; bf16 on AVX2, or with avx512_bf16), else onednn (docs/benchmarks.md, "
+        '"One form")',
     )
     max_model_len: int | None = setting(
         None, "longest sequence, prompt + output (default: the model's)", ge=2
