@@ -68,6 +68,7 @@ def test_engine_throughput(tiny_model, tmp_path):
     assert (row["workload"], row["dtype"], row["mode"]) == ("A", "float32", "eager")
     assert (row["prompts"], row["prompt_len"], row["new_tokens"]) == (1, 32, 128)
     assert row["engine_tok_s"] > 0 and row["hf_tok_s"] > 0
+    assert 0 <= row["kv_fault_wait_s"] < 600 and row["engine_start_s"] > 0
     assert row["ratio_vs_hf"] == pytest.approx(row["engine_tok_s"] / row["hf_tok_s"], abs=0.01)
 
 
