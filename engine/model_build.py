@@ -79,9 +79,9 @@ def prompt_gemm_form(setting: str, dtype: torch.dtype) -> str:
       fp32, 0.93-1.04x in bf16; workload C as fast: docs/benchmarks.md, "One form");
     - an AVX2 build (no AVX-512), fp32 and bf16: with the CPU held to AVX2
       (`scripts/avx2_cap.sh` on Zen 4; docs/benchmarks.md, "One form on AVX2") fp32
-      workload B ran as fast (median 237 vs 230 out tok/s), C about 7 % slower (636 vs 680
-      prompt tok/s), the engine ~0.5 GB smaller; bf16, which oneDNN does not pack without
-      AVX-512, 3.3x as fast in C as the bf16 GEMM that runs instead.
+      workloads B and C ran as fast within the runs' noise (C 0.95x-1.08x, B 1.07x by the
+      medians of 8-16 runs), the engine ~0.5 GB smaller; bf16, which oneDNN does not pack
+      without AVX-512, 3.3x as fast in C as the bf16 GEMM that runs instead.
     Elsewhere oneDNN's: on a Xeon with AMX the panels were 3-17 % slower in fp32 and bf16
     runs on oneDNN's AMX kernels; bf16 on AVX-512 without its dot products, and the plain
     C++ build, are not measured."""
