@@ -2,7 +2,7 @@
 # vLLM 1P1D (two `vllm serve` with NixlConnector behind benchmarks/_vllm_pd_proxy.py) and
 # pdserve 1P1D (a prefill and a decode node over NIXL), back to back, each process pinned to
 # one core, under the same `pdserve bench serve` load; then `pdserve bench compare`.
-# Optional, never run by CI; needs scripts/setup_vllm_peer.sh and `pip install nixl` in VENV.
+# Optional, never run by CI; needs scripts/setup_vllm_peer.sh (which installs nixl in VENV).
 #   bash scripts/bench_pd_vs_vllm.sh [VENV] [OUT_DIR]    (defaults /work/vllm-venv, results)
 # Env: RATES (default "inf 0.5"), NUM_PROMPTS (64), INPUT_LEN / OUTPUT_LEN (128 / 128),
 # NICE (0), PDSERVE_PYTHON.

