@@ -90,9 +90,9 @@ def prompt_gemm_form(setting: str, dtype: torch.dtype) -> str:
     bits = kernel_ops.packed_vector_bits()
     if cpu_amx() or bits not in (256, 512):
         return "onednn"
-    if bits == 256 or dtype == torch.float32:
+    if dtype == torch.float32:
         return "panel"
-    if dtype == torch.bfloat16 and kernel_ops.packed_bf16_native():
+    if dtype == torch.bfloat16 and (bits == 256 or kernel_ops.packed_bf16_native()):
         return "panel"
     return "onednn"
 

@@ -181,6 +181,7 @@ def test_prompt_gemm_auto_by_the_cpu(monkeypatch, bits, amx, bf16_native, want):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     got = tuple(prompt_gemm_form("auto", d) for d in (torch.float32, torch.bfloat16))
     assert got == want
+    assert prompt_gemm_form("auto", torch.float16) == "onednn"  # the panels hold fp32, bf16
     for setting in ("onednn", "panel"):
         assert prompt_gemm_form(setting, torch.float32) == setting
 
