@@ -68,6 +68,10 @@ def test_short_run_against_a_node(node, tmp_path):
         moved = run["server_counters"]["delta"][node + "/metrics"]
         assert moved["pdserve_generation_tokens_total"] == m["total_output_tokens"]
         assert moved['pdserve_requests_total{finish_reason="length"}'] == 6
+        # each rate draws its own prompts: none of the second run's are cached from the first
+        assert moved.get("pdserve_prefix_cache_hits_total", 0) == 0
+        assert moved["pdserve_prefix_cache_queries_total"] > 0
+    assert [run["dataset_seed"] for run in report["runs"]] == [0, 1]
     stem = tmp_path / "r"
     for suffix in ("_cdf.png", "_sweep.png"):
         assert (stem.parent / (stem.name + suffix)).read_bytes()[:8] == PNG_MAGIC
