@@ -87,10 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true")
 
 
-def build_requests(args: argparse.Namespace, is_chat: bool, seed: int | None = None, tok=None):
-    """The dataset of one run, drawn with `seed` (default `args.seed`)."""
-    seed = args.seed if seed is None else seed
-    tok = tok or resolve_tokenizer(args.tokenizer)
+def build_requests(args: argparse.Namespace, is_chat: bool, seed: int, tok):
+    """The dataset of one run, drawn with `seed`; `tok` from `resolve_tokenizer` (or None)."""
     vocab = args.vocab_size or (tok.vocab_size if tok else 1000)
     as_text = is_chat and tok is not None
     if args.dataset == "random":
@@ -105,7 +103,7 @@ def build_requests(args: argparse.Namespace, is_chat: bool, seed: int | None = N
             raise DatasetError("--dataset sharegpt needs --dataset-path FILE")
         reqs = sharegpt_requests(args.dataset_path, args.num_prompts, seed, tok,
                                  args.sharegpt_output_len)  # fmt: skip
-    return reqs, tok
+    return reqs
 
 
 def _server_info(base_url: str) -> dict:
@@ -147,7 +145,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         timeout_s=args.request_timeout,
         extra_body=args.extra_body,
     )
-    requests, tok = build_requests(args, cfg.is_chat)
+    tok = resolve_tokenizer(args.tokenizer)
     metrics_urls = args.metrics_url if args.metrics_url is not None else [base + "/metrics"]
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
               if k not in ("func", "bench_command", "command")}  # fmt: skip
@@ -165,11 +163,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         # each rate its own prompts: the same ones again would be prefix-cache hits on a
         # server that caches (a 128-token prompt's TTFT fell from ~200 to ~57 ms that way)
         seed = args.seed + i
-        if i:
-            requests, _ = build_requests(args, cfg.is_chat, seed, tok)
         run = asyncio.run(
             run_level(
-                cfg, requests, rate,
+                cfg, build_requests(args, cfg.is_chat, seed, tok), rate,
                 burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                 seed=seed, percentiles=args.percentiles, slos=slos,
                 metrics_urls=metrics_urls, tok=tok, progress=not args.no_progress,
