@@ -75,6 +75,7 @@ class KVIndexPublisher:
         self._num_pending = 0
         self.need_rebuild = True  # first flush writes the sentinel and the current cache
         self.published = 0  # hashes written (stored + evicted), for tests and metrics
+        self.stopped = False  # set by the node when it leaves: no write after that
 
     def add(self, stored: list[bytes], evicted: list[bytes]) -> None:
         """Queue one engine batch's events (called on the node's event loop, never blocks)."""
@@ -96,8 +97,8 @@ class KVIndexPublisher:
         self._num_pending = 0
 
     async def run(self) -> None:
-        """Flush forever (cancel to stop)."""
-        while True:
+        """Flush until `stopped` is set or the task is cancelled."""
+        while not self.stopped:
             await asyncio.sleep(self.flush_interval_s)
             try:
                 await self.flush()

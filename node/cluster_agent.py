@@ -24,9 +24,12 @@ from pdserve.cluster.kv_index import KVIndexPublisher
 from pdserve.cluster.registry import NodeRecord, RecordCheck, host_of, read_nodes
 from pdserve.common.redis_auth import redact
 from pdserve.common.redis_keys import ClusterKeys
+from pdserve.common.task_stop import cancel_and_wait
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import OutputBatch
 from pdserve.node.roles import store_index_id
+
+LEAVE_TIMEOUT_S = 3.0  # a stopping node waits this long at most to leave the registry
 
 if TYPE_CHECKING:  # the CLI imports this module for ClusterOptions: keep it light
     from pdserve.engine.async_llm import AsyncLLM
@@ -146,16 +149,29 @@ class ClusterAgent:
             self.options.cluster,
         )
 
-    async def stop(self) -> None:
-        """Stop heartbeats and leave the registry (again: a no-op)."""
+    async def stop(self, timeout_s: float = LEAVE_TIMEOUT_S) -> None:
+        """Stop heartbeats and leave the registry (again: a no-op), within `timeout_s`:
+        past it the node goes on stopping and its record expires by its TTL instead (a
+        Redis, or a client library, that does not answer never holds the node up)."""
         if self._stopped:
             return
         self._stopped = True
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        leave = asyncio.create_task(self._leave(), name="registry-leave")
+        done, _ = await asyncio.wait({leave}, timeout=timeout_s)
+        if not done:  # left running: it ends with the process
+            logger.warning(
+                "leaving the registry took over %g s; going on without (the record expires "
+                "in %g s)",
+                timeout_s,
+                self.options.node_ttl_s,
+            )
+        elif leave.exception() is not None:  # never the caller's: it stops all the same
+            logger.warning("leaving the registry failed (%r); going on", leave.exception())
+
+    async def _leave(self) -> None:
+        if self.publisher is not None:
+            self.publisher.stopped = True
+        await cancel_and_wait(self._tasks, 1.0)  # a leftover stops at its flag
         if self.redis is not None:
             with contextlib.suppress(RedisError, OSError):
                 # Leave at once rather than after the TTL (a clean shutdown).
@@ -167,7 +183,7 @@ class ClusterAgent:
     async def _heartbeat(self) -> None:
         opts = self.options
         ttl_ms = int(opts.node_ttl_s * 1000)
-        while True:
+        while not self._stopped:  # also checked: a cancel may be swallowed (task_stop.py)
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.hset(self.keys.node(self.node_id), mapping=self.record().to_redis(self.secret))

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -28,6 +27,7 @@ from redis.exceptions import RedisError
 from pdserve.cluster.redis_client import LeanRedis, connect, lean_client
 from pdserve.cluster.registry import NodeRecord, RecordCheck, host_of, read_nodes
 from pdserve.common.redis_keys import ClusterKeys
+from pdserve.common.task_stop import cancel_and_wait
 from pdserve.router.config import RouterConfig
 from pdserve.router.nodes import ClusterView, NodeState
 
@@ -76,11 +76,7 @@ class Membership:
         self._tasks.append(asyncio.create_task(self._probe_loop(), name="probes"))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks, 2.0)  # redis-py may swallow a cancel (task_stop.py)
         if self.redis is not None:
             await self.redis.aclose()
         if self.lookup_redis is not None:
