@@ -256,15 +256,23 @@ def build_app(
 async def _exit_when_engine_dies(app: FastAPI, llm: AsyncLLM, agent: ClusterAgent) -> None:
     """A node whose EngineCore is gone serves nothing: it leaves the registry and exits
     (the open requests already got their terminal error), so whatever runs it (the
-    launcher's supervisor, systemd, Kubernetes) starts a fresh one. The drain of SIGTERM
-    answers what arrives meanwhile with a 503; `pdserve serve` exits with
-    `EXIT_ENGINE_DEAD`."""
+    launcher's supervisor, systemd, Kubernetes) starts a fresh one. The drain (as on
+    SIGTERM) answers what arrives meanwhile with a 503; `pdserve serve` exits with
+    `EXIT_ENGINE_DEAD`, by the drain's deadline at the latest (api/drain.py). Leaving the
+    registry is bounded (`ClusterAgent.stop`) and never keeps the drain from starting: a
+    node that stayed up with a dead engine was never restarted."""
     while llm.client.dead is None:
         await asyncio.sleep(ENGINE_WATCH_S)
     logger.error("the engine is dead (%s): leaving the registry and exiting", llm.client.dead)
     app.state.engine_died = llm.client.dead
-    await agent.stop()
-    os.kill(os.getpid(), signal.SIGTERM)
+    try:
+        await agent.stop()
+    finally:
+        drain = getattr(app.state, "drain", None)  # api/drain.py, which `pdserve serve` runs
+        if drain is not None and drain.stop is not None:
+            drain.stop()  # `serve` returns: `pdserve serve` exits with EXIT_ENGINE_DEAD
+        else:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _generate(request: Request, body, p, stream_fn, response_fn) -> Response:

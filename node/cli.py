@@ -211,6 +211,7 @@ def parse_backends(specs: list[str], redis_url: str | None) -> tuple[KVBackendCo
 
 
 def serve(args: argparse.Namespace) -> None:
+    from pdserve.api.drain import EXIT_STUCK
     from pdserve.api.drain import serve as serve_draining
     from pdserve.node.api_server import EXIT_ENGINE_DEAD, build_app
 
@@ -242,6 +243,9 @@ def serve(args: argparse.Namespace) -> None:
             port=settings.http.port,
             log_level=args.log_level,
             drain_timeout_s=settings.registry.drain_timeout_s,
+            exit_code=lambda: (
+                EXIT_ENGINE_DEAD if getattr(app.state, "engine_died", None) else EXIT_STUCK
+            ),
         )
         if getattr(app.state, "engine_died", None):  # node/api_server.py: restart me
             raise SystemExit(EXIT_ENGINE_DEAD)

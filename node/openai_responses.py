@@ -27,6 +27,7 @@ from pdserve.api.protocol import (
 )
 from pdserve.api.structured import DeltaToolCall
 from pdserve.engine.async_llm import RequestFailedError
+from pdserve.engine.core_client import EngineDeadError
 from pdserve.engine.outputs import RequestDelta, RequestOutput, TokenLogprobs
 from pdserve.node import structured_output as structured
 from pdserve.node.openai_serving import Choice, OpenAIServing, Prepared
@@ -298,7 +299,7 @@ async def _sse(s: OpenAIServing, p: Prepared, include_usage: bool, chunk, usage_
         err = ErrorResponse(error=ErrorInfo(message="this node is draining", type="server_error",
                                             code="draining"))  # fmt: skip
         yield f"data: {err.model_dump_json()}\n\n"
-    except RequestFailedError as e:
+    except (RequestFailedError, EngineDeadError) as e:  # a stream ends with an error event
         logger.error("request %s failed: %s", p.request_id, e)
         code = "engine_dead" if s.llm.client.dead is not None else "engine_error"
         err = ErrorResponse(error=ErrorInfo(message=str(e), type="server_error", code=code))

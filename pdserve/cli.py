@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from pdserve.common.stack_dump import install_on_sigusr1
+
 # name -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("pdserve.node.cli", "serve one model over HTTP (colocated, prefill or decode node)"),
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     args, rest = parser.parse_known_args(argv)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    install_on_sigusr1()  # `kill -USR1 PID`: where every thread and task is, in the log
     level = getattr(args, "log_level", "info")
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
 import os
 import re
+import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -171,3 +174,23 @@ def redis_server():
 
     with EmbeddedRedis() as server:
         yield server
+
+
+@pytest.fixture
+def hung_redis_url():
+    """A TCP server that accepts connections and never answers (a hung Redis)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    conns = []
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                conns.append(srv.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"redis://127.0.0.1:{srv.getsockname()[1]}"
+    srv.close()
+    for c in conns:
+        c.close()

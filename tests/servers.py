@@ -91,6 +91,18 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def engine_core_of(pid: int) -> int:
+    """The EngineCore process of the node process `pid` (its multiprocessing-spawned child)."""
+    for p in descendants(pid):
+        try:
+            cmdline = Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            return p
+    raise AssertionError(f"process {pid} has no EngineCore child")
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()

@@ -5,10 +5,7 @@ tier; what one node saved reaches another only through Redis. Greedy outputs are
 against Hugging Face.
 """
 
-import contextlib
 import random
-import socket
-import threading
 import time
 
 import msgspec
@@ -206,26 +203,6 @@ def test_redis_down_computes_locally(tiny_llama_dir, hf_model, redis_server, cap
         assert "KV store load failed" in caplog.text and "request r" in caplog.text
     finally:
         node.kv_store.shutdown()
-
-
-@pytest.fixture
-def hung_redis_url():
-    """A TCP server that accepts connections and never answers (a hung Redis)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    conns = []
-
-    def accept():
-        with contextlib.suppress(OSError):
-            while True:
-                conns.append(srv.accept()[0])
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield f"redis://127.0.0.1:{srv.getsockname()[1]}"
-    srv.close()
-    for c in conns:
-        c.close()
 
 
 def test_load_deadline_waited_out(tiny_llama_dir, hf_model, hung_redis_url):

@@ -12,6 +12,7 @@ the Redis KV index holds sets only of live epochs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -124,15 +125,24 @@ class Cluster:
             assert time.monotonic() < deadline, f"cluster not up in {timeout_s} s: {services}"
             time.sleep(0.5)
 
-    def diagnosis(self, lines: int = 15) -> str:
-        """The launcher's view of every service and the last lines of each process's log:
-        what a failed drill prints, so a failure on CI (whose temporary files are gone once
-        it ends) can be read from its output."""
+    def diagnosis(self, lines: int = 60) -> str:
+        """The launcher's view of every service and the last lines of each process's log,
+        after each node and router wrote where its threads and tasks are (SIGUSR1,
+        pdserve/common/stack_dump.py): what a failed drill prints, so a failure on CI
+        (whose temporary files are gone once it ends) can be read from its output."""
         out = []
         try:
-            out.append(f"services: {self.state()['services']}")
+            services = self.state()["services"]
+            out.append(f"services: {services}")
         except Exception as e:  # the launcher's state file may be what broke
+            services = []
             out.append(f"services: unreadable ({e!r})")
+        for svc in services:
+            up = svc["state"] == "up" and svc.get("pid") and alive(svc["pid"])
+            if up and svc["kind"] != "redis":  # (before its handler is set, USR1 kills)
+                with contextlib.suppress(OSError):
+                    os.kill(svc["pid"], signal.SIGUSR1)
+        time.sleep(1.0)
         runs = sorted(p for p in self.run_root.iterdir() if p.is_dir() and p.name[-1].isdigit())
         logs = sorted(runs[-1].glob("*.log")) if runs else []
         for log in [self.output, *logs]:

@@ -20,13 +20,12 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.faults.harness import DEADLINE_S, Cluster, Load, wait_serving
-from tests.servers import descendants
+from tests.servers import descendants, engine_core_of
 
 pytestmark = [pytest.mark.faults]
 pytest.importorskip("nixl")
@@ -138,23 +137,11 @@ def test_sigkill_decode_node(cluster):
               restarted="decode-0")  # fmt: skip
 
 
-def engine_core_pid(cluster: Cluster, name: str) -> int:
-    """The EngineCore process of node `name` (the node's multiprocessing-spawned child)."""
-    for pid in descendants(cluster.service(name)["pid"]):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline:
-            return pid
-    raise AssertionError(f"{name} has no EngineCore process")
-
-
 def test_sigkill_decode_engine_core(cluster):
     """Issue 29 item 3: the OOM killer's usual pick, the EngineCore, dies alone. The node
     does not stay up as a zombie: its requests end, it leaves the registry and exits, the
     launcher restarts it, and the cluster serves again unaided."""
-    pid = engine_core_pid(cluster, "decode-0")
+    pid = engine_core_of(cluster.service("decode-0")["pid"])
     run_drill(cluster, "SIGKILL decode-0's EngineCore", lambda: os.kill(pid, signal.SIGKILL),
               restarted="decode-0")  # fmt: skip
 
