@@ -74,7 +74,21 @@ def cluster(tmp_path_factory):
 
 
 def wait_up(c: Cluster, timeout_s: float = 300) -> None:
+    """Every service up, and the router willing to send new work to both decode nodes: a
+    node just restarted by the previous test is up for the launcher a little before the
+    router has its new record and a good probe (until then round-robin has one node only,
+    and placing streams on "the other" node cannot work)."""
+    deadline = time.monotonic() + timeout_s
     c.wait_up(timeout_s, {"redis", "router", "prefill-0", *DECODES})
+    while (usable := usable_decodes(c)) < len(DECODES):
+        assert time.monotonic() < deadline, f"the router can use {usable} decode node(s)"
+        time.sleep(0.2)
+
+
+def usable_decodes(c: Cluster) -> float:
+    text = httpx.get(f"{c.router_url}/metrics", timeout=10).text
+    key = 'pdserve_router_usable_nodes{role="decode"}'
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(key))
 
 
 def selections(c: Cluster) -> dict[str, float]:
@@ -270,7 +284,11 @@ def _dispatched(c: Cluster, node: str, count: float, request: threading.Thread) 
     """Wait until the router has sent `count` requests to `node` (counted by the router)."""
     deadline = time.monotonic() + 120
     while selections(c)[node] < count:
-        assert time.monotonic() < deadline and request.is_alive(), "placement failed"
+        outcome = {k: getattr(request, k, None) for k in ("status", "error", "finish", "done")}
+        assert time.monotonic() < deadline and request.is_alive(), (
+            f"placement failed: {node} has {selections(c)}, wanted {count}; the request "
+            f"{'timed out' if request.is_alive() else 'ended'}: {outcome}"
+        )
         time.sleep(0.02)
 
 
