@@ -284,12 +284,15 @@ def _dispatched(c: Cluster, node: str, count: float, request: threading.Thread) 
     """Wait until the router has sent `count` requests to `node` (counted by the router)."""
     deadline = time.monotonic() + 120
     while selections(c)[node] < count:
-        outcome = {k: getattr(request, k, None) for k in ("status", "error", "finish", "done")}
         assert time.monotonic() < deadline and request.is_alive(), (
             f"placement failed: {node} has {selections(c)}, wanted {count}; the request "
-            f"{'timed out' if request.is_alive() else 'ended'}: {outcome}"
+            f"{'timed out' if request.is_alive() else 'ended'}: {_outcome(request)}"
         )
         time.sleep(0.02)
+
+
+def _outcome(request: threading.Thread) -> dict:
+    return {k: getattr(request, k, None) for k in ("status", "error", "finish", "done")}
 
 
 def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
