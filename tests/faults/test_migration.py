@@ -295,6 +295,9 @@ def _outcome(request: threading.Thread) -> dict:
     return {k: getattr(request, k, None) for k in ("status", "error", "finish", "done")}
 
 
+# 108 s alone, 156-426 s in CI-like runs beside the other workers and the AVX2 view: the
+# suite's 600 s limit is too close a backstop (each of its waits has its own deadline)
+@pytest.mark.timeout(1200)
 def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     c = cluster
     hf = load_hf(_model_dir())
