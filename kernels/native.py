@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 CXXFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+# tests only: the packed GEMM's AMX path on tiles in software (kernels/csrc/amx_emulate.h)
+AMX_EMULATE_ENV = "PDSERVE_KERNEL_AMX_EMULATE"
 # Per-source additions: the elementwise ops round like torch's separate ops (no FMA fusion);
 # attention's dot products and accumulations use FMAs.
 EXTRA_FLAGS = {"elementwise": ["-ffp-contract=off"], "paged_decode": ["-ffp-contract=fast"]}
@@ -99,12 +101,16 @@ def _compiler_version(cxx: str) -> str:
 
 def flags(name: str) -> list[str]:
     """The compiler flags for `name`; `$PDSERVE_KERNEL_MARCH` (e.g. `haswell`: AVX2, no
-    AVX-512) replaces `-march=native`, so tests can build another CPU's vector path. The
-    GEMV prefetches bf16 weights non-temporally on AMD only (kernels/csrc/gemv.cpp)."""
+    AVX-512) replaces `-march=native`, so tests can build another CPU's vector path, and
+    `$PDSERVE_KERNEL_AMX_EMULATE` builds the packed GEMM's AMX path on tiles in software
+    (an AVX-512 bf16 CPU without AMX). The GEMV prefetches bf16 weights non-temporally on
+    AMD only (kernels/csrc/gemv.cpp)."""
     march = os.environ.get("PDSERVE_KERNEL_MARCH")
     base = [f"-march={march}" if f == "-march=native" and march else f for f in CXXFLAGS]
     if name == "gemv" and _cpu_vendor() == "AuthenticAMD":
         base.append("-DPDSERVE_BF16_PREFETCH_NTA=1")
+    if name == "gemm_packed" and os.environ.get(AMX_EMULATE_ENV):
+        base.append("-DPDSERVE_AMX_EMULATE=1")  # tests only: csrc/amx_emulate.h
     return [*base, *EXTRA_FLAGS.get(name, [])]
 
 

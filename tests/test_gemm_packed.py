@@ -1,5 +1,5 @@
 """The packed-panel GEMM, fp32 and bf16 (kernels/csrc/gemm_packed.cpp, kernels/gemm_packed.py;
-bf16 on AMX tiles where the CPU has them):
+bf16 on AMX tiles where the CPU has them, or on tiles in software elsewhere):
 equal to a float64 reference but for fp32 summation and (bf16) the rounding of its result, for every row count and ragged shapes, with its
 epilogues (bias, residual, SiLU * up); a row's bits independent of the other rows and of
 the thread count; the AVX2 and plain C++ builds too."""
@@ -178,9 +178,36 @@ def test_other_builds(tmp_path, march, bits):
         pytest.skip("this CPU cannot run an AVX-512 build")
     env = dict(os.environ, PDSERVE_KERNEL_MARCH=march, PYTHONPATH=str(ROOT))
     env["PDSERVE_KERNEL_CACHE"] = str(tmp_path)
+    _check_all_in_child(env, f"assert lib.pdserve_gemm_packed_isa() == {bits}\n")
+
+
+def test_amx_path_on_tiles_in_software(tmp_path):
+    """The bf16 AMX path (gemm_panels_amx: tile configuration for 1-32 rows, 32-row chunks,
+    the k chunks of a panel, its epilogues) on any AVX-512 bf16 CPU: built on AMX tiles in
+    software (kernels/csrc/amx_emulate.h, `$PDSERVE_KERNEL_AMX_EMULATE`), it takes every K
+    that fills whole tiles, and its results pass the checks every build passes. On a CPU
+    with AMX, test_bf16_panels_on_amx_tiles_where_the_cpu_has_them and the bf16 checks run
+    the real tiles."""
+    skip_in_isa_view()
+    if "avx512_bf16" not in _cpu_flags():
+        pytest.skip("the AMX path's epilogue needs avx512_bf16")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PDSERVE_KERNEL_CACHE=str(tmp_path))
+    env[native.AMX_EMULATE_ENV] = "1"
+    env.pop("PDSERVE_KERNEL_MARCH", None)
+    _check_all_in_child(
+        env,
+        "assert [lib.pdserve_gemm_packed_bf16_amx(k) for k in (32, 64, 576, 48, 0)] == "
+        "[1, 1, 1, 0, 0]\n",
+    )
+
+
+def _check_all_in_child(env: dict, check_lib: str) -> None:
+    """`check_all` in fp32 and bf16 in a child process built with `env`, after `check_lib`
+    (code that asserts on `lib`, the child's packed GEMM library)."""
     code = (
         "from pdserve.kernels import native\n"
-        f"assert native.load_library('gemm_packed').pdserve_gemm_packed_isa() == {bits}\n"
+        "lib = native.load_library('gemm_packed')\n"
+        f"{check_lib}"
         "import torch\nfrom tests.test_gemm_packed import check_all\n"
         "check_all()\ncheck_all(torch.bfloat16)\n"
     )

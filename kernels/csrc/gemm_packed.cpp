@@ -29,17 +29,36 @@
 // opens its own. Vector paths by -march (kernels/native.py): AVX-512 (V 16, MR 8; bf16 on
 // vdpbf16ps MR 12 from kTallRows rows), AVX2 + FMA (V 8, MR 6), plain C++ (V 1, MR 4); the
 // packed layout is the build's own (pack with the same library). bf16 on a CPU with AMX:
-// the same panels as AMX tiles (gemm_panels_amx). Called through ctypes
+// the same panels as AMX tiles (gemm_panels_amx; built with PDSERVE_AMX_EMULATE, on tiles
+// in software, amx_emulate.h, for tests on an AVX-512 bf16 CPU without AMX). Called through ctypes
 // (kernels/gemm_packed.py): no torch headers.
 
 #include <omp.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#if defined(PDSERVE_AMX_EMULATE) && defined(__AVX512BF16__)
+// the AMX path on tiles in software, for tests on a CPU without AMX (amx_emulate.h)
+#include "amx_emulate.h"
+#define PDSERVE_GEMM_AMX 1
+#define TILE_CONFIG(c) pdserve_amx_emulate::loadconfig(c)
+#define TILE_RELEASE() pdserve_amx_emulate::release()
+#define TILE_ZERO(t) pdserve_amx_emulate::zero(t)
+#define TILE_LOAD(t, p, s) pdserve_amx_emulate::loadd(t, p, s)
+#define TILE_STORE(t, p, s) pdserve_amx_emulate::stored(t, p, s)
+#define TILE_DP(c, a, b) pdserve_amx_emulate::dpbf16ps(c, a, b)
+#elif defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define PDSERVE_GEMM_AMX 1
+#define PDSERVE_AMX_HARDWARE 1
+#define TILE_CONFIG(c) _tile_loadconfig(c)
+#define TILE_RELEASE() _tile_release()
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOAD(t, p, s) _tile_loadd(t, p, s)
+#define TILE_STORE(t, p, s) _tile_stored(t, p, s)
+#define TILE_DP(c, a, b) _tile_dpbf16ps(c, a, b)
 #endif
 
 #include <algorithm>
@@ -342,9 +361,13 @@ struct TileConfig {
 };
 
 bool amx_granted() {
+#if defined(PDSERVE_AMX_HARDWARE)
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
                                  18 /* XFEATURE_XTILEDATA */) == 0;
   return ok;
+#else
+  return true;  // tiles in software
+#endif
 }
 
 // Tiles 0-3: C of rows 0-15 (vector 0, 1) and rows 16-31; 4, 5: A of those rows; 6, 7: B.
@@ -355,7 +378,7 @@ inline void amx_config(int64_t r0, int64_t r1) {
     c.rows[t] = static_cast<uint8_t>(rows[t] > 0 ? rows[t] : 1);
     c.colsb[t] = 64;
   }
-  _tile_loadconfig(&c);
+  TILE_CONFIG(&c);
 }
 
 // exp_approx on 16 lanes, the same operations in the same order (mul then add: this file
@@ -441,38 +464,38 @@ void gemm_panels_amx(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t 
       const bool two = rows > 16;
       const uint16_t* x0 = x + m0 * xs;
       const uint16_t* x1 = x0 + 16 * xs;
-      _tile_zero(0);
-      _tile_zero(1);
+      TILE_ZERO(0);
+      TILE_ZERO(1);
       if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
+        TILE_ZERO(2);
+        TILE_ZERO(3);
       }
       for (int64_t k0 = 0, c = 0; k0 < k; k0 += kAmxK, ++c) {
         const uint16_t* b = wpp + c * chunk_elems;
         _mm_prefetch(reinterpret_cast<const char*>(b + 4 * chunk_elems), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(b + 4 * chunk_elems + 512), _MM_HINT_T0);
-        _tile_loadd(4, x0 + k0, xs * 2);
-        _tile_loadd(6, b, 2 * P * 2);
-        _tile_loadd(7, b + 2 * V, 2 * P * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
+        TILE_LOAD(4, x0 + k0, xs * 2);
+        TILE_LOAD(6, b, 2 * P * 2);
+        TILE_LOAD(7, b + 2 * V, 2 * P * 2);
+        TILE_DP(0, 4, 6);
+        TILE_DP(1, 4, 7);
         if (two) {
-          _tile_loadd(5, x1 + k0, xs * 2);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          TILE_LOAD(5, x1 + k0, xs * 2);
+          TILE_DP(2, 5, 6);
+          TILE_DP(3, 5, 7);
         }
       }
-      _tile_stored(0, &cbuf[0][0], P * 4);
-      _tile_stored(1, &cbuf[0][V], P * 4);
+      TILE_STORE(0, &cbuf[0][0], P * 4);
+      TILE_STORE(1, &cbuf[0][V], P * 4);
       if (two) {
-        _tile_stored(2, &cbuf[16][0], P * 4);
-        _tile_stored(3, &cbuf[16][V], P * 4);
+        TILE_STORE(2, &cbuf[16][0], P * 4);
+        TILE_STORE(3, &cbuf[16][V], P * 4);
       }
       epilogue_amx(cbuf, rows, silu, bias, res == nullptr ? nullptr : res + m0 * rs, rs,
                    y + m0 * ys, ys, j0, cols);
     }
   }
-  if (configured >= 0) _tile_release();
+  if (configured >= 0) TILE_RELEASE();
 }
 #endif
 
