@@ -237,17 +237,19 @@ def serve(args: argparse.Namespace) -> None:
             grammar_deadline_s=settings.http.grammar_deadline_s,
             grammar_workers=settings.http.grammar_workers,
         )
+
+        def exit_code() -> int:  # of a stop forced at its deadline, or after `serve`
+            return EXIT_ENGINE_DEAD if getattr(app.state, "engine_died", None) else EXIT_STUCK
+
         serve_draining(
             app,
             host=settings.http.host,
             port=settings.http.port,
             log_level=args.log_level,
             drain_timeout_s=settings.registry.drain_timeout_s,
-            exit_code=lambda: (
-                EXIT_ENGINE_DEAD if getattr(app.state, "engine_died", None) else EXIT_STUCK
-            ),
+            exit_code=exit_code,
         )
-        if getattr(app.state, "engine_died", None):  # node/api_server.py: restart me
+        if exit_code() == EXIT_ENGINE_DEAD:  # node/api_server.py: restart me
             raise SystemExit(EXIT_ENGINE_DEAD)
     finally:
         if tmpdir is not None:

@@ -78,8 +78,8 @@ inline void dpbf16ps(int c, int a, int b) {
   for (int m = 0; m < s.rows[c]; ++m) {
     float* acc = reinterpret_cast<float*>(s.data[c][m]);
     for (int k = 0; k < s.colsb[a] / 4; ++k) {
+      const float a0 = bf16_daz(&s.data[a][m][4 * k]), a1 = bf16_daz(&s.data[a][m][4 * k + 2]);
       for (int n = 0; n < s.colsb[c] / 4; ++n) {
-        const float a0 = bf16_daz(&s.data[a][m][4 * k]), a1 = bf16_daz(&s.data[a][m][4 * k + 2]);
         const float b0 = bf16_daz(&s.data[b][k][4 * n]), b1 = bf16_daz(&s.data[b][k][4 * n + 2]);
         acc[n] = ftz(acc[n] + a0 * b0);  // the products are exact: an FMA adds the same
         acc[n] = ftz(acc[n] + a1 * b1);
