@@ -290,7 +290,7 @@ inline void store_rounded(float* y, __mmask16 m, __m512 v) {
 // path's.
 template <typename Y>
 void epilogue_block(const float (*c)[P], int64_t rows, int silu, const uint16_t* bias,
-                  const uint16_t* res, int64_t rs, Y* y, int64_t ys, int64_t j0, int64_t cols) {
+                    const uint16_t* res, int64_t rs, Y* y, int64_t ys, int64_t j0, int64_t cols) {
   using pdserve_cpu::load_bf16_v;
   using pdserve_cpu::round_bf16_v;
   const __m512 one = _mm512_set1_ps(1.0f);
@@ -518,7 +518,7 @@ void gemm_panels_amx(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t 
         TILE_STORE(3, &cbuf[16][V], P * 4);
       }
       epilogue_block(cbuf, rows, silu, bias, res == nullptr ? nullptr : res + m0 * rs, rs,
-                   y + m0 * ys, ys, j0, cols);
+                     y + m0 * ys, ys, j0, cols);
     }
   }
   if (configured >= 0) TILE_RELEASE();
