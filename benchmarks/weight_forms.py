@@ -9,7 +9,9 @@ every weight"): the plain [out, in] weight, which the native GEMV streams for de
 its lm_head (kernels/gemm_packed.py). Which one form could serve every row count is a
 question of speed per row count, measured here on the shapes of the default model's
 config (qkv, o, gate_up with SiLU * up fused, down, the tied lm_head) with random weights:
-median microseconds of a call, per form and row count, on `--threads` threads. The GEMV
+median microseconds of a call, per form and row count, on `--threads` threads. The lm_head
+also gets its fp32 logits two ways: `panel_f32` through the caches, `logits` written with
+non-temporal stores (the engine's, `Packed.logits`). The GEMV
 has no fused SiLU, so gate_up has no GEMV figure. Prints a table; writes JSON with the
 CPU's model name and ISA flags.
 """
@@ -105,6 +107,11 @@ def run(
         row = {"dtype": str(dtype).removeprefix("torch."), "weight": name, "shape": [n, k]}
         row["rows"] = m
         row["panel_us"] = median_us(lambda x=x: panel.gemm(x), budget_s)
+        if name == "lm_head":  # fp32 logits: through the caches, and the engine's streamed path
+            row["panel_f32_us"] = median_us(
+                lambda x=x: panel.gemm(x, out_dtype=torch.float32), budget_s
+            )
+            row["logits_us"] = median_us(lambda x=x: panel.logits(x), budget_s)
         if onednn and silu:
             row["onednn_us"] = median_us(lambda x=x: gate_up.silu_mul(x), budget_s)
         elif onednn:
@@ -112,7 +119,8 @@ def run(
         if not silu and m <= gemv.MAX_ROWS and gemv.available():
             row["gemv_us"] = median_us(lambda x=x: gemv.linear(x, w, None), budget_s)
         rows.append(row)
-        cells = " ".join(f"{f}={row[f + '_us']:9.1f}" for f in ("gemv", "onednn", "panel")
+        cells = " ".join(f"{f}={row[f + '_us']:9.1f}"
+                         for f in ("gemv", "onednn", "panel", "panel_f32", "logits")
                          if f + "_us" in row)  # fmt: skip
         print(f"{row['dtype']:9s} {name:8s} rows={m:4d}  {cells}", flush=True)
     return rows

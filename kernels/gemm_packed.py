@@ -97,6 +97,20 @@ class Packed:
             return 0
         return 2 if round_gate_up else 1
 
+    def _check_rows(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype != self.dtype
+            or x.dim() != 2
+            or x.shape[1] != self.k
+            or x.stride(1) != 1
+            or not x.is_cpu
+        ):
+            raise ValueError(
+                f"packed GEMM takes CPU {self.dtype} [m, {self.k}] rows, got {x.dtype} "
+                f"{tuple(x.shape)} on {x.device}"
+            )
+        return x
+
     def gemm(
         self,
         x: torch.Tensor,
@@ -110,17 +124,7 @@ class Packed:
         * (x up^T), no bias or res), in `out_dtype` (default the weight's; a bf16 weight
         can give fp32 holding the bf16 values). round_gate_up (silu, bf16): gate and up
         rounded to bf16 before SiLU, as an unfused gate_up GEMM's output would be."""
-        if (
-            x.dtype != self.dtype
-            or x.dim() != 2
-            or x.shape[1] != self.k
-            or x.stride(1) != 1
-            or not x.is_cpu
-        ):
-            raise ValueError(
-                f"packed GEMM takes CPU {self.dtype} [m, {self.k}] rows, got {x.dtype} "
-                f"{tuple(x.shape)} on {x.device}"
-            )
+        x = self._check_rows(x)
         m = x.shape[0]
         for t, shape in ((bias, (self.n,)), (res, (m, self.n))):
             if t is not None and (
@@ -152,4 +156,26 @@ class Packed:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [m, k] -> [m, n]: x W^T (silu: silu(x gate^T) * (x up^T)); fp32 out either way
         (a bf16 weight's values rounded to bf16, as its bf16 GEMM's would be)."""
-        return self.gemm(x, out_dtype=torch.float32)
+        if self.silu:
+            return self.gemm(x, out_dtype=torch.float32)
+        return self.logits(x)
+
+    def logits(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """x [m, k] -> fp32 [m, n] = x W^T (bf16: the bf16 values), the same values as
+        `gemm(x, out_dtype=torch.float32)`, written with non-temporal stores
+        (`pdserve_gemm_packed[_bf16]_logits`): for the lm_head, whose [rows, vocab] output
+        is far larger than L2 and read once, later, by the sampler."""
+        if self.silu:
+            raise ValueError("logits takes a plain projection, not a gate_up weight")
+        x = self._check_rows(x)
+        m = x.shape[0]
+        y = torch.empty((m, self.n), dtype=torch.float32)
+        lib = native.load_library("gemm_packed")
+        fn = lib.pdserve_gemm_packed_logits
+        if self.dtype == torch.bfloat16:
+            fn = lib.pdserve_gemm_packed_bf16_logits
+        rc = fn(x.data_ptr(), x.stride(0), self.ptr(), self.n, self.k, y.data_ptr(), self.n, m,
+                threads or torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise RuntimeError("pdserve_gemm_packed_logits refused its arguments")
+        return y

@@ -216,6 +216,7 @@ _GEMM_PACKED = (
     "x: ptr, xs: i64, wp: ptr, n: i64, k: i64, silu: i32, bias: ptr, res: ptr, rs: i64,"
     "y: ptr, ys: i64, m: i64"
 )
+_GEMM_LOGITS = "x: ptr, xs: i64, wp: ptr, n: i64, k: i64, y: ptr, ys: i64, m: i64, threads: i32"
 _DECODE_STEP = (
     "ids: ptr, positions: ptr, slots: ptr, tables: ptr, width: i64, lens: ptr, m: i64,"
     "out: ptr, threads: i32"
@@ -257,6 +258,8 @@ SIGNATURES: dict[str, dict[str, tuple[type, tuple[tuple[str, type], ...]]]] = {
             "w: ptr, ws: i64, n: i64, k: i64, silu: i32, out: ptr, threads: i32")),
         "pdserve_gemm_packed": (i32, _args(_GEMM_PACKED + ", threads: i32")),
         "pdserve_gemm_packed_bf16": (i32, _args(_GEMM_PACKED + ", y_f32: i32, threads: i32")),
+        "pdserve_gemm_packed_logits": (i32, _args(_GEMM_LOGITS)),
+        "pdserve_gemm_packed_bf16_logits": (i32, _args(_GEMM_LOGITS)),
         "pdserve_gemm_packed_team": (i32, _args(_GEMM_PACKED)),
         "pdserve_gemm_packed_bf16_team": (i32, _args(_GEMM_PACKED)),
         "pdserve_gemm_packed_isa": (i32, ()),

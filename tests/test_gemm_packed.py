@@ -55,9 +55,12 @@ def check_all(dtype=torch.float32) -> None:
         for m in [1, 2, 5, 8, 9, 13, 32, 33, 70]:  # 70: bf16 12-row chunks on vdpbf16ps
             x, res = rand(m, k), rand(m, n)
             ref = x.double() @ w.double().T
-            got = packed.linear(x)
+            got = packed.linear(x)  # the logits path: non-temporal stores where aligned
             assert got.dtype == torch.float32
             _close(got, ref, k, dtype)
+            # the same bits as the cached-store path (n 96: whole aligned panels streamed;
+            # the others' partial panels and unaligned rows stored the usual way)
+            assert torch.equal(packed.gemm(x, out_dtype=torch.float32), got)
             if dtype == torch.bfloat16:  # fp32 out holding bf16 values
                 assert torch.equal(got.to(dtype).float(), got)
                 assert torch.equal(packed.gemm(x).float(), got)
@@ -116,6 +119,10 @@ def test_bad_inputs_are_refused():
     p = gemm_packed.Packed(torch.randn(4, 8))
     with pytest.raises(ValueError):
         p.linear(torch.randn(3, 7))
+    with pytest.raises(ValueError):
+        p.logits(torch.randn(3, 8, dtype=torch.bfloat16))  # rows of another dtype
+    with pytest.raises(ValueError):
+        gemm_packed.Packed(torch.randn(8, 8), silu=True).logits(torch.randn(3, 8))
     x = torch.randn(3, 8)
     for bad in [dict(bias=torch.zeros(5)), dict(res=torch.zeros(3, 4, dtype=torch.bfloat16)),
                 dict(out_dtype=torch.float16)]:  # fmt: skip
@@ -143,6 +150,10 @@ def test_bad_inputs_are_refused():
         lib.pdserve_gemm_packed(x.data_ptr(), 8, *args, 0, None, None, 0, y.data_ptr(), 4, 2, 0)
         == 1
     )
+    # the logits entry points: a negative row count, zero threads: refused
+    for fn in (lib.pdserve_gemm_packed_logits, lib.pdserve_gemm_packed_bf16_logits):
+        assert fn(x.data_ptr(), 8, *args, y.data_ptr(), 4, -1, 1) == 1
+        assert fn(x.data_ptr(), 8, *args, y.data_ptr(), 4, 2, 0) == 1
     for mode in (3, -1):  # silu modes are 0, 1 and 2
         assert (
             lib.pdserve_gemm_packed(
