@@ -43,9 +43,11 @@ CITY = {
     "required": ["city", "population"],
     "additionalProperties": False,
 }
-SCHEMA = {  # long enough to be mid-document when its node dies
+# long enough to be mid-document when its node dies: 16 cities, ~280 tokens (8, ~140, ended
+# before the kill in one CI-like run, the suite's other workers beside it)
+SCHEMA = {
     "type": "object",
-    "properties": {"cities": {"type": "array", "items": CITY, "minItems": 8, "maxItems": 8}},
+    "properties": {"cities": {"type": "array", "items": CITY, "minItems": 16, "maxItems": 16}},
     "required": ["cities"],
     "additionalProperties": False,
 }
@@ -183,9 +185,9 @@ class Buffered(threading.Thread):
 BUFFERED = {"prompt": PROMPTS[0], "max_tokens": LONG, "temperature": 0,
             "ignore_eos": True, "logprobs": 1, "stream": False}  # fmt: skip
 TOOLS = {  # a forced call whose arguments are a long document
-    "messages": [{"role": "user", "content": "List eight cities and their populations."}],
+    "messages": [{"role": "user", "content": "List sixteen cities and their populations."}],
     "tools": [{"type": "function", "function": {"name": "cities", "parameters": SCHEMA}}],
-    "tool_choice": "required", "max_tokens": 320, "temperature": 0,
+    "tool_choice": "required", "max_tokens": 640, "temperature": 0,
 }  # fmt: skip
 
 
@@ -199,10 +201,10 @@ def bodies(tok) -> list[tuple[str, dict]]:
                               "max_tokens": LONG, "temperature": 0.9, "seed": 1234,
                               "ignore_eos": True})  # fmt: skip
     schema = ("chat/completions", {
-        "messages": [{"role": "user", "content": "List eight cities and their populations as JSON."}],
+        "messages": [{"role": "user", "content": "List sixteen cities and their populations as JSON."}],
         "response_format": {"type": "json_schema",
                             "json_schema": {"name": "city", "schema": SCHEMA}},
-        "max_tokens": 320, "temperature": 0,
+        "max_tokens": 640, "temperature": 0,
     })  # fmt: skip
     batch = ("completions", {"prompt": PROMPTS, "max_tokens": LONG, "temperature": 0,
                              "ignore_eos": True})  # fmt: skip
@@ -313,14 +315,15 @@ def test_sigkill_mid_stream_every_stream_ends_exact(cluster):
     m0 = migrations(c)
     # The requests that end on their own (the JSON document, the tool call) and the buffered
     # ones go last, just before the last greedy stream: all still generating when their node
-    # dies. Placed first, the JSON document (~140 tokens) ended before the last request had
-    # begun on a loaded 2-core box (CI).
+    # dies. Placed first, the JSON document (then ~140 tokens) ended before the last request
+    # had begun on a loaded 2-core box (CI); placed fifth, once, before the wait for the
+    # last stream's first tokens was over. It now goes last but one.
     schema, seeded, tools, batch, *greedy = reqs
     buffered_tools = ("chat/completions", {**TOOLS, "stream": False})
-    order = [seeded, batch, *greedy[:-1], schema, tools, ("completions", BUFFERED),
-             buffered_tools, greedy[-1]]  # fmt: skip
+    order = [seeded, batch, *greedy[:-1], tools, ("completions", BUFFERED), buffered_tools,
+             schema, greedy[-1]]  # fmt: skip
     victim, placed = place_on_one_node(c, order)
-    s_seeded, s_batch, *s_greedy, s_schema, s_tools, buffered, tools_answer, s_last = placed
+    s_seeded, s_batch, *s_greedy, s_tools, buffered, tools_answer, s_schema, s_last = placed
     streams = [s_schema, s_seeded, s_tools, s_batch, *s_greedy, s_last]
     assert not any(s.finish for s in streams), [(s.finish, s.events, s.calls) for s in streams]
     assert buffered.is_alive() and tools_answer.is_alive()
