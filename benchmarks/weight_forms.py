@@ -14,12 +14,19 @@ also gets its fp32 logits two ways: `panel_f32` through the caches, `logits` wri
 non-temporal stores (the engine's, `Packed.logits`). The GEMV
 has no fused SiLU, so gate_up has no GEMV figure. Prints a table; writes JSON with the
 CPU's model name and ISA flags.
+
+`--cold N` times the panel form alone with its weight cold, as a decode step reads it:
+each call takes the next of N packed copies (N distinct weights, the default model's 30
+layers: N 30, over 400 MB in fp32), so its panels stream from DRAM, not from L3 as
+when one weight is called again and again (the lm_head, 113 MB in fp32, is cold with one).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import platform
 import statistics
 import sys
@@ -89,11 +96,14 @@ def run(
     out_in: tuple[int, int],
     budget_s: float,
     rows_wanted: tuple[int, ...] = ROWS,
+    cold: int = 0,
 ) -> list[dict]:
     n, k = out_in
     silu = name == "gate_up"
     w = torch.randn(n, k).mul_(0.05).to(dtype)
     panel = gemm_packed.Packed(w, silu=silu)
+    if cold:
+        return run_cold(dtype, name, out_in, budget_s, rows_wanted, cold, panel)
     gate_up = None
     if silu:
         gate_up = cpu_linear.PackedGateUp(k, n, bias=False, dtype=dtype)
@@ -126,6 +136,37 @@ def run(
     return rows
 
 
+def run_cold(dtype, name, out_in, budget_s, rows_wanted, copies, panel) -> list[dict]:
+    """The panel form with its weight cold: each call the next of `copies` weights."""
+    n, k = out_in
+    silu = name == "gate_up"
+    if name != "lm_head":
+        panel = [panel] + [
+            gemm_packed.Packed(torch.randn(n, k).mul_(0.05).to(dtype), silu=silu)
+            for _ in range(copies - 1)
+        ]
+    else:
+        panel = [panel]
+    rows = []
+    for m in rows_wanted:
+        x = torch.randn(m, k).to(dtype)
+        order = itertools.cycle(panel)
+
+        def call(x=x, order=order):
+            p = next(order)
+            return p.logits(x) if name == "lm_head" else p.gemm(x)
+
+        row = {"dtype": str(dtype).removeprefix("torch."), "weight": name, "shape": [n, k]}
+        row.update(rows=m, cold_copies=len(panel), panel_cold_us=median_us(call, budget_s))
+        rows.append(row)
+        print(
+            f"{row['dtype']:9s} {name:8s} rows={m:4d}  panel_cold={row['panel_cold_us']:9.1f}"
+            f"  (x{len(panel)})",
+            flush=True,
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,6 +177,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0.3, help="timing per cell")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)),
                     help="comma list of row counts (a prompt step of C: 4096)")  # fmt: skip
+    ap.add_argument("--cold", type=int, default=0, metavar="N",
+                    help="time the panel form alone, each call on the next of N weights")  # fmt: skip
     ap.add_argument("--out", default="results/weight_forms.json")
     args = ap.parse_args()
     rows_wanted = tuple(int(r) for r in args.rows.split(","))
@@ -147,8 +190,9 @@ def main() -> None:
     rows: list[dict] = []
     for dt in args.dtypes.split(","):
         for name, out_in in shapes(args.model).items():
-            rows += run(getattr(torch, dt), name, out_in, args.budget_s, rows_wanted)
+            rows += run(getattr(torch, dt), name, out_in, args.budget_s, rows_wanted, args.cold)
     result = {"cpu": cpu(), "threads": torch.get_num_threads(), "model": args.model}
+    result["march"] = os.environ.get("PDSERVE_KERNEL_MARCH") or "native"
     result["rows"] = rows
     out = Path(args.out)
     if not out.is_absolute():

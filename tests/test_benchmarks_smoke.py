@@ -213,6 +213,26 @@ def test_node_start(tiny_model, tmp_path):
         assert background["kv_faulted_in_at_s"] > 0
 
 
+@pytest.mark.parametrize("cold", [0, 2])
+def test_weight_forms(tiny_model, tmp_path, cold):
+    """Each projection of the model through each form (hot), or the panel form alone with
+    its weight cold (`--cold N`: each call the next of N weights; the lm_head one)."""
+    out = tmp_path / "wf.json"
+    run("weight_forms", "--model", tiny_model, "--dtypes", "float32", "--threads", "1",
+        "--rows", "1,3", "--budget-s", "0.01", "--cold", str(cold), "--out", str(out))  # fmt: skip
+    report = read(out)
+    assert report["threads"] == 1 and report["march"]
+    rows = report["rows"]
+    assert [(r["weight"], r["rows"]) for r in rows] == [
+        (w, m) for w in ("qkv", "o", "gate_up", "down", "lm_head") for m in (1, 3)]  # fmt: skip
+    for r in rows:
+        if cold:
+            assert r["cold_copies"] == (1 if r["weight"] == "lm_head" else cold), r
+            assert 0 < r["panel_cold_us"] < 1e7 and "panel_us" not in r, r
+        else:
+            assert 0 < r["panel_us"] < 1e7 and "cold_copies" not in r, r
+
+
 def test_kv_checksum(tmp_path):
     """Hash throughput of the candidates and of the in-place block checksums (issue 30);
     the TTFT half (four nodes) is skipped here for CI time: run by hand, its figures are
