@@ -143,6 +143,11 @@ inline vf odd_f32(vi v) { return bf16_to_float(static_cast<uint16_t>(v >> 16)); 
 constexpr int NR = 2;       // weight vectors a panel row: gate and up for a gate_up weight
 constexpr int P = NR * V;   // weight columns a panel (a gate_up panel: V outputs)
 constexpr int64_t PF = 16;  // panel rows prefetched ahead into L1 (Prefetcher)
+// Where the next panel is prefetched by the first kEarlyChunks row chunks only
+// (gemm_panels_block): the AVX2 build's fp32 GEMMs.
+template <typename T>
+constexpr bool kEarlyNextPanel = V == 8 && sizeof(T) == 4;
+constexpr int64_t kEarlyChunks = 2;
 
 // The output type of the logits GEMMs (pdserve_gemm_packed[_bf16]_logits): fp32 written
 // with non-temporal stores wherever a store is a whole vector at an aligned address. The
@@ -580,14 +585,20 @@ void gemm_panels_block(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k
                        const T* bias, const T* res, int64_t rs, Y* y, int64_t ys, int64_t m,
                        int64_t p0, int64_t p1) {
   const int64_t cp = cols_per_panel(silu != 0), pe = panel_elems<T>(k);
-  // The next panel streams from DRAM while this one computes: chunk c of n prefetches the
-  // c-th n-th of it, so the read is spread over the whole panel's time, not bunched into
-  // its first chunk (which then ran memory-bound). Each chunk also prefetches its panel PF
-  // rows ahead into L1 (Prefetcher).
+  // The next panel streams from DRAM while this one computes: the first `ahead` chunks
+  // each prefetch their share of it (chunk c the c-th), not bunched into one chunk (which
+  // then ran memory-bound). Most builds spread it over every chunk. The AVX2 build's fp32
+  // GEMMs ask for it in the first kEarlyChunks chunks, a line a k step: spread to the
+  // panel's end (6 chunks of 6 rows at 32 rows) its panels arrived late, and its fp32
+  // GEMMs on cold weights took 4-13 % longer (`benchmarks/weight_forms.py --cold 30` under
+  // scripts/avx2_cap.sh, docs/benchmarks.md). The AVX-512 build's fp32 (4 chunks of 8) and
+  // AVX2's bf16 measured the same or 2-3 % slower with it, so they keep the spread. Each
+  // chunk also prefetches its panel PF rows ahead into L1 (Prefetcher).
   const int64_t chunks = (m + RC - 1) / RC;
+  const int64_t ahead = kEarlyNextPanel<T> ? std::min<int64_t>(chunks, kEarlyChunks) : chunks;
   const int64_t panel_bytes = pe * static_cast<int64_t>(sizeof(T));
   const int64_t group_bytes = P * Elem<T>::KP * static_cast<int64_t>(sizeof(T));
-  const int64_t pf_step = std::max<int64_t>(1, group_bytes / chunks);
+  const int64_t pf_step = std::max<int64_t>(1, group_bytes / ahead);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t j0 = p * cp, cols = std::min(cp, n - j0);
     const T* wpp = wp + p * pe;
@@ -595,7 +606,8 @@ void gemm_panels_block(const T* x, int64_t xs, const T* wp, int64_t n, int64_t k
     for (int64_t c = 0, m0 = 0; m0 < m; ++c, m0 += RC)
       rows_chunk<RC>(x + m0 * xs, xs, wpp, k, silu, bias, res == nullptr ? nullptr : res + m0 * rs,
                      rs, y + m0 * ys, ys, j0, cols, std::min<int64_t>(RC, m - m0),
-                     next == nullptr ? nullptr : next + c * panel_bytes / chunks, pf_step);
+                     next == nullptr || c >= ahead ? nullptr : next + c * panel_bytes / ahead,
+                     pf_step);
   }
 }
 
