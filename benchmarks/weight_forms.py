@@ -181,6 +181,8 @@ def main() -> None:
                     help="time the panel form alone, each call on the next of N weights")  # fmt: skip
     ap.add_argument("--out", default="results/weight_forms.json")
     args = ap.parse_args()
+    if args.cold < 0:
+        ap.error(f"--cold must be 0 (hot) or a number of copies, got {args.cold}")
     rows_wanted = tuple(int(r) for r in args.rows.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)

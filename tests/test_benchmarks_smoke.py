@@ -233,6 +233,12 @@ def test_weight_forms(tiny_model, tmp_path, cold):
             assert 0 < r["panel_us"] < 1e7 and "cold_copies" not in r, r
 
 
+def test_weight_forms_refuses_a_negative_cold():
+    done = subprocess.run([sys.executable, "benchmarks/weight_forms.py", "--cold", "-1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--cold must be 0" in done.stderr, done.stderr[-2000:]
+
+
 def test_kv_checksum(tmp_path):
     """Hash throughput of the candidates and of the in-place block checksums (issue 30);
     the TTFT half (four nodes) is skipped here for CI time: run by hand, its figures are
