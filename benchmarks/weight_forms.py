@@ -98,12 +98,12 @@ def run(
     rows_wanted: tuple[int, ...] = ROWS,
     cold: int = 0,
 ) -> list[dict]:
+    if cold:
+        return run_cold(dtype, name, out_in, budget_s, rows_wanted, cold)
     n, k = out_in
     silu = name == "gate_up"
     w = torch.randn(n, k).mul_(0.05).to(dtype)
     panel = gemm_packed.Packed(w, silu=silu)
-    if cold:
-        return run_cold(dtype, name, out_in, budget_s, rows_wanted, cold, panel)
     gate_up = None
     if silu:
         gate_up = cpu_linear.PackedGateUp(k, n, bias=False, dtype=dtype)
@@ -136,17 +136,15 @@ def run(
     return rows
 
 
-def run_cold(dtype, name, out_in, budget_s, rows_wanted, copies, panel) -> list[dict]:
-    """The panel form with its weight cold: each call the next of `copies` weights."""
+def run_cold(dtype, name, out_in, budget_s, rows_wanted, copies) -> list[dict]:
+    """The panel form with its weight cold: each call the next of `copies` weights (the
+    lm_head, larger than L3, one)."""
     n, k = out_in
-    silu = name == "gate_up"
-    if name != "lm_head":
-        panel = [panel] + [
-            gemm_packed.Packed(torch.randn(n, k).mul_(0.05).to(dtype), silu=silu)
-            for _ in range(copies - 1)
-        ]
-    else:
-        panel = [panel]
+    copies = 1 if name == "lm_head" else copies
+    panel = [
+        gemm_packed.Packed(torch.randn(n, k).mul_(0.05).to(dtype), silu=name == "gate_up")
+        for _ in range(copies)
+    ]
     rows = []
     for m in rows_wanted:
         x = torch.randn(m, k).to(dtype)
