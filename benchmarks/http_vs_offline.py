@@ -53,7 +53,19 @@ def make_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    """CPU seconds of a process, all its threads (Linux /proc): the nanoseconds each live
+    thread has run (`task/*/schedstat`), or where the kernel keeps no schedstat the user +
+    system clock ticks of `stat`. Ticks are 10 ms: a short run (the smoke test's 32 tokens
+    in ~20 ms) could read 0 CPU by them."""
+    total, seen = 0, False
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+            seen = True
+        except (OSError, ValueError, IndexError):  # a thread that ended, or no schedstat
+            continue
+    if seen:
+        return total / 1e9
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -107,22 +119,26 @@ async def stream_one(
     }
     tokens = 0
     start = time.perf_counter()
-    first = last = None
+    first = None
     async with http.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 event = json.loads(line[6:])
-                if event.get("choices") and event["choices"][0].get("text"):
-                    last = time.perf_counter()
-                    first = first or last
+                if first is None and event.get("choices") and event["choices"][0].get("text"):
+                    first = time.perf_counter()
                 usage = event.get("usage")
                 if usage:
                     tokens = usage["completion_tokens"]
+    end = time.perf_counter()
     if first is not None:
         rec["ttft_s"] = first - start
+        # as `pdserve bench serve` (bench/client.py) and vLLM's benchmark: the time from the
+        # first text to the stream's end over the tokens after the first. The last text
+        # event is not the end: a detokenizer holds back partial characters, so a model's
+        # text can arrive in one event with the first (a TPOT of 0 on a loaded box)
         if tokens > 1:
-            rec["tpot_s"] = (last - first) / (tokens - 1)
+            rec["tpot_s"] = (end - first) / (tokens - 1)
     return tokens
 
 
